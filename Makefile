@@ -1,0 +1,37 @@
+# The kit's two commands: `make demo` and `make test`. Both build .venv/ on first use.
+# The tier is chosen once, when .venv is built: GPU if `nvidia-smi -L` lists a GPU, else CPU.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.colo_kit-installed
+TIER ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+export OMP_NUM_THREADS ?= 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test test-fast lab clean-venv data
+
+venv: $(STAMP)
+
+$(STAMP): requirements/common.txt requirements/cpu.txt requirements/gpu.txt pyproject.toml scripts/make_venv.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/make_venv.sh $(TIER) && touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m colo_kit demo
+
+test: venv
+	$(BIN)/python -m pytest -v --durations=25
+
+test-fast: venv
+	$(BIN)/python -m pytest -v -m "not slow and not notebook"
+
+lab: venv
+	$(BIN)/jupyter lab notebooks/
+
+data: venv
+	$(BIN)/python -m colo_kit data
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from colo_kit.cli import main
+
+raise SystemExit(main())

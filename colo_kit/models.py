@@ -1,0 +1,290 @@
+"""Offline models: real architectures with random weights, and a tokenizer made here.
+
+No machine the kit is tested on reaches a model hub, yet every notebook needs a model that
+transformers, TRL and vLLM all load like the real one. `build_model("qwen2.5-1.5b")` writes a
+normal Hugging Face folder with the exact shapes of Qwen2.5-1.5B-Instruct and random weights,
+so memory, throughput and the GPU timings the kit reports are those of the real architecture;
+only the text it generates is noise. `tiny` is the same architecture shrunk for a 2-core CPU.
+
+A hub id (anything with a "/" that is not a local folder, e.g. "Qwen/Qwen2.5-1.5B-Instruct")
+goes through the same `resolve_model` call and is returned unchanged, so online users load the
+real weights with the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, asdict, field
+from pathlib import Path
+
+from colo_kit.paths import cache_dir, data_dir
+
+# Qwen2's chat template, reduced to what GRPO prompts need (system + user turns, generation
+# prompt). Kept close to the real one so that `apply_chat_template` produces the same markup.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# The regex Qwen2 uses to split text before byte-level BPE (from its tokenizer.json).
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The shape of a Qwen2 decoder. Numbers for the real sizes are those of the released
+    Qwen2.5 Instruct (and Math) config.json files."""
+
+    name: str
+    hub_id: str | None
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    buildable: bool = True  # 72B is a config only: ~145 GB of bf16 weights cannot be built here
+    bpe_vocab: int = 4000  # learned merges; the rest of vocab_size is filler tokens
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self) -> int:
+        """Parameter count from the shapes (matches the released models to <0.1%)."""
+        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        kv = self.num_key_value_heads * self.head_dim
+        attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k, v (+bias), o
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h  # two RMSNorms
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        # vLLM's CPU attention needs head_dim >= 32; 4 heads of 32, GQA 2:1 like the real ones.
+        Preset("tiny", None, 128, 2, 4, 2, 352, 2048, True, bpe_vocab=1500, max_position_embeddings=2048),
+        Preset("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", 896, 24, 14, 2, 4864, 151936, True),
+        Preset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B-Instruct", 1536, 28, 12, 2, 8960, 151936, True),
+        # 7B and 72B ship a 152064-row embedding (Qwen2.5's config.json), 0.5B/1.5B 151936.
+        Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", 3584, 28, 28, 4, 18944, 152064, False),
+        Preset("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", 8192, 80, 64, 8, 29568, 152064, False, buildable=False),
+        # The posts' recipes: Math models have a 4k context and rope theta 10k.
+        Preset("qwen2.5-math-1.5b", "Qwen/Qwen2.5-Math-1.5B", 1536, 28, 12, 2, 8960, 151936, True,
+               rope_theta=10_000.0, max_position_embeddings=4096),
+        Preset("qwen2.5-math-72b", "Qwen/Qwen2.5-Math-72B", 8192, 80, 64, 8, 29568, 152064, False,
+               rope_theta=10_000.0, max_position_embeddings=4096, buildable=False),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} "
+                         "or pass a hub id such as 'Qwen/Qwen2.5-1.5B-Instruct'")
+    return PRESETS[key]
+
+
+def qwen2_config(preset: Preset):
+    """A transformers `Qwen2Config` with the preset's shapes."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta,
+        rms_norm_eps=preset.rms_norm_eps,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        hidden_act="silu",
+        # Token ids depend on the tokenizer; build_model sets them once it exists.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        torch_dtype="bfloat16",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def _training_text() -> list[str]:
+    """Text the BPE merges are learned from: the kit's own prompt sets, plus digits and LaTeX so
+    that math prompts tokenise into sensible pieces."""
+    lines: list[str] = []
+    for name in ("tldr_prompts.jsonl", "math_problems.jsonl"):
+        path = data_dir() / name
+        if path.exists():
+            for row in path.read_text().splitlines():
+                rec = json.loads(row)
+                lines.extend(str(v) for v in rec.values() if isinstance(v, str))
+    lines += ["\\boxed{" + str(i) + "} \\frac{1}{" + str(i) + "}" for i in range(200)]
+    return lines
+
+
+def build_tokenizer(vocab_size: int, bpe_vocab: int):
+    """A byte-level BPE tokenizer with Qwen2's pre-tokenizer and decoder.
+
+    Why this shape: transformers 5's AutoTokenizer rebuilds a `Qwen2Tokenizer` for any folder
+    whose config says model_type=qwen2, keeping only the vocab and merges. A tokenizer of another
+    kind (a hand-made WordLevel one was tried) came back encoding every prompt to nothing. A
+    byte-level BPE with Qwen2's own split regex survives the rebuild unchanged.
+
+    The model samples any id below `vocab_size`, so every id must decode: the ids past the learned
+    merges are filler tokens made of plain ASCII, which the byte-level decoder maps to text.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+
+    # Pad the learned vocab with filler tokens, then the special tokens at the very end, as in
+    # Qwen2 (specials after the BPE vocab). Fillers are never produced by merges, only sampled.
+    n_special = len(SPECIAL_TOKENS)
+    learned = tok.get_vocab_size()
+    n_fill = vocab_size - learned - n_special
+    if n_fill < 0:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the learned BPE vocab ({learned}) "
+                         f"plus {n_special} special tokens; raise vocab_size or lower bpe_vocab")
+    state = json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    for k in range(n_fill):
+        vocab[f"<fill{k}>"] = learned + k
+    tok = Tokenizer.from_str(json.dumps(state))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return fast
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+def model_dir(preset_name: str) -> Path:
+    return cache_dir() / "models" / preset_name
+
+
+def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False,
+                dtype: str = "bfloat16") -> Path:
+    """Build (or reuse) the preset's model folder and return its path.
+
+    The folder is cached by preset; a `colo_kit.json` marker records what built it, and a folder
+    without the marker is rebuilt (an interrupted build leaves no marker).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset(preset_name)
+    if not preset.buildable:
+        raise ValueError(f"preset {preset.name!r} is a config only (about {preset.num_params() / 1e9:.0f}B "
+                         "parameters, too big to build here); use it with colo_kit.planner, or pass its "
+                         f"hub id {preset.hub_id!r} on a machine that can download it")
+    out = model_dir(preset.name)
+    marker = out / "colo_kit.json"
+    if marker.exists() and not force:
+        return out
+
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    tokenizer = build_tokenizer(preset.vocab_size, preset.bpe_vocab)
+    config = qwen2_config(preset)
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config.bos_token_id = None
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed,
+                                                    "dtype": dtype, "random_weights": True}, indent=1))
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model(name_or_path: str = "tiny", **kwargs) -> str:
+    """Where the code that loads a model should look.
+
+    - an existing local folder: returned as is;
+    - a preset name (`tiny`, `qwen2.5-1.5b`, ...): built offline and cached, its folder returned;
+    - a hub id (`Qwen/Qwen2.5-1.5B-Instruct`): returned unchanged, for transformers/vLLM to
+      download — the real loading path for users who are online.
+    """
+    if os.path.isdir(name_or_path):
+        return str(name_or_path)
+    if name_or_path.lower() in PRESETS:
+        return str(build_model(name_or_path, **kwargs))
+    if "/" in name_or_path:
+        return name_or_path
+    raise ValueError(f"{name_or_path!r} is neither a local folder, a preset ({sorted(PRESETS)}) nor a hub id "
+                     "like 'Qwen/Qwen2.5-1.5B-Instruct'")
+
+
+def default_preset() -> str:
+    """`tiny` on CPU, the post's 0.5B on a GPU machine."""
+    from colo_kit.env import has_cuda
+
+    return "qwen2.5-0.5b" if has_cuda() else "tiny"
+
+
+def cli_main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="colo-kit build-model", description=build_model.__doc__)
+    ap.add_argument("preset", nargs="?", default="tiny", choices=sorted(n for n, p in PRESETS.items() if p.buildable))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = ap.parse_args(argv)
+    print(build_model(args.preset, seed=args.seed, force=args.force))
+    return 0

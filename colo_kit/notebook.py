@@ -1,0 +1,162 @@
+"""Notebooks: built from plain-text sources, executed headless, saved with an HTML copy.
+
+Each notebook `notebooks/NN_name.ipynb` is generated from `notebooks/src/NN_name.py`, a Python
+file in the "percent" format (`# %%` starts a code cell, `# %% [markdown]` a markdown cell whose
+lines are `# `-commented). Sources review and diff like code; the .ipynb is what a learner opens.
+`colo-kit run-notebooks --build` regenerates them; a test fails if one is stale. Notebooks are
+stored without outputs: CI executes them.
+
+A cell tagged `gpu` (write `# %% tags=["gpu"]`) needs an NVIDIA GPU: on CPU it is skipped and
+replaced by a note, the way nbdev skips cells that need special hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from colo_kit.paths import REPO_ROOT, runs_dir
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
+SOURCES = NOTEBOOKS / "src"
+_CELL = re.compile(r"^# %%(?P<md> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
+
+
+def parse_source(text: str) -> list[dict]:
+    """Percent-format text -> a list of {'type', 'source', 'tags'}."""
+    cells: list[dict] = []
+    cur = None
+    for line in text.splitlines():
+        m = _CELL.match(line)
+        if m:
+            cur = {"type": "markdown" if m.group("md") else "code", "lines": [],
+                   "tags": json.loads(m.group("tags")) if m.group("tags") else []}
+            cells.append(cur)
+            continue
+        if cur is None:  # a module docstring or header before the first cell is ignored
+            continue
+        cur["lines"].append(line)
+    out = []
+    for c in cells:
+        lines = c["lines"]
+        while lines and not lines[-1].strip():
+            lines.pop()
+        while lines and not lines[0].strip():
+            lines.pop(0)
+        if c["type"] == "markdown":
+            lines = [ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in lines]
+        out.append({"type": c["type"], "source": "\n".join(lines), "tags": c["tags"]})
+    return out
+
+
+def build_notebook(src: Path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                   "language_info": {"name": "python"},
+                   "colo_kit": {"source": str(src.relative_to(REPO_ROOT))}}
+    for i, c in enumerate(parse_source(src.read_text())):
+        maker = nbformat.v4.new_markdown_cell if c["type"] == "markdown" else nbformat.v4.new_code_cell
+        cell = maker(c["source"])
+        cell.id = f"cell-{i:02d}"
+        if c["tags"]:
+            cell.metadata["tags"] = c["tags"]
+        nb.cells.append(cell)
+    return nb
+
+
+def notebook_text(src: Path) -> str:
+    import nbformat
+
+    return nbformat.writes(build_notebook(src)) + "\n"
+
+
+def build_all() -> list[Path]:
+    written = []
+    for src in sorted(SOURCES.glob("[0-9][0-9]_*.py")):
+        dst = NOTEBOOKS / (src.stem + ".ipynb")
+        text = notebook_text(src)
+        if not dst.exists() or dst.read_text() != text:
+            dst.write_text(text)
+        written.append(dst)
+    return written
+
+
+def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 1200, html: bool = True) -> dict:
+    """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy
+    (and an HTML one) under `out_dir`, and return where they are and how long it took.
+    Raises `nbclient.exceptions.CellExecutionError` with the failing cell's traceback."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from colo_kit.env import has_cuda
+
+    path = Path(path)
+    out_dir = Path(out_dir or runs_dir() / "notebooks")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.read(path, as_version=4)
+    if not has_cuda():
+        for cell in nb.cells:
+            if "gpu" in cell.get("metadata", {}).get("tags", []):
+                cell.source = ("# skipped: this cell needs an NVIDIA GPU (tagged 'gpu'); the committed GPU "
+                               "results shown below stand in for it.\n" + "\n".join("# " + ln for ln in cell.source.splitlines()))
+    env_before = dict(os.environ)
+    os.environ.setdefault("COLO_KIT_HEADLESS", "1")  # notebooks may shorten runs when executed by CI
+    t0 = time.time()
+    try:
+        client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}})
+        try:
+            client.execute()
+        finally:
+            executed = out_dir / path.name
+            nbformat.write(nb, executed)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    result = {"notebook": str(path), "executed": str(executed), "seconds": round(time.time() - t0, 1)}
+    if html:
+        from nbconvert import HTMLExporter
+
+        body, _ = HTMLExporter().from_notebook_node(nb)
+        html_path = out_dir / (path.stem + ".html")
+        html_path.write_text(body)
+        result["html"] = str(html_path)
+    return result
+
+
+def cli_main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="colo-kit run-notebooks")
+    ap.add_argument("notebooks", nargs="*", help="paths (default: every notebooks/NN_*.ipynb)")
+    ap.add_argument("--build", action="store_true", help="regenerate the .ipynb files from notebooks/src/ first")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for executed copies (default results/runs/notebooks)")
+    args = ap.parse_args(argv)
+    if args.build or args.build_only:
+        for p in build_all():
+            print(f"built {p.relative_to(REPO_ROOT)}")
+        if args.build_only:
+            return 0
+    paths = [Path(p) for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    for p in paths:
+        r = execute(p, Path(args.out) if args.out else None)
+        print(f"executed {r['notebook']} in {r['seconds']} s -> {r['executed']}" + (f" and {r['html']}" if "html" in r else ""))
+    return 0
+
+
+def cli_demo(argv: list[str]) -> int:
+    """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="colo-kit demo", description=cli_demo.__doc__)
+    ap.add_argument("--out", default=str(runs_dir() / "demo"))
+    args = ap.parse_args(argv)
+    r = execute(NOTEBOOKS / "00_quickstart.ipynb", Path(args.out))
+    print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n  HTML copy:         {r['html']}")
+    return 0
