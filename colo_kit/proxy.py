@@ -221,7 +221,7 @@ def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, in
     if key is None:
         return min(healthy, key=lambda r: inflight.get(r, 0)), False
     total = sum(inflight.get(r, 0) for r in healthy) + 1
-    bound = imbalance * total / len(healthy) + slack
+    bound = math.ceil(imbalance * total / len(healthy)) + slack
     order = rendezvous_order(key, healthy)
     for rank, replica in enumerate(order):
         if inflight.get(replica, 0) + 1 <= bound:
@@ -373,12 +373,12 @@ class RoutingProxy:
         """Replay the adapters (and pause state) a returning replica missed."""
         for name, body in list(self._adapters.items()):
             status, text = await self._send_one(rep, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(),
-                                                {"Content-Type": "application/json"})
+                                                {**self._upstream_headers(), "Content-Type": "application/json"})
             if status != 200 and "already" not in text:
                 rep.last_error = f"adapter replay {name}: {status} {text[:200]}"
                 return False
         if self._paused:
-            await self._send_one(rep, "POST", "/pause", b"", {})
+            await self._send_one(rep, "POST", "/pause?mode=keep", b"", self._upstream_headers())
         return True
 
     def _mark_dead(self, rep: _Replica, why: str):
