@@ -1,0 +1,116 @@
+"""Launch configs as data: the accelerate + DeepSpeed ZeRO-3 recipe of the 72B experiment, and DDP.
+
+The post scaled colocated GRPO to Qwen2.5-Math-72B with DeepSpeed ZeRO stage 3 (weights, gradients and
+optimizer states partitioned over the GPUs), `"offload_optimizer": {"device": "cpu"}`, `"overlap_comm":
+true` and `"contiguous_gradients": true`, launched with Accelerate. These functions write those files:
+
+    configs/deepspeed/zero3_offload.json            the DeepSpeed config (values the Trainer fills are "auto")
+    configs/accelerate/zero3_<model>_<N>gpu.yaml    `accelerate launch --config_file` for N processes
+    configs/accelerate/ddp_<N>gpu.yaml              plain data parallelism, for models that fit without ZeRO
+
+`colo-kit plan ... --write-configs` writes them for the planned model and GPU count.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from colo_kit.paths import REPO_ROOT
+
+CONFIGS = REPO_ROOT / "configs"
+
+
+def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offload_params: bool = False) -> dict:
+    """The DeepSpeed JSON. "auto" values are filled by transformers' Trainer from GRPOConfig (batch sizes,
+    gradient accumulation and clipping, bf16) and from the model (bucket sizes scale with hidden_size)."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: DeepSpeed ZeRO stages are 1, 2 or 3 (use the DDP config for 0)")
+    if offload_params and zero_stage != 3:
+        raise ValueError("offload_params=True needs zero_stage=3: only stage 3 partitions the weights")
+    zero = {
+        "stage": zero_stage,
+        "offload_optimizer": {"device": "cpu" if offload_optimizer else "none", "pin_memory": True},
+        # Communication of one bucket overlaps the computation of the next (the post's setting).
+        "overlap_comm": True,
+        # Gradients copied into one contiguous buffer as they are produced: no fragmentation at reduce time.
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto",
+    }
+    if zero_stage == 3:
+        zero.update({
+            "offload_param": {"device": "cpu" if offload_params else "none", "pin_memory": True},
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            # Save a normal bf16 checkpoint at the end instead of ZeRO shards.
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+    return {
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def accelerate_config(num_processes: int, deepspeed_config_file: str | None = None, num_machines: int = 1) -> dict:
+    """accelerate's YAML as a dict: DeepSpeed when a DeepSpeed config file is given, else multi-GPU DDP."""
+    if num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r}: use the number of GPUs (>= 1)")
+    base = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "num_machines": num_machines,
+        "num_processes": num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if deepspeed_config_file:
+        # With a DeepSpeed file, mixed precision, stage and offload live in the JSON only: accelerate refuses
+        # the same settings in both places.
+        base.update({"distributed_type": "DEEPSPEED",
+                     "deepspeed_config": {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": True,
+                                          "deepspeed_multinode_launcher": "standard"}})
+    else:
+        base.update({"distributed_type": "MULTI_GPU" if num_processes > 1 else "NO", "gpu_ids": "all",
+                     "mixed_precision": "bf16", "downcast_bf16": "no"})
+    return base
+
+
+def _slug(model: str) -> str:
+    return Path(str(model)).name.lower().replace("/", "-").replace(" ", "-")
+
+
+def write_configs(model: str, gpus: int, offload_optimizer: bool = True, offload_params: bool = False,
+                  out: Path | None = None) -> dict[str, Path]:
+    """Write the ZeRO-3 DeepSpeed JSON, the matching accelerate YAML for `gpus` processes and a DDP YAML."""
+    import yaml
+
+    out = Path(out or CONFIGS)
+    (out / "deepspeed").mkdir(parents=True, exist_ok=True)
+    (out / "accelerate").mkdir(parents=True, exist_ok=True)
+    ds_name = "zero3" + ("_offload" if offload_optimizer else "") + ("_params" if offload_params else "") + ".json"
+    ds_path = out / "deepspeed" / ds_name
+    ds_path.write_text(json.dumps(deepspeed_config(3, offload_optimizer, offload_params), indent=2) + "\n")
+    # The YAML names the JSON relative to the repo root: run `accelerate launch` from there.
+    try:
+        ds_ref = str(ds_path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        ds_ref = str(ds_path.resolve())
+    z3 = out / "accelerate" / f"zero3_{_slug(model)}_{gpus}gpu.yaml"
+    header = (f"# Generated by colo_kit.recipes.write_configs({model!r}, gpus={gpus}).\n"
+              f"# accelerate launch --config_file configs/accelerate/{z3.name} ...  (from the repo root)\n")
+    z3.write_text(header + yaml.safe_dump(accelerate_config(gpus, ds_ref), sort_keys=True))
+    ddp = out / "accelerate" / f"ddp_{gpus}gpu.yaml"
+    ddp.write_text(f"# Generated by colo_kit.recipes.write_configs: plain DDP on {gpus} GPU(s).\n"
+                   + yaml.safe_dump(accelerate_config(gpus), sort_keys=True))
+    return {"deepspeed": ds_path, "accelerate_zero3": z3, "accelerate_ddp": ddp}
