@@ -331,12 +331,15 @@ class ColocatedEngine:
     # -- what the engine runs -----------------------------------------------------------------
 
     @property
+    def _model_runner(self):
+        worker = self.llm.llm_engine.model_executor.driver_worker
+        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+        return worker.model_runner
+
+    @property
     def vllm_model(self):
         """The engine's torch module (this rank's TP shard) — where weights are loaded."""
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
-        runner = worker.model_runner
+        runner = self._model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     @property
@@ -411,15 +414,23 @@ class ColocatedEngine:
             raise RuntimeError("the engine's weights are asleep: wake the 'weights' tag before pushing, or the "
                                "copy writes into unmapped memory (TRL #5142)")
         t0 = time.perf_counter()
-        target = self.vllm_model
-        loaded: set[str] = set()
         with torch.no_grad():
-            for batch in iter_weight_batches(model, max_batch_bytes):
-                loaded |= set(target.load_weights(batch) or ())
+            if has_cuda():
+                # In place: the GPU kernels read the very tensors load_weights copies into.
+                target = self.vllm_model
+                for batch in iter_weight_batches(model, max_batch_bytes):
+                    target.load_weights(batch)
+            else:
+                # vLLM's CPU engine repacks each linear weight for oneDNN after loading and drops
+                # the original tensor, so a plain load_weights has nowhere to write. Its layerwise
+                # reload rebuilds the checkpoint-format tensors, loads, and repacks again. Copies,
+                # because a PEFT merge is undone when the iterator ends, before repacking.
+                weights = [(n, t.detach().clone()) for batch in iter_weight_batches(model, max_batch_bytes)
+                           for n, t in batch]
+                self._model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         if has_cuda():
             torch.cuda.synchronize()
-        self.last_push_tensors = len(loaded)
         return time.perf_counter() - t0
 
     # -- shutdown --------------------------------------------------------------------------------

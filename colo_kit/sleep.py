@@ -1,0 +1,240 @@
+"""Sleep mode: give the GPU memory of a colocated engine back to the trainer between generations.
+
+Post 1 ("Scaling to 72B") puts the engine to sleep while the trainer runs:
+- **level 1** offloads the weights to CPU memory and discards the KV cache (good when the same
+  weights come back);
+- **level 2** discards both (good when the weights change anyway: GRPO updates them every step,
+  so the post uses level 2).
+
+Waking is by tag: `weights` first, then the new weights are pushed from the trainer, then
+`kv_cache`. Three lessons the post and its issues paid for are built in:
+- after a level-2 wake the weights must come from the trainer — vLLM's `reload_weights` reloads
+  the original checkpoint from disk (TRL #5312) — and the model's buffers (rotary tables, norm
+  statistics) must be restored too: vLLM #16564 lost them. We keep our own snapshot of the
+  buffers on the GPU, outside vLLM's sleep pool, and copy it back after each push;
+- a self-check: a fixed greedy probe must give the same tokens (and log-probabilities) before the
+  sleep and after wake + push of the same weights, or `SelfCheckFailed` is raised;
+- a clean exit (vLLM #16993, a segfault at exit with sleep mode): `ColocatedEngine.close` wakes,
+  stops and collects the engine while CUDA is alive, and is registered with `atexit`.
+
+Every stage is timed and its device memory read from NVML (PyTorch's own counters over-count
+under sleep mode); `SleepManager.stages` is what notebook 02 plots.
+
+vLLM's CPU engine has no sleep mode (it logs a warning and keeps everything): on a CPU this
+module raises `SleepModeUnavailable` rather than pretend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from typing import Iterable
+
+from colo_kit.env import has_cuda, vllm_version
+from colo_kit.paths import results_dir
+
+TAGS = ("weights", "kv_cache")
+
+
+class SleepModeUnavailable(RuntimeError):
+    @classmethod
+    def for_this_platform(cls, what: str = "sleep mode") -> "SleepModeUnavailable":
+        try:
+            from vllm.platforms import current_platform
+
+            platform = f"{type(current_platform).__name__} (device {current_platform.device_name!r})"
+        except Exception:
+            platform = "no NVIDIA GPU"
+        return cls(f"{what}: vLLM sleep mode needs an NVIDIA GPU, and this process runs on {platform} with vLLM "
+                   f"{vllm_version()}: its CPU engine has no sleep mode (it would silently keep all memory). "
+                   "Run without sleep mode here (ColocateSettings(enable_sleep_mode=False)); the H200 numbers are "
+                   "in results/engine_bench.json")
+
+
+class SelfCheckFailed(AssertionError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# NVML memory
+# ---------------------------------------------------------------------------------------------
+
+def _nvml_handle(device):
+    """The NVML handle of a torch CUDA device, found by PCI bus id (CUDA_VISIBLE_DEVICES renumbers
+    devices for torch, not for NVML)."""
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    props = torch.cuda.get_device_properties(device)
+    try:
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:
+        return pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
+
+
+def device_memory_gib(device) -> dict:
+    """Used / free / total memory of the GPU, in GiB, as NVML sees it (all processes)."""
+    import pynvml
+
+    info = pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(device))
+    return {"used_gib": round(info.used / 2**30, 3), "free_gib": round(info.free / 2**30, 3),
+            "total_gib": round(info.total / 2**30, 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+# ---------------------------------------------------------------------------------------------
+
+class SleepManager:
+    """Sleep and wake a `ColocatedEngine` built with `ColocateSettings(enable_sleep_mode=True)`.
+
+    >>> mgr = SleepManager(engine, level=2)
+    >>> with mgr.training(model):      # engine asleep: the trainer has the GPU
+    ...     loss.backward(); opt.step()
+    >>> engine.generate(prompts)        # awake, with the trainer's new weights
+    """
+
+    def __init__(self, engine, level: int = 2, self_check: bool = False):
+        if not has_cuda():
+            raise SleepModeUnavailable.for_this_platform("SleepManager")
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: sleep level 1 offloads the weights to CPU memory, level 2 discards "
+                             "them; use 1 or 2")
+        if not engine.settings.enable_sleep_mode:
+            raise ValueError("the engine was built without sleep mode: build it with "
+                             "ColocateSettings(enable_sleep_mode=True)")
+        import torch
+
+        self.engine, self.level, self.self_check_enabled = engine, level, self_check
+        self.device = engine.device
+        # Our own copy of the buffers, allocated after the engine (outside its sleep pool), so it
+        # survives level 2 and restoring it is a device-to-device copy (vLLM #16564).
+        with torch.no_grad():
+            self.buffers = {name: b.detach().clone() for name, b in engine.vllm_model.named_buffers()}
+        self.stages: list[dict] = []
+        self.record("awake")
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def record(self, stage: str, seconds: float | None = None, **extra) -> dict:
+        row = {"stage": stage, "seconds": None if seconds is None else round(seconds, 6),
+               **device_memory_gib(self.device), **extra}
+        self.stages.append(row)
+        return row
+
+    def _timed(self, fn, *args, **kwargs) -> float:
+        import torch
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # -- the API -------------------------------------------------------------------------------
+
+    def sleep(self, level: int | None = None) -> float:
+        level = level or self.level
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: use 1 or 2")
+        if self.engine.asleep:
+            raise RuntimeError(f"already asleep ({sorted(self.engine.asleep)}); wake it before sleeping again")
+        self.engine.llm.reset_prefix_cache()
+        seconds = self._timed(self.engine.llm.sleep, level=level)
+        self.engine.asleep = set(TAGS)
+        self._slept_level = level
+        self.record(f"sleep_l{level}", seconds)
+        return seconds
+
+    def wake(self, tags: Iterable[str] = TAGS, model=None) -> dict:
+        """Wake the given tags, in order. When `weights` wakes after level 2 the weights are gone:
+        `model` (the trainer's) is pushed and the buffers restored; after level 1 a push is optional."""
+        tags = list(tags)
+        bad = [t for t in tags if t not in TAGS]
+        if bad:
+            raise ValueError(f"unknown wake tag(s) {bad}; use {list(TAGS)}")
+        times = {}
+        if "weights" in tags and "weights" in self.engine.asleep:
+            if model is None and getattr(self, "_slept_level", self.level) == 2:
+                raise ValueError("after a level-2 sleep the weights are discarded: pass model=<the trainer's model> "
+                                 "(vLLM's reload_weights would reload the original checkpoint from disk, TRL #5312)")
+            times["wake_weights_s"] = self._timed(self.engine.llm.wake_up, tags=["weights"])
+            self.engine.asleep.discard("weights")
+            self.record("wake_weights", times["wake_weights_s"])
+            if model is not None:
+                times["push_s"] = self.engine.push_weights(model)
+                times["restore_buffers_s"] = self._timed(self.restore_buffers)
+                self.record("push_weights", times["push_s"] + times["restore_buffers_s"])
+        if "kv_cache" in tags and "kv_cache" in self.engine.asleep:
+            times["wake_kv_cache_s"] = self._timed(self.engine.llm.wake_up, tags=["kv_cache"])
+            self.engine.asleep.discard("kv_cache")
+            self.record("wake_kv_cache", times["wake_kv_cache_s"])
+        return times
+
+    def restore_buffers(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, buf in self.engine.vllm_model.named_buffers():
+                if name in self.buffers:
+                    buf.copy_(self.buffers[name])
+
+    @contextmanager
+    def training(self, model, level: int | None = None):
+        """"Train now, generate next": asleep inside the block, awake with `model`'s weights after."""
+        self.sleep(level)
+        try:
+            yield self
+        finally:
+            self.wake(TAGS, model=model)
+
+    def switch(self, model, level: int | None = None) -> dict:
+        """One training step's switch, each part timed: sleep, wake(weights), push, wake(kv_cache)."""
+        t = {"sleep_s": self.sleep(level)}
+        t.update(self.wake(TAGS, model=model))
+        t["switch_s"] = sum(v for k, v in t.items() if k.endswith("_s"))
+        return t
+
+    def self_check(self, model, level: int | None = None, logprob_tol: float = 1e-3) -> dict:
+        """Greedy probe before sleep == after wake + push of `model` (the same weights), else raise."""
+        before = self.engine.probe()
+        self.switch(model, level)
+        after = self.engine.probe()
+        diff = max((abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"])), default=0.0)
+        result = {"same_tokens": before["token_ids"] == after["token_ids"], "max_logprob_diff": diff,
+                  "before": before["token_ids"], "after": after["token_ids"]}
+        result["passed"] = result["same_tokens"] and diff <= logprob_tol
+        if not result["passed"]:
+            raise SelfCheckFailed(f"greedy probe changed across sleep(level={level or self.level}) + wake + push: "
+                                  f"tokens {before['token_ids']} -> {after['token_ids']}, max |dlogprob| {diff:.2e} "
+                                  f"(tolerance {logprob_tol}); the weights or buffers were not fully restored")
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference numbers for the notebooks
+# ---------------------------------------------------------------------------------------------
+
+# Seen by the team on 2x H200 with vLLM 0.26.0 (shared/gpu/README.md), before the kit's own
+# benchmark ran; shown only until results/engine_bench.json exists.
+TEAM_SEEN_VLLM_0_26 = {
+    "source": "seen by the team, vLLM 0.26.0 (2x H200; not a kit benchmark)",
+    "model": "qwen2.5-1.5b",
+    "sleep_l2_s": 0.07, "sleep_l2_freed_gib": 41.7, "push_s": 0.07,
+    "plain_llm_tok_per_s_at_0.3": 37000,
+    "trl_colocate_switch_s": [0.15, 0.27],
+}
+
+
+def h200_reference() -> dict:
+    """The committed GPU benchmark (results/engine_bench.json) if present, else the numbers the
+    team saw, labelled as such."""
+    path = results_dir() / "engine_bench.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        data.setdefault("source", f"results/engine_bench.json ({data.get('env', {}).get('versions', {}).get('vllm')})")
+        return data
+    return dict(TEAM_SEEN_VLLM_0_26)

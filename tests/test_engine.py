@@ -1,0 +1,142 @@
+"""colo_kit.engine on the real vLLM CPU engine: settings, generation, TP=2 over two processes,
+weight pushes (plain and PEFT) that change and restore the outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from colo_kit.engine import ColocateSettings, model_max_len, tp_groups
+from colo_kit.paths import REPO_ROOT
+
+
+# -- settings (no engine) -------------------------------------------------------------------------
+
+def test_settings_follow_the_post():
+    s = ColocateSettings(tensor_parallel_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                         max_prompt_length=100, max_completion_length=28)
+    assert s.max_num_seqs == 4 * 2 * 3
+    assert s.max_model_len == 128
+    assert s.validate(world_size=4) is s
+    assert tp_groups(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tp_groups(4, 4) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("kwargs, world, words", [
+    ({"tensor_parallel_size": 3}, 2, ["tensor_parallel_size=3", "world size 2", "[1, 2]"]),
+    ({"tensor_parallel_size": 0}, 1, ["tensor_parallel_size=0", "positive"]),
+    ({"vllm_gpu_memory_utilization": 0.0}, 1, ["vllm_gpu_memory_utilization=0.0", "(0, 1]"]),
+    ({"vllm_gpu_memory_utilization": 1.5}, 1, ["vllm_gpu_memory_utilization=1.5", "(0, 1]"]),
+    ({"per_device_train_batch_size": -1}, 1, ["per_device_train_batch_size=-1"]),
+])
+def test_bad_settings_name_the_value(kwargs, world, words):
+    with pytest.raises(ValueError) as err:
+        ColocateSettings(**kwargs).validate(world_size=world)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_lengths_over_the_model_limit(tiny_model_path):
+    limit = model_max_len(tiny_model_path)
+    assert limit == 2048
+    with pytest.raises(ValueError, match=r"2000 \+ 100 = 2100 exceeds the model's limit of 2048"):
+        ColocateSettings(max_prompt_length=2000, max_completion_length=100).validate(1, limit)
+
+
+# -- one real engine for the module ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    from colo_kit.engine import ColocatedEngine
+
+    eng = ColocatedEngine(tiny_model_path, ColocateSettings(per_device_train_batch_size=4, max_prompt_length=64,
+                                                            max_completion_length=16))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_generate_returns_ids_text_and_logprobs(engine):
+    out = engine.generate(["Summarise: the cat sat.", [1, 2, 3, 4]], n=3, max_tokens=8, ignore_eos=True)
+    assert len(out.completion_ids) == len(out.texts) == len(out.logprobs) == len(out.prompt_ids) == 6
+    assert all(len(ids) == 8 for ids in out.completion_ids)
+    assert out.prompt_ids[3] == [1, 2, 3, 4]  # prompt-major: completions 3..5 belong to prompt 1
+    assert all(len(lp) == 8 and all(v <= 0.0 for v in lp) for lp in out.logprobs)
+    assert out.texts[0] == engine.tokenizer.decode(out.completion_ids[0])
+    assert out.num_completion_tokens == 48
+    with pytest.raises(ValueError, match="prompts is empty"):
+        engine.generate([])
+
+
+@pytest.mark.slow
+def test_weight_push_changes_outputs_and_pushing_back_restores_them(engine, hf_model):
+    import torch
+
+    base = engine.probe()
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * p.float().std().clamp(min=1e-3).to(p.dtype))
+    engine.push_weights(hf_model)
+    perturbed = engine.probe()
+    assert perturbed["token_ids"] != base["token_ids"]
+
+    hf_model.load_state_dict(original)
+    engine.push_weights(hf_model)
+    back = engine.probe()
+    assert back["token_ids"] == base["token_ids"]
+    assert max(abs(a - b) for a, b in zip(back["logprobs"], base["logprobs"])) < 1e-4
+
+
+@pytest.mark.slow
+def test_peft_push_merges_the_adapter(engine, hf_model):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = engine.probe()
+    peft_model = get_peft_model(hf_model, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"]))
+    try:
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        engine.push_weights(peft_model)
+        assert engine.probe()["token_ids"] != base["token_ids"]
+        # The adapter is unmerged again: the trainer keeps training the adapter, not merged weights.
+        assert not any(getattr(m, "merged", False) for m in peft_model.modules())
+    finally:
+        hf_model = peft_model.unload()
+    engine.push_weights(hf_model)
+    assert engine.probe()["token_ids"] == base["token_ids"]
+
+
+@pytest.mark.slow
+def test_tp2_under_two_processes_agree(free_port):
+    """torchrun, 2 processes, gloo, TP=2: the two engines are one model. Both must produce the same
+    group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
+           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--max-tokens", "6"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = sorted((json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+                   if line.startswith("COLO_KIT_ENGINE ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in recs] == [0, 1]
+    assert [r["seed"] for r in recs] == [0, 0]
+    assert recs[0]["group_sampled"] == recs[1]["group_sampled"]
+    assert len(recs[0]["group_sampled"]) == 4
+    for r in recs:
+        assert r["prompt_texts"] == r["prompts"]  # this rank's slice is its own prompts
+        assert len(r["greedy"]) == 2 and all(len(c) == 6 for c in r["greedy"])
