@@ -1,0 +1,104 @@
+"""colo_kit.sleep: on a CPU, a clear refusal naming the platform; on a GPU (marked `gpu`), sleep
+levels 1 and 2, wake by tag, the buffer restore and the self-check. The H200 evidence of the GPU
+behaviour is results/engine_bench.json (scripts/gpu/engine_bench.sh)."""
+
+import json
+
+import pytest
+
+from colo_kit.engine import ColocateSettings
+from colo_kit.env import has_cuda
+from colo_kit.sleep import SelfCheckFailed, SleepManager, SleepModeUnavailable, h200_reference
+
+cpu_only = pytest.mark.skipif(has_cuda(), reason="checks the CPU refusal")
+
+
+@cpu_only
+def test_sleep_manager_on_cpu_names_the_platform():
+    with pytest.raises(SleepModeUnavailable) as err:
+        SleepManager(engine=None)
+    msg = str(err.value)
+    assert "CpuPlatform" in msg and "'cpu'" in msg and "no sleep mode" in msg
+    assert "enable_sleep_mode=False" in msg  # the fix
+
+
+@cpu_only
+def test_engine_with_sleep_mode_on_cpu_is_refused_before_building(tiny_model_path):
+    from colo_kit.engine import ColocatedEngine
+
+    with pytest.raises(SleepModeUnavailable, match="enable_sleep_mode=True: vLLM sleep mode needs an NVIDIA GPU"):
+        ColocatedEngine(tiny_model_path, ColocateSettings(enable_sleep_mode=True))
+
+
+def test_reference_numbers_are_labelled(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path))
+    ref = h200_reference()
+    assert ref["source"].startswith("seen by the team, vLLM 0.26.0")
+    (tmp_path / "engine_bench.json").write_text(json.dumps({"env": {"versions": {"vllm": "0.26.0"}}, "runs": []}))
+    ref = h200_reference()
+    assert "engine_bench.json" in ref["source"] and "runs" in ref
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_engine_and_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colo_kit.engine import ColocatedEngine
+    from colo_kit.models import build_model
+
+    path = str(build_model("tiny"))
+    engine = ColocatedEngine(path, ColocateSettings(max_prompt_length=64, max_completion_length=16,
+                                                    vllm_gpu_memory_utilization=0.2, enable_sleep_mode=True))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(engine.device)
+    yield engine, model
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_memory_and_self_check_passes(gpu_engine_and_model, level):
+    engine, model = gpu_engine_and_model
+    mgr = SleepManager(engine, level=level)
+    result = mgr.self_check(model)
+    assert result["passed"] and result["same_tokens"]
+    by_stage = {r["stage"]: r for r in mgr.stages}
+    assert by_stage[f"sleep_l{level}"]["used_gib"] < by_stage["awake"]["used_gib"]
+
+
+@pytest.mark.gpu
+def test_level2_wake_needs_the_trainer_weights(gpu_engine_and_model):
+    engine, model = gpu_engine_and_model
+    mgr = SleepManager(engine, level=2)
+    mgr.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(["x"])
+    with pytest.raises(ValueError, match="model=<the trainer's model>"):
+        mgr.wake(["weights"])
+    with pytest.raises(ValueError, match="unknown wake tag"):
+        mgr.wake(["weight"])
+    mgr.wake(["weights", "kv_cache"], model=model)
+    assert not engine.asleep
+    assert engine.generate(["x"], max_tokens=4).completion_ids
+
+
+@pytest.mark.gpu
+def test_self_check_catches_different_weights(gpu_engine_and_model):
+    import torch
+
+    engine, model = gpu_engine_and_model
+    mgr = SleepManager(engine, level=2)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    try:
+        with pytest.raises(SelfCheckFailed):
+            mgr.self_check(model)
+    finally:
+        model.load_state_dict(original)
+        if engine.asleep:
+            mgr.wake(model=model)
+        engine.push_weights(model)
