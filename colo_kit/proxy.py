@@ -24,10 +24,11 @@ serve the base model plus the latest LoRA adapters, and a proxy beside the train
   key, and prompts that share their leading text share their leading blocks.
 - **Bounded load.** Replicas are ranked per key by rendezvous hashing (stable across proxy
   restarts, and only the dead replica's keys move when one dies). The top-ranked replica is used
-  unless its in-flight count would exceed `imbalance * mean + slack`; then the next one, and past
-  every bound the least-loaded one ("consistent hashing with bounded loads", Mirrokni et al.
-  2018). `slack` (default 8 = one GRPO group) keeps a group that arrives at once from being split
-  by its own burst.
+  unless its in-flight count would exceed `ceil(imbalance * mean) + slack`; then the next one, and
+  past every bound the least-loaded one ("consistent hashing with bounded loads", Mirrokni et al.
+  2018). The bound places a *new* prefix; a request whose prefix is already in flight on a
+  replica follows it, up to `slack` requests (default 8 = one GRPO group), so a group is not
+  split by a momentary imbalance its own burst created, and one hot prefix still spreads.
 - **Broadcast.** State-changing requests (adapter load/unload, pause, resume, the weight-transfer
   endpoints, cache resets, sleep/wake) go to every configured replica; the answer is a success
   only if all succeeded, else 502 with the list of replicas that failed. Successful adapter loads
@@ -253,6 +254,7 @@ class RoutingProxy:
         self.keyer = PrefixKeyer(config.block_size, config.max_prefix_blocks, config.tokenizer)
         self.replicas = {u: _Replica(u) for u in config.replicas}
         self._rr = 0
+        self._live: dict[bytes, list] = {}  # prefix key -> [replica url, requests in flight]
         self._adapters: dict[str, dict] = {}  # name -> load body, replayed on a recovered replica
         self._paused = False
         self.counters = {"requests": 0, "routed": 0, "affinity_hits": 0, "fallbacks": 0, "retries": 0,
@@ -389,6 +391,9 @@ class RoutingProxy:
 
     # -- routing -----------------------------------------------------------------------------
     def _pick(self, key: bytes | None, exclude: set[str]) -> tuple[_Replica, bool]:
+        live = self._live.get(key) if key is not None and self.config.policy == "affinity" else None
+        if live and live[1] < self.config.slack and live[0] not in exclude and self.replicas[live[0]].healthy:
+            return self.replicas[live[0]], True
         healthy = [u for u, r in self.replicas.items() if r.healthy and u not in exclude]
         if not healthy:  # everything looks dead: try the ones not yet tried rather than fail outright
             healthy = [u for u in self.replicas if u not in exclude]
@@ -431,6 +436,12 @@ class RoutingProxy:
                 self.counters["retries"] += 1
             rep.inflight += 1
             rep.requests += 1
+            live = None
+            if key is not None:
+                live = self._live.get(key)
+                if live is None or live[0] != rep.url:
+                    live = self._live[key] = [rep.url, 0]
+                live[1] += 1
             try:
                 return await self._forward(request, rep, path, body, headers, stream, t0, hit, key)
             except _Retryable as exc:
@@ -439,6 +450,10 @@ class RoutingProxy:
                 self._mark_dead(rep, str(exc))
             finally:
                 rep.inflight -= 1
+                if live is not None:
+                    live[1] -= 1
+                    if live[1] <= 0 and self._live.get(key) is live:
+                        del self._live[key]
         self.counters["errors"] += 1
         return web.json_response({"error": {"message": f"colo_kit proxy: no replica could serve {path} "
                                             f"(tried {sorted(tried)}; last error: {last_error})",

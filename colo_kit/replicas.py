@@ -168,6 +168,31 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
                          "max_tokens": max_tokens, "concurrent_groups": concurrent_groups, "model": model}}
 
 
+
+def compare_routing(replica_urls: list[str], model: str, *, token_env: str | None = None, block_size: int = 16,
+                    policies=("round_robin", "affinity"), **experiment) -> dict:
+    """The prefix-cache hit rate of the same GRPO traffic under each routing policy: one proxy per
+    policy in front of the same replicas, caches reset before each run."""
+    import os as _os
+
+    from colo_kit.proxy import ProxyConfig, RoutingProxy
+
+    token = _os.environ.get(token_env) if token_env else None
+    out = {}
+    for policy in policies:
+        proxy = RoutingProxy(ProxyConfig(replicas=list(replica_urls), port=0, token_env=token_env,
+                                         block_size=block_size, policy=policy)).start_in_thread()
+        try:
+            res = prefix_hit_rate_experiment(proxy.url, replica_urls, model, token=token, **experiment)
+            res["proxy"] = {k: v for k, v in proxy.snapshot().items() if k != "replicas"}
+            res["requests_per_replica"] = {u: r["requests"] for u, r in proxy.snapshot()["replicas"].items()}
+            out[policy] = res
+        finally:
+            proxy.stop_thread()
+    if "affinity" in out and "round_robin" in out and out["round_robin"]["hit_rate"]:
+        out["affinity_over_round_robin"] = round(out["affinity"]["hit_rate"] / out["round_robin"]["hit_rate"], 4)
+    return out
+
 # ---------------------------------------------------------------------------------------------
 # A stand-in upstream: an OpenAI-shaped HTTP server that answers at once, to measure the proxy
 # alone (its routing, broadcast and failure handling) without vLLM's own milliseconds.

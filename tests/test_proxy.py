@@ -170,6 +170,23 @@ def test_groups_stick_to_one_replica_and_load_stays_balanced(stubs):
         p.stop_thread()
 
 
+def test_one_hot_prefix_still_spreads_under_load(stubs):
+    ports, _ = stubs
+    p = _proxy(ports)
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(*(c.post(p.url + "/v1/completions", json={
+                    "model": "m", "prompt": [5] * 64, "delay_ms": 300}) for _ in range(60)))
+        counts = {}
+        for r in asyncio.run(run()):
+            counts[r.json()["replica"]] = counts.get(r.json()["replica"], 0) + 1
+        # one key, 60 at once: the bound (ceil(1.2 * mean) + slack) sends the overflow elsewhere
+        assert len(counts) == 2 and max(counts.values()) <= 45, counts
+    finally:
+        p.stop_thread()
+
+
 def test_round_robin_splits_groups(stubs):
     ports, _ = stubs
     p = _proxy(ports, policy="round_robin")
