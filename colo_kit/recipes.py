@@ -42,13 +42,16 @@ def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offloa
             "offload_param": {"device": "cpu" if offload_params else "none", "pin_memory": True},
             "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto",
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
             # Save a normal bf16 checkpoint at the end instead of ZeRO shards.
             "stage3_gather_16bit_weights_on_model_save": True,
         })
     return {
         "bf16": {"enabled": "auto"},
+        # DeepSpeed's own AdamW: with the optimizer offloaded it becomes DeepSpeedCPUAdam (vectorised CPU kernels;
+        # DeepSpeed refuses torch's AdamW with offload). "auto" takes lr, betas, eps and weight decay from GRPOConfig.
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
         "zero_optimization": zero,
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
