@@ -1,0 +1,124 @@
+"""Adapter-only sync: slot and rank arithmetic, the launch recipe, and the publish/load cycle
+against a real vLLM-CPU replica behind the proxy."""
+
+import json
+import socket
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from colo_kit.lora import (AdapterMismatch, AdapterSync, adapter_dir, check_sleep_level, check_slots,
+                           max_lora_rank_for, max_loras_for, probe_adapters, published_versions, replica_launch,
+                           staleness_table, vllm_lora_ranks)
+
+
+def test_slots_are_max_staleness_plus_two_and_fewer_is_refused():
+    assert max_loras_for(4) == 6  # the post's numbers
+    check_slots(6, 4)
+    with pytest.raises(ValueError, match=r"--max-loras 5 is too few for max_staleness=4.*--max-loras 6"):
+        check_slots(5, 4)
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        max_loras_for(-1)
+
+
+def test_staleness_table_never_needs_more_than_the_slots():
+    rows = staleness_table(max_staleness=4, syncs=10)
+    assert rows[6]["servable"] == [3, 4, 5, 6, 7]  # "samples from v3 still train at v7"
+    assert max(r["loaded_during_sync"] for r in rows) == max_loras_for(4)
+    assert rows[5]["unloaded_after"] == 1 and rows[4]["unloaded_after"] is None
+
+
+def test_rank_rounds_up_to_what_vllm_builds():
+    from trl.experimental.async_grpo.async_grpo_trainer import VLLM_LORA_RANKS, round_lora_rank
+
+    assert tuple(vllm_lora_ranks()) == tuple(VLLM_LORA_RANKS)  # vLLM's Literal and TRL's copy agree
+    assert [max_lora_rank_for(r) for r in (1, 2, 4, 9, 300)] == [1, 8, 8, 16, 320]
+    assert all(max_lora_rank_for(r) == round_lora_rank(r) for r in range(1, 513))
+    with pytest.raises(ValueError, match="above the largest rank"):
+        max_lora_rank_for(513)
+
+
+def test_level_two_sleep_is_refused_with_adapter_sync():
+    check_sleep_level(None)
+    check_sleep_level(1)
+    check_sleep_level(2, adapter_only=False)  # merged-weight sync resends the weights: fine
+    with pytest.raises(ValueError, match="level 2 discards the base weights"):
+        check_sleep_level(2)
+    with pytest.raises(ValueError, match="level 2 discards"):
+        replica_launch("m", port=8001, sleep_level=2)
+
+
+def test_launch_recipe(monkeypatch):
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-123")
+    r = replica_launch("/models/qwen", port=8002, gpu=1, max_staleness=4, lora_rank=1, api_key_env="COLO_KIT_TEST_KEY")
+    argv = " ".join(r.argv)
+    for flag in ("--enable-lora", "--max-loras 6", "--max-lora-rank 1", "--port 8002", "--enable-prefix-caching"):
+        assert flag in argv
+    assert r.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and r.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert r.env["CUDA_VISIBLE_DEVICES"] == "1" and r.env["VLLM_API_KEY"] == "k-123"
+    assert "k-123" not in argv  # the key never goes on a command line `ps` shows
+    with pytest.raises(ValueError, match="--max-loras 3 is too few"):
+        replica_launch("m", port=1, max_loras=3, max_staleness=4)
+    monkeypatch.delenv("COLO_KIT_TEST_KEY")
+    with pytest.raises(ValueError, match="COLO_KIT_TEST_KEY"):
+        replica_launch("m", port=1, api_key_env="COLO_KIT_TEST_KEY")
+
+
+def test_adapter_paths_follow_trl(tmp_path):
+    assert adapter_dir(tmp_path, 3) == tmp_path.resolve() / ".vllm_lora" / "trl-policy-v3"
+    (tmp_path / ".vllm_lora" / "trl-policy-v2").mkdir(parents=True)
+    (tmp_path / ".vllm_lora" / "trl-policy-v2" / "adapter_config.json").write_text("{}")
+    (tmp_path / ".vllm_lora" / ".trl-policy-v3.tmp").mkdir()  # a staging folder is not published
+    assert published_versions(tmp_path) == [2]
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_publish_load_cycle_through_the_proxy_on_a_real_replica(tiny_model_path, tmp_path, monkeypatch):
+    """The cycle TRL's `_sync_weight_lora` runs, against vLLM-CPU started from the kit's recipe,
+    through the proxy; TRL's own `select_adapter_sync` accepts the replica's /server_info."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
+
+    from colo_kit.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.replicas import launch_replicas
+
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
+    staleness = 1
+    launch = replica_launch(tiny_model_path, port=_port(), max_staleness=staleness, lora_rank=1,
+                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear",
+                                                  init_lora_weights=False))
+    shared = tmp_path / "bucket"  # the shared directory standing in for the mounted bucket
+    with launch_replicas([launch], tmp_path / "logs") as reps:
+        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
+                                         block_size=32)).start_in_thread()
+        try:
+            info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+            assert select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness)) is True
+            with pytest.raises(ValueError, match="--max-loras"):  # TRL refuses a staleness the slots cannot hold
+                select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness + 1))
+
+            sync = AdapterSync(proxy.url, shared, max_staleness=staleness)
+            recs = [sync.sync(peft_model) for _ in range(4)]
+            assert [r["name"] for r in recs] == [f"trl-policy-v{i}" for i in range(1, 5)]
+            assert recs[2]["unloaded"] == "trl-policy-v1" and recs[3]["unloaded"] == "trl-policy-v2"
+            cfg = json.loads((Path(recs[-1]["path"]) / "adapter_config.json").read_text())
+            assert cfg["r"] == 1 and cfg["lora_alpha"] == 2
+            assert published_versions(shared) == [2, 3, 4]  # v1's files go one sync after its unload
+            reports = probe_adapters(reps.urls, "trl-policy-v4", recs[-1]["path"], token="k-lora")
+            assert reports[0]["adapters"] == ["trl-policy-v3", "trl-policy-v4"]
+            with pytest.raises(AdapterMismatch, match="trl-policy-v1 not loaded"):
+                probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
+        finally:
+            proxy.stop_thread()
