@@ -442,6 +442,47 @@ def plan_report(plan: Plan | None = None, **settings) -> dict:
     return out
 
 
+def what_fits(model: str, gpu_counts=(8, 16, 32), host_mem_gib: float | None = 1800.0, **settings) -> list[dict]:
+    """The 72B question as a table: for each GPU count, colocate with/without sleep and offload, and server
+    mode (training GPUs only; vLLM needs its own TP-sized group of GPUs on top)."""
+    variants = [
+        ("colocate, sleep 2, offload", dict(mode="colocate", sleep_level=2, offload_optimizer=True)),
+        ("colocate, sleep 2", dict(mode="colocate", sleep_level=2, offload_optimizer=False)),
+        ("colocate, no sleep, offload", dict(mode="colocate", sleep_level=0, offload_optimizer=True)),
+        ("server (training GPUs), offload", dict(mode="server", sleep_level=0, offload_optimizer=True)),
+    ]
+    rows = []
+    for n in gpu_counts:
+        for label, v in variants:
+            kw = {"zero_stage": 3, "host_mem_gib": host_mem_gib, **settings, **v}
+            tp = kw.get("vllm_tensor_parallel_size", 1)
+            r = estimate(Plan(model=model, gpus=n, **kw))
+            rows.append({"gpus": n, "setup": label, "total_gpus": n + (tp if v["mode"] == "server" else 0),
+                         "peak_gib_per_gpu": r["peak_gib_per_gpu"], "peak_phase": r["peak_phase"],
+                         "host_gib_per_node": r["host_gib_per_node"]["total"], "fits": r["fits"],
+                         "fits_gpu": r["fits_gpu"], "fits_host": r["fits_host"]})
+    return rows
+
+
+def parts_figure(report: dict, title: str | None = None):
+    """Plotly stacked bars: one bar per phase, one colour per part, the GPU's memory as a line."""
+    import plotly.graph_objects as go
+
+    parts = report["parts"]
+    names = list(dict.fromkeys(list(parts["training"]) + list(parts["generation"])))
+    fig = go.Figure()
+    for name in names:
+        ys = [parts[ph].get(name, 0.0) for ph in ("training", "generation")]
+        if any(ys):
+            fig.add_bar(name=name, x=["training phase", "generation phase"], y=ys)
+    mem = report["settings"]["gpu_mem_gib"]
+    fig.add_hline(y=mem, line_dash="dash", annotation_text=f"GPU memory {mem:.0f} GiB")
+    verdict = "fits" if report["fits"] else "does not fit"
+    fig.update_layout(barmode="stack", yaxis_title="GiB per GPU", height=420,
+                      title=title or f"{report['model']}: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU, {verdict}")
+    return fig
+
+
 # =================================================================================================
 # Validation against measured NVML peaks
 # =================================================================================================

@@ -1,0 +1,212 @@
+# %% [markdown]
+# # 04 · The 72B recipe: ZeRO-3, sleep level 2 and a memory planner
+#
+# The first post's last experiment trained **Qwen2.5-Math-72B** with colocated vLLM: it used **4 fewer GPUs**
+# than plain TRL (whose vLLM server needed its own GPUs) and was still **~1.26× faster**, with nearly identical
+# reward curves. Two things made 72B fit beside a vLLM engine on the same GPUs:
+#
+# - **vLLM sleep, level 2**: between generations the engine discards its weights and KV cache, handing the GPU
+#   to the trainer. GRPO pushes new weights every step anyway, so nothing worth keeping is lost.
+# - **DeepSpeed ZeRO stage 3** (weights, gradients and optimizer states partitioned over the GPUs) with
+#   `"offload_optimizer": {"device": "cpu"}`, `"overlap_comm": true`, `"contiguous_gradients": true`,
+#   launched with Accelerate.
+#
+# Whether a run fits is a sum of parts: this notebook uses `colo_kit.planner` to show them, checks the planner
+# against memory measured on H200s, asks what the 72B recipe needs, writes the configs, and shows the real
+# scaled-down ZeRO-3 run (7B on 2×H200) beside the planner's prediction.
+
+# %%
+import json
+from pathlib import Path
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import Markdown, display
+
+import colo_kit  # noqa: F401  (runtime defaults)
+from colo_kit import planner
+from colo_kit.models import PRESETS
+from colo_kit.paths import REPO_ROOT, results_dir
+from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fits
+
+# %% [markdown]
+# ## 1 · What takes memory in one GRPO step
+#
+# A GRPO step has two phases on each GPU, and the peak is the larger:
+#
+# | phase | the vLLM engine | the trainer |
+# |---|---|---|
+# | **generation** | awake: `u × GPU memory` (its weights, KV cache, activations) | weights, optimizer states, what the allocator still holds |
+# | **training** | asleep (≈ 0) — or, without sleep, still `u × GPU memory` | + gradients, activations, the LM head's log-prob tiles |
+#
+# What TRL 1.16 really keeps, read in its source: a model given by path is loaded in **float32** (weights,
+# gradients and both AdamW moments in fp32: 16 bytes per parameter), `gradient_checkpointing` is on by
+# default, and the per-token log-probs use a fused, chunked LM head, so the `(tokens × 151,936)` logits are
+# never materialised. Here is the example: Qwen2.5-1.5B, 2 GPUs, `u = 0.3`, sleep, 64 completions per GPU.
+
+# %%
+report = plan_report(model="qwen2.5-1.5b", gpus=2, gpu_mem_gib=141, vllm_gpu_memory_utilization=0.3,
+                     sleep_level=2, per_device_batch=64, prompt_length=96, completion_length=256)
+parts_figure(report).show()
+print(json.dumps({k: report[k] for k in ("peak_gib_per_gpu", "peak_phase", "fits")}, indent=1))
+print("recommendation:", report["recommendation"]["why"])
+
+# %% [markdown]
+# The same question from a shell: `colo-kit plan --model qwen2.5-1.5b --gpus 2 --gpu-mem-gib 141 --mode colocate
+# --vllm-gpu-memory-utilization 0.3 --sleep-level 2 --per-device-batch 64 --prompt-length 96
+# --completion-length 256 --zero-stage 0 --json`.
+#
+# ## 2 · Is the planner right? Measured NVML peaks on H200
+#
+# TRL 1.16 colocate on 2×H200 (random-init 1.5B, `u = 0.3`, 256-token completions, G = 8), peak device memory
+# read by NVML, beside the planner. Three constants (CUDA context, NCCL buffers, the share of freed memory
+# `empty_cache()` cannot return) were fitted to the colocate rows; everything else comes from the shapes.
+
+# %%
+validation = json.loads((results_dir() / "planner_validation.json").read_text())
+rows = validation["rows"]
+fig = go.Figure()
+fig.add_bar(name="measured (NVML)", x=[r["row"] for r in rows], y=[r["measured_gib"] for r in rows])
+fig.add_bar(name="planner", x=[r["row"] for r in rows], y=[r["predicted_gib"] for r in rows],
+            text=[f"{r['error']:+.0%}" for r in rows], textposition="outside")
+fig.update_layout(barmode="group", yaxis_title="peak GiB per GPU", height=450, title="Planner vs measured peaks")
+fig.show()
+display(Markdown(validation["note"]))
+
+# %% [markdown]
+# ## 3 · What does the 72B recipe need?
+#
+# Qwen2.5-Math-72B (72.7B parameters), full fine-tuning, ZeRO-3, vLLM TP = 4 (its bf16 weights are 135 GiB:
+# one GPU cannot hold them), 8 completions per GPU of up to 512 + 1024 tokens. The host column is CPU memory per
+# 8-GPU node: optimizer offload keeps DeepSpeed's fp32 master weights, Adam moments and gradients there —
+# 16 bytes per parameter, spread over the nodes. The lent 8×H200 machine has 560 GiB.
+
+# %%
+RECIPE_72B = dict(vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
+                  vllm_gpu_memory_utilization=0.3)
+table = what_fits("qwen2.5-math-72b", gpu_counts=(8, 16, 32), host_mem_gib=560, **RECIPE_72B)
+fig = go.Figure()
+for setup in dict.fromkeys(r["setup"] for r in table):
+    sub = [r for r in table if r["setup"] == setup]
+    fig.add_bar(name=setup, x=[f"{r['gpus']} training GPUs" for r in sub], y=[r["peak_gib_per_gpu"] for r in sub],
+                text=["fits" if r["fits"] else ("host RAM" if r["fits_gpu"] else "OOM") for r in sub],
+                textposition="outside")
+fig.add_hline(y=planner.H200_GIB, line_dash="dash", annotation_text="H200")
+fig.update_layout(barmode="group", yaxis_title="peak GiB per GPU", height=450, title="Qwen2.5-Math-72B, ZeRO-3")
+fig.show()
+for r in table:
+    print(f"{r['gpus']:>3} GPUs  {r['setup']:<34} peak {r['peak_gib_per_gpu']:6.1f} GiB/GPU  host "
+          f"{r['host_gib_per_node']:6.0f} GiB/node  GPUs in total {r['total_gpus']:>3}  "
+          f"{'fits' if r['fits'] else 'does not fit'}")
+
+# %% [markdown]
+# Reading the table:
+# - **Without sleep** the engine's `u × memory` stays on the GPU during the backward pass: the training phase
+#   carries both. **With sleep level 2** the training phase only carries the trainer; the generation phase
+#   becomes the peak.
+# - **Without offload**, ZeRO-3 still needs 12 bytes per parameter of optimizer state on the GPUs: 32 GPUs
+#   hold it, 8 cannot. **With offload** 8 GPUs hold the model, but one node's host memory must hold
+#   16 × 72.7B bytes ≈ 1.1 TiB — more than 560 GiB — so the recipe spans nodes (or uses LoRA).
+# - **Server mode** needs the same training GPUs **plus** a TP-sized group for the vLLM server: here 4 more
+#   GPUs, the post's "4 fewer GPUs" for colocate. The post measured colocate ~1.26× faster on top of that.
+
+# %% [markdown]
+# ## 4 · The configs, generated
+#
+# `colo-kit plan --model qwen2.5-72b --gpus 8 --zero-stage 3 --offload-optimizer --sleep-level 2 --write-configs`
+# writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.recipes`). "auto" values are filled by the
+# Trainer from `GRPOConfig`. Launch: `accelerate launch --config_file configs/accelerate/zero3_qwen2.5-72b_8gpu.yaml
+# your_grpo_script.py`, with `GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+# vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=...)`.
+
+# %%
+for path in ("configs/deepspeed/zero3_offload.json", "configs/accelerate/zero3_qwen2.5-72b_8gpu.yaml"):
+    print(f"--- {path}\n{(REPO_ROOT / path).read_text()}")
+
+# %% [markdown]
+# ## 5 · The real run, scaled down: 7B, ZeRO-3, sleep level 2, 2×H200
+#
+# `scripts/gpu/zero3.sh` runs TRL's `GRPOTrainer` colocated with vLLM (sleep on) under the ZeRO-3 config above
+# on a random-init Qwen2.5-7B, samples every GPU's memory through NVML, and writes `results/zero3_run.json`
+# with the planner's estimate for the same settings.
+
+# %%
+run_path = results_dir() / "zero3_run.json"
+run = json.loads(run_path.read_text()) if run_path.exists() else None
+if run is None:
+    display(Markdown("**Pending:** `results/zero3_run.json` is not committed yet; run `bash scripts/gpu/zero3.sh` "
+                     "on 2 GPUs. Below is the planner's prediction for that run."))
+    pred = plan_report(model="qwen2.5-7b", gpus=2, zero_stage=3, offload_optimizer=True, sleep_level=2,
+                       per_device_batch=8, prompt_length=80, completion_length=128, host_mem_gib=256)
+    parts_figure(pred, title="qwen2.5-7b, ZeRO-3 + offload, sleep 2, 2 GPUs: planner only").show()
+elif run.get("status") != "ok":
+    display(Markdown(f"**The GPU run failed:** `{run.get('error')}` — see `log_tail` in {run_path.name}."))
+else:
+    measured = run["nvml_peak_gib_per_gpu"]
+    pred = estimate(Plan(**run["planner_settings"]))
+    display(Markdown(
+        f"Measured peak per GPU (NVML): **{', '.join(f'{m:.1f}' for m in measured)} GiB**; planner: "
+        f"**{pred['peak_gib_per_gpu']:.1f} GiB** ({pred['peak_phase']} phase), error "
+        f"{pred['peak_gib_per_gpu'] / max(measured) - 1:+.1%}. Step times: {run['step_times_s']} s "
+        f"(the first includes warm-up). GPUs: {[g['name'] for g in run['env'].get('gpus', [])]}."))
+    parts_figure(pred, title="qwen2.5-7b ZeRO-3 run: planner parts").show()
+    tl = run.get("nvml_timeline")
+    if tl:
+        fig = go.Figure()
+        for i, col in enumerate(tl["columns"][1:], start=1):
+            fig.add_scatter(x=[r[0] for r in tl["rows"]], y=[r[i] for r in tl["rows"]], name=col)
+        fig.update_layout(xaxis_title="s", yaxis_title="GiB used (NVML)", height=350,
+                          title="Device memory through the run: vLLM wakes and sleeps every step")
+        fig.show()
+
+# %% [markdown]
+# ## 6 · Your turn: the control panel
+#
+# Pick a model, GPU count, ZeRO stage, sleep level and offload; the bars show the parts of each phase.
+
+# %%
+model_w = widgets.Dropdown(options=[n for n in PRESETS if n != "tiny"], value="qwen2.5-7b", description="model")
+gpus_w = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=2, description="GPUs")
+zero_w = widgets.Dropdown(options=[0, 1, 2, 3], value=3, description="ZeRO stage")
+sleep_w = widgets.Dropdown(options=[("no sleep", 0), ("level 1", 1), ("level 2", 2)], value=2, description="sleep")
+offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU")
+util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vLLM util")
+tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP")
+mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU")
+out = widgets.Output()
+
+
+def show(*_):
+    with out:
+        out.clear_output(wait=True)
+        try:
+            r = plan_report(model=model_w.value, gpus=gpus_w.value, zero_stage=zero_w.value,
+                            sleep_level=sleep_w.value, offload_optimizer=offload_w.value and zero_w.value > 0,
+                            vllm_gpu_memory_utilization=util_w.value, vllm_tensor_parallel_size=tp_w.value,
+                            gpu_mem_gib=mem_w.value, per_device_batch=8, prompt_length=256, completion_length=512)
+        except ValueError as exc:
+            print(f"not a valid setting: {exc}")
+            return
+        parts_figure(r).show()
+        print("recommendation:", {k: v for k, v in r["recommendation"].items() if k != "why"})
+        print(r["recommendation"]["why"])
+        for note in r["notes"]:
+            print("note:", note)
+
+
+for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w):
+    w.observe(show, names="value")
+display(widgets.VBox([widgets.HBox([model_w, gpus_w, zero_w]), widgets.HBox([sleep_w, offload_w, tp_w]),
+                      widgets.HBox([util_w, mem_w]), out]))
+show()
+
+# %% [markdown]
+# ## Closing note
+#
+# The errors of the planner against every measured peak:
+
+# %%
+for r in validation["rows"]:
+    print(f"{r['row']:<44} measured {r['measured_gib']:6.1f}  planner {r['predicted_gib']:6.1f} GiB  {r['error']:+.1%}")
+fitted = validation["constants"]["fitted"]
+print(f"\nfitted constants: { {k: v for k, v in fitted.items() if k != 'fitted_to'} } ({fitted['fitted_to']})")
