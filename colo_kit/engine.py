@@ -410,6 +410,8 @@ class ColocatedEngine:
         """
         import torch
 
+        from colo_kit.vllm_compat import load_weights  # also resets the prefix cache (stale KV blocks)
+
         if "weights" in self.asleep:
             raise RuntimeError("the engine's weights are asleep: wake the 'weights' tag before pushing, or the "
                                "copy writes into unmapped memory (TRL #5142)")
@@ -417,18 +419,14 @@ class ColocatedEngine:
         with torch.no_grad():
             if has_cuda():
                 # In place: the GPU kernels read the very tensors load_weights copies into.
-                target = self.vllm_model
                 for batch in iter_weight_batches(model, max_batch_bytes):
-                    target.load_weights(batch)
+                    load_weights(self.llm, batch)
             else:
-                # vLLM's CPU engine repacks each linear weight for oneDNN after loading and drops
-                # the original tensor, so a plain load_weights has nowhere to write. Its layerwise
-                # reload rebuilds the checkpoint-format tensors, loads, and repacks again. Copies,
-                # because a PEFT merge is undone when the iterator ends, before repacking.
-                weights = [(n, t.detach().clone()) for batch in iter_weight_batches(model, max_batch_bytes)
-                           for n, t in batch]
-                self._model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+                # vLLM's CPU engine repacks linear weights after loading (see colo_kit.vllm_compat):
+                # every tensor goes in one layer-wise reload. Copies, because a PEFT merge is undone
+                # when the iterator ends, before the repacking runs.
+                load_weights(self.llm, [(n, t.detach().clone())
+                                        for batch in iter_weight_batches(model, max_batch_bytes) for n, t in batch])
         if has_cuda():
             torch.cuda.synchronize()
         return time.perf_counter() - t0
