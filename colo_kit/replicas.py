@@ -92,7 +92,7 @@ def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = 
     return ReplicaSet(launches, log_dir, token).start(timeout_s)
 
 
-_METRIC = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)(?:_total)?)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_METRIC = re.compile(r"^vllm:(gpu_)?prefix_cache_(hits|queries)(?:_total)?\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
 def prefix_cache_counters(url: str, token: str | None = None) -> dict:
@@ -101,9 +101,13 @@ def prefix_cache_counters(url: str, token: str | None = None) -> dict:
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+    # vLLM v1 names them vllm:prefix_cache_{hits,queries}; older releases also had a
+    # vllm:gpu_prefix_cache_* pair (deprecated). Use the first family present, never both.
+    found = _METRIC.findall(text)
+    new = [f for f in found if not f[0]] or found
     out = {"hits": 0.0, "queries": 0.0}
-    for name, value in _METRIC.findall(text):
-        out["hits" if "hits" in name else "queries"] += float(value)
+    for _, kind, value in new:
+        out[kind] += float(value)
     return out
 
 
