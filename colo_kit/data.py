@@ -30,12 +30,29 @@ def _offline_requested() -> bool:
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "COLO_KIT_OFFLINE"))
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's name resolves, decided in a few seconds. Without this, `load_dataset` on a
+    machine with no network retries for ~25 s before failing."""
+    import concurrent.futures
+    import socket
+
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(socket.getaddrinfo, host, 443).result(timeout=timeout_s)
+        return True
+    except Exception:
+        return False
+    finally:
+        pool.shutdown(wait=False)
+
+
 def _load(hub_id: str, split: str, offline_file: str, source: str):
     from datasets import Dataset, load_dataset
 
     if source not in ("auto", "hub", "offline"):
         raise ValueError(f"source={source!r}; use 'auto' (hub, else data/), 'hub' or 'offline'")
-    if source == "hub" or (source == "auto" and not _offline_requested()):
+    if source == "hub" or (source == "auto" and not _offline_requested() and _hub_reachable()):
         try:
             ds = load_dataset(hub_id, split=split)
             print(f"[colo_kit.data] using {hub_id} ({split}, {len(ds)} rows) from the hub")

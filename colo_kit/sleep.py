@@ -238,3 +238,56 @@ def h200_reference() -> dict:
         data.setdefault("source", f"results/engine_bench.json ({data.get('env', {}).get('versions', {}).get('vllm')})")
         return data
     return dict(TEAM_SEEN_VLLM_0_26)
+
+
+# ---------------------------------------------------------------------------------------------
+# Charts (notebook 02)
+# ---------------------------------------------------------------------------------------------
+
+def memory_figure(stages: list[dict], title: str = "GPU memory at each stage (NVML)"):
+    """Stacked used/free GiB per stage, in the order the stages happened."""
+    import plotly.graph_objects as go
+
+    x = [f"{i}. {s['stage']}" for i, s in enumerate(stages)]
+    fig = go.Figure([
+        go.Bar(x=x, y=[s["used_gib"] for s in stages], name="used GiB"),
+        go.Bar(x=x, y=[s["free_gib"] for s in stages], name="free GiB", opacity=0.35),
+    ])
+    fig.update_layout(barmode="stack", title=title, yaxis_title="GiB", height=380)
+    return fig
+
+
+SWITCH_PARTS = ("sleep_s", "wake_weights_s", "push_s", "restore_buffers_s", "wake_kv_cache_s")
+
+
+def switch_rows(reference: dict) -> list[dict]:
+    """One row per (model, level): the median seconds of each part of the switch."""
+    rows = []
+    for name, s in reference.get("summary", {}).items():
+        for level in (2, 1):
+            med = s.get(f"switch_l{level}_median_s")
+            if med:
+                rows.append({"model": name, "level": level, **{k: med.get(k) for k in SWITCH_PARTS},
+                             "switch_s": med.get("switch_s")})
+    return rows
+
+
+def switch_figure(reference: dict, goal_s: float = 0.05, trl_s: tuple = (0.15, 0.27)):
+    """Stacked parts of the switch per model and level, with the issue's goal and TRL's range."""
+    import plotly.graph_objects as go
+
+    rows = switch_rows(reference)
+    if rows:
+        x = [f"{r['model']} L{r['level']}" for r in rows]
+        bars = [go.Bar(x=x, y=[r[k] or 0 for r in rows], name=k.removesuffix("_s")) for k in SWITCH_PARTS]
+    else:  # only the numbers the team saw: sleep and push, vLLM 0.26.0
+        x = ["qwen2.5-1.5b L2 (seen)"]
+        bars = [go.Bar(x=x, y=[reference.get("sleep_l2_s", 0)], name="sleep"),
+                go.Bar(x=x, y=[reference.get("push_s", 0)], name="push")]
+    fig = go.Figure(bars)
+    fig.add_hline(y=goal_s, line_dash="dash", annotation_text=f"goal {goal_s} s (1.5B)")
+    fig.add_hrect(y0=trl_s[0], y1=trl_s[1], opacity=0.12, line_width=0,
+                  annotation_text="TRL 1.16 colocate sleep, per step")
+    fig.update_layout(barmode="stack", title=f"Switch cost per training step — {reference.get('source', '')}",
+                      yaxis_title="seconds", height=400)
+    return fig

@@ -1,0 +1,634 @@
+"""Math500: the answer checker behind the math reward, and the evaluation runner.
+
+The first post closes with "both trained models beat the base model on Math500 and colocate matches
+plain". Reproducing that takes two things this module holds:
+
+1. **A checker** — `is_correct(completion, gold)`: is the final answer of a completion the gold
+   answer? It is math-verify (which parses LaTeX to sympy and compares values, not strings) plus
+   what a MATH grader does around it:
+   - the answer is the content of the **last** `\\boxed{}` (or `\\fbox{}`), braces matched by
+     depth, so `\\boxed{\\frac{\\sqrt{3}}{2}}` is read whole; without a box, only an answer the text
+     *states* ("the answer is ...", "Final answer: ...") counts — a random model's noise that
+     happens to contain the number does not;
+   - forms math-verify does not cover are normalised first: repeating decimals
+     (`0.\\overline{3}`), `\\pm` written out, `°`, `\\varnothing`, a sentence's full stop inside the
+     box, and percent signs (compared as the number in front of them, so `25\\%` = `25`, but
+     `0.25` is not `25\\%`);
+   - intervals are compared with the inequalities that describe them (`(2,5)` = `2<x<5`).
+   `data/math500_checker_cases.jsonl` holds the hand-labelled cases it is measured on
+   (`scripts/bench_checker.py`; the numbers are in `results/math500_checker.json`).
+
+   **Time bound.** math-verify bounds its own time with `signal.alarm`, which works only in the main
+   thread; TRL may call reward functions elsewhere. Here those timeouts are off, and time is bounded
+   twice: cheap guards refuse what sympy cannot finish (answers over 1,000 characters, nesting
+   deeper than 40, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
+   `is_correct` runs the comparison in a worker process with a deadline (`Checker`): a comparison
+   that overruns it is killed, the worker restarted, and the answer counted wrong. The worker is per
+   process (a forked child gets its own) and shared by threads through a lock.
+
+   **Gold that cannot be parsed** (empty, over-long, or nothing math-verify can read) raises
+   `UnparseableGold` from `is_correct`; `parse_gold(gold)` returns None for it. The reward turns it
+   into None (TRL then ignores that sample) instead of punishing the policy for a broken label.
+
+2. **An evaluation runner** — `evaluate(model, ...)`: greedy answers to MATH-500 problems from vLLM
+   with the training prompt (`colo_kit.data.math_prompt`), scored with the checker, reported as
+   accuracy with a 95% Wilson interval and per-subject / per-level breakdowns, written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from functools import lru_cache
+from pathlib import Path
+
+# math-verify warns once that its timeout is disabled; we disable it on purpose (see above).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+MAX_ANSWER_CHARS = 1_000      # a MATH answer is at most ~100 characters
+MAX_TAIL_CHARS = 3_000        # without a box, the stated answer is near the end
+MAX_NESTING = 40              # antlr recursion on deeper input takes seconds
+MAX_DIGITS = 10_000           # 2^{2005} has 604 digits; 10^{10^{10}} would need 10^10
+MAX_NODES = 2_000             # sympy tree size above which simplify() may not finish
+DEFAULT_DEADLINE_S = 3.0      # per comparison in the worker; the issue's bound is 5 s per input
+
+
+class UnparseableGold(ValueError):
+    """The gold answer itself cannot be read, so no completion can be judged against it."""
+
+
+@dataclass
+class Verdict:
+    correct: bool
+    answer: str | None  # what was taken as the completion's final answer (None: nothing found)
+    reason: str         # "equal-string", "math-verify", "no-answer", "refused: ...", "timeout", ...
+    gold_ok: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Extraction
+# ---------------------------------------------------------------------------------------------
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` that closes, braces matched by depth.
+    For `\\boxed{\\boxed{10}}` that is the inner box; for an unclosed box, the one before it."""
+    starts = [m.end() for m in _BOX.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for k in range(start, len(text)):
+            ch = text[k]
+            if ch == "{" and text[k - 1] != "\\":
+                depth += 1
+            elif ch == "}" and text[k - 1] != "\\":
+                depth -= 1
+                if depth == 0:
+                    return text[start:k]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation: the MATH answer forms math-verify 0.9 reads differently from a grader
+# ---------------------------------------------------------------------------------------------
+
+_REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\s*\{(\d+)\}")
+_PERCENT = re.compile(r"\\?%|\\(?:text|mbox|mathrm)\{\s*(?:percent|pct)\s*\}|\bpercent\b")
+_PM = re.compile(r"\\pm(?![a-zA-Z])")
+
+
+def _repeating_to_frac(m: re.Match) -> str:
+    sign, whole, fixed, rep = m.groups()
+    value = Fraction(int(whole or 0)) + Fraction(int(fixed or 0), 10 ** len(fixed))
+    value += Fraction(int(rep), 10 ** len(fixed) * (10 ** len(rep) - 1))
+    return f"{sign}\\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+
+def normalize_answer(answer: str) -> str:
+    s = answer.strip()
+    s = _REPEATING.sub(_repeating_to_frac, s)
+    s = s.replace("°", "^\\circ").replace("\\varnothing", "\\emptyset").replace("\\{\\}", "\\emptyset")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = _PERCENT.sub("", s)
+    s = re.sub(r"(?:\s|\\[,;!: ])*\.?$", "", s.rstrip()).strip()  # "17." in a box: a sentence's stop
+    if len(_PM.findall(s)) == 1 and "," not in s:  # "1 \pm \sqrt{2}" -> both roots
+        s = _PM.sub("+", s) + ", " + _PM.sub("-", s)
+    return s
+
+
+def _squash(s: str) -> str:
+    """For the exact-string fast path: spacing and \\left/\\right do not change an answer."""
+    return re.sub(r"\s+|\\left|\\right|\\[,;!: ]", "", s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: refuse what sympy cannot finish, before it starts
+# ---------------------------------------------------------------------------------------------
+
+def _nesting(s: str) -> int:
+    depth = best = 0
+    for ch in s:
+        if ch in "{([":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "})]":
+            depth = max(0, depth - 1)
+    return best
+
+
+def _refuse_text(s: str) -> str | None:
+    if len(s) > MAX_ANSWER_CHARS:
+        return f"answer longer than {MAX_ANSWER_CHARS} characters"
+    if _nesting(s) > MAX_NESTING:
+        return f"nesting deeper than {MAX_NESTING}"
+    return None
+
+
+def _digits(expr) -> float | None:
+    """Digits of |expr| (roughly log10), estimated without evaluating it; None if not a plain number."""
+    import sympy
+
+    if expr.is_Integer or expr.is_Rational:
+        n, d = abs(int(expr.p)), int(expr.q)
+        return (len(str(n)) if n else 0) - (len(str(d)) - 1)
+    if expr.is_Float:
+        return math.log10(abs(float(expr))) if expr != 0 else 0.0
+    if isinstance(expr, sympy.Pow):
+        base, exp = _digits(expr.base), _digits(expr.exp)
+        if base is None or exp is None:
+            return None
+        if exp > 6:                                     # an exponent over a million
+            return math.inf
+        e = float(expr.exp) if exp < 300 else math.inf
+        return abs(e) * max(base, 0.0)
+    if isinstance(expr, sympy.factorial):
+        n = _digits(expr.args[0])
+        if n is None:
+            return None
+        if n > 6:
+            return math.inf
+        v = float(expr.args[0])
+        return math.lgamma(v + 1) / math.log(10) if v > 0 else 0.0
+    return None
+
+
+def _refuse_expr(parsed) -> str | None:
+    import sympy
+
+    for item in parsed:
+        if not isinstance(item, (sympy.Basic, sympy.MatrixBase)):
+            continue
+        for n, node in enumerate(sympy.preorder_traversal(item)):
+            if n > MAX_NODES:
+                return f"expression over {MAX_NODES} nodes"
+            if isinstance(node, (sympy.Pow, sympy.factorial, sympy.binomial)):
+                if isinstance(node, sympy.binomial):
+                    top = _digits(node.args[0])
+                    if top is not None and top > 4:
+                        return "binomial of a number over 10,000"
+                    continue
+                if isinstance(node, sympy.Pow):
+                    exp = _digits(node.exp)
+                    if exp is not None and exp > 4:      # x^{100000} expands forever too
+                        return "exponent over 10,000"
+                digits = _digits(node)
+                if digits is not None and digits > MAX_DIGITS:
+                    return f"a number over {MAX_DIGITS} digits"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The in-process check (no hard deadline: the guards bound it; `is_correct` adds the deadline)
+# ---------------------------------------------------------------------------------------------
+
+def _parse(latex: str, anchored_only: bool = False):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    if anchored_only:
+        config = [LatexExtractionConfig(try_extract_without_anchor=False),
+                  ExprExtractionConfig(try_extract_without_anchor=False)]
+        return parse(latex, extraction_config=config, parsing_timeout=None)
+    return parse(latex, parsing_timeout=None)
+
+
+@lru_cache(maxsize=4096)
+def _gold(gold: str):
+    """(normalised gold, parsed gold) — cached: GRPO checks every gold G times per step."""
+    norm = normalize_answer(gold)
+    if not norm or _refuse_text(norm):
+        return norm, None
+    parsed = _parse("\\boxed{" + norm + "}")
+    if not parsed or _refuse_expr(parsed):
+        return norm, None
+    return norm, parsed
+
+
+def parse_gold(gold: str):
+    """math-verify's reading of a gold answer (a list of sympy objects and strings), or None if
+    it cannot be read. In-process: gold answers come from the dataset, not from the model."""
+    if not isinstance(gold, str):
+        raise TypeError(f"gold={gold!r}: a gold answer is a LaTeX string such as '\\\\frac{{1}}{{2}}'")
+    return _gold(gold)[1]
+
+
+def check(completion: str, gold: str) -> Verdict:
+    """The whole decision, in this process and thread. Bounded by the guards only; use
+    `is_correct` (worker with a deadline) on untrusted completions."""
+    from math_verify import verify
+
+    if not isinstance(completion, str) or not isinstance(gold, str):
+        raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
+                        f"and {type(gold).__name__}")
+    gold_norm, gold_parsed = _gold(gold)
+    if gold_parsed is None:
+        return Verdict(False, None, "gold unparseable", gold_ok=False)
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        answer = normalize_answer(boxed)
+        if not answer:
+            return Verdict(False, "", "empty box")
+        refused = _refuse_text(answer)
+        if refused:
+            return Verdict(False, answer[:80], "refused: " + refused)
+        if _squash(answer) == _squash(gold_norm):
+            return Verdict(True, answer, "equal-string")
+        pred = _parse("\\boxed{" + answer + "}")
+    else:
+        tail = completion[-MAX_TAIL_CHARS:]
+        if _nesting(tail) > MAX_NESTING:
+            return Verdict(False, None, f"refused: nesting deeper than {MAX_NESTING}")
+        pred = _parse(normalize_answer(tail), anchored_only=True)
+        if not pred:
+            return Verdict(False, None, "no-answer")
+        answer = str(pred[-1]) if isinstance(pred[-1], str) else str(pred[0])
+    refused = _refuse_expr(pred)
+    if refused:
+        return Verdict(False, answer[:80], "refused: " + refused)
+    ok = verify(gold_parsed, pred, allow_set_relation_comp=True, timeout_seconds=None)
+    return Verdict(bool(ok), answer, "math-verify")
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process with a deadline
+# ---------------------------------------------------------------------------------------------
+
+def _worker_main() -> None:
+    """Loop of the checker worker: one JSON request per stdin line, one JSON verdict per stdout line."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing but verdicts on the pipe
+    check("\\boxed{1}", "1")  # warm the parser before saying ready
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            v = asdict(check(req["completion"], req["gold"]))
+        except Exception as exc:  # a checker bug must not kill the worker: count it wrong, say why
+            v = {"correct": False, "answer": None, "reason": f"error: {type(exc).__name__}: {exc}"[:200],
+                 "gold_ok": True}
+        out.write(json.dumps(v) + "\n")
+        out.flush()
+
+
+class _Worker:
+    """One checker process: JSON lines in on stdin, out on stdout."""
+
+    def __init__(self):
+        root = str(Path(__file__).resolve().parent.parent)  # importable even when not pip-installed
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from colo_kit.math500 import _worker_main; _worker_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.pid = os.getpid()  # the process that owns it (a forked child must not use it)
+        self.ready = False
+        self._buf = b""
+
+    def readline(self, timeout_s: float) -> bytes | None:
+        end = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None  # the worker died
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.pid == os.getpid() and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Checker:
+    """`check` in worker processes, with a deadline per comparison.
+
+    Thread-safe: each concurrent call gets a worker of its own (started on demand, at most
+    `max_workers`), so one thread's slow input never makes another thread wait. Fork-safe: a child
+    process that inherits a Checker starts its own workers. A comparison that overruns
+    `deadline_s` is counted wrong; its worker is killed and a fresh one starts in the background."""
+
+    def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
+                 start_timeout_s: float = 60.0):
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s={deadline_s!r}: give the seconds a comparison may take, e.g. 3.0")
+        if max_workers < 1:
+            raise ValueError(f"max_workers={max_workers!r}: at least one worker process is needed")
+        self.deadline_s, self.max_workers, self.start_timeout_s = deadline_s, max_workers, start_timeout_s
+        self._cond = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._busy = 0
+        self.restarts = 0
+
+    def _take(self) -> _Worker:
+        with self._cond:
+            self._idle = [w for w in self._idle if w.alive()]
+            while not self._idle and self._busy >= self.max_workers:
+                self._cond.wait()
+                self._idle = [w for w in self._idle if w.alive()]
+            self._busy += 1
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return _Worker()
+        except BaseException:
+            self._give(None)
+            raise
+
+    def _give(self, worker: _Worker | None) -> None:
+        with self._cond:
+            self._busy -= 1
+            if worker is not None:
+                self._idle.append(worker)
+            self._cond.notify()
+
+    def check(self, completion: str, gold: str) -> Verdict:
+        if not isinstance(completion, str) or not isinstance(gold, str):
+            raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
+                            f"and {type(gold).__name__}")
+        worker = self._take()
+        try:
+            if not worker.ready:
+                if worker.readline(self.start_timeout_s) is None:
+                    worker.kill()
+                    worker = None
+                    raise RuntimeError(f"the checker worker did not start within {self.start_timeout_s} s; "
+                                       f"run `{sys.executable} -c 'import math_verify'` to see why")
+                worker.ready = True
+            worker.proc.stdin.write((json.dumps({"completion": completion, "gold": gold}) + "\n").encode())
+            worker.proc.stdin.flush()
+            line = worker.readline(self.deadline_s)
+            if line is None:
+                worker.kill()
+                self.restarts += 1
+                worker = _Worker()  # warms up in the background while the caller goes on
+                return Verdict(False, None, f"timeout after {self.deadline_s} s")
+            return Verdict(**json.loads(line))
+        finally:
+            self._give(worker)
+
+    def warm_up(self, workers: int = 1) -> None:
+        """Start `workers` processes now and wait until they are ready (a training run calls this
+        before its first step, so the first reward does not pay the start-up)."""
+        taken = [self._take() for _ in range(workers)]
+        for w in taken:
+            try:
+                if not w.ready and w.readline(self.start_timeout_s) is not None:
+                    w.ready = True
+            finally:
+                self._give(w)
+
+    def close(self) -> None:
+        with self._cond:
+            for w in self._idle:
+                w.kill()
+            self._idle = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_default: Checker | None = None
+_default_lock = threading.Lock()
+
+
+def default_checker() -> Checker:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Checker()
+        return _default
+
+
+def is_correct(completion: str, gold: str) -> bool:
+    """True if the completion's final answer equals the gold answer (see the module docstring).
+    Safe in threads and processes; no input takes longer than the worker's deadline (3 s) plus a
+    worker restart. Raises `UnparseableGold` if the gold answer cannot be read."""
+    verdict = default_checker().check(completion, gold)
+    if not verdict.gold_ok:
+        raise UnparseableGold(f"gold answer {gold!r} cannot be parsed (empty, over {MAX_ANSWER_CHARS} "
+                              "characters, or not LaTeX math-verify reads); fix the dataset's `answer` column")
+    return verdict.correct
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation runner
+# ---------------------------------------------------------------------------------------------
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion; sane at 0/n and n/n, unlike p ± z·se."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _summary(flags: list[bool]) -> dict:
+    k, n = sum(flags), len(flags)
+    lo, hi = wilson_interval(k, n)
+    return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": [round(lo, 4), round(hi, 4)]}
+
+
+def score(problems, completions: list[str], checker: Checker | None = None) -> dict:
+    """Score completions (one per problem, same order) with the checker: overall accuracy, its
+    Wilson interval, per-subject and per-level breakdowns, and one record per problem."""
+    rows = [dict(r) for r in problems]
+    if len(rows) != len(completions):
+        raise ValueError(f"{len(rows)} problems but {len(completions)} completions; pass one completion per problem")
+    checker = checker or default_checker()
+    samples, t0 = [], time.perf_counter()
+    for row, text in zip(rows, completions):
+        v = checker.check(text, str(row["answer"]))
+        samples.append({"unique_id": row.get("unique_id"), "subject": row.get("subject"), "level": row.get("level"),
+                        "gold": row["answer"], "answer": v.answer, "correct": v.correct if v.gold_ok else None,
+                        "reason": v.reason, "completion": text})
+    scored = [s for s in samples if s["correct"] is not None]
+    report = _summary([s["correct"] for s in scored])
+    report["unparseable_gold"] = len(samples) - len(scored)
+    for key in ("subject", "level"):
+        groups: dict = {}
+        for s in scored:
+            if s[key] is not None:
+                groups.setdefault(str(s[key]), []).append(s["correct"])
+        report[f"by_{key}"] = {g: _summary(v) for g, v in sorted(groups.items())}
+    report["score_s"] = round(time.perf_counter() - t0, 3)
+    report["samples"] = samples
+    return report
+
+
+def _texts(outputs) -> list[str]:
+    """Completion texts from vLLM `RequestOutput`s or from an engine that returns strings."""
+    texts = []
+    for o in outputs:
+        if isinstance(o, str):
+            texts.append(o)
+        elif hasattr(o, "outputs"):
+            texts.append(o.outputs[0].text)
+        elif hasattr(o, "text"):
+            texts.append(o.text)
+        else:
+            raise TypeError(f"cannot read a completion from {type(o).__name__}; the engine's generate() should "
+                            "return vLLM RequestOutputs or strings")
+    return texts
+
+
+def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float, seed: int) -> list[str]:
+    """One completion per prompt from a vLLM `LLM` (`generate(prompts, sampling_params)`) or from the
+    kit's `ColocatedEngine` (`generate(prompts, n=, max_tokens=, temperature=)` -> `.texts`)."""
+    import inspect
+
+    params = inspect.signature(model.generate).parameters
+    if "sampling_params" in params:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return _texts(model.generate(prompts, sp, use_tqdm=False) if "use_tqdm" in params
+                      else model.generate(prompts, sp))
+    out = model.generate(prompts, n=1, max_tokens=max_tokens, temperature=temperature)
+    return _texts(out.texts if hasattr(out, "texts") else out)
+
+
+def evaluate(model, *, limit: int | None = None, source: str = "auto", max_tokens: int = 1024,
+             temperature: float = 0.0, seed: int = 0, tokenizer=None, out: str | Path | None = None,
+             llm_kwargs: dict | None = None, problems=None) -> dict:
+    """Generate one answer per MATH-500 problem and score it.
+
+    `model` is a vLLM `LLM`, the kit's `ColocatedEngine`, or a model name / folder for which a
+    plain `vllm.LLM` is started here and shut down after. The prompt is
+    the training template (`colo_kit.data.math_prompt`) through the model's chat template.
+    `problems` overrides the dataset (default `colo_kit.data.load_math(source=source)`)."""
+    from colo_kit.data import load_math, math_prompt
+    from colo_kit.env import describe
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit!r}: evaluate at least one problem (or None for all)")
+    if problems is None:
+        problems = load_math(source=source)
+    dataset_name = getattr(getattr(problems, "info", None), "description", None) or "HuggingFaceH4/MATH-500"
+    rows = [dict(r) for r in problems]
+    if limit is not None:
+        rows = rows[:limit]
+
+    owned = None
+    model_name = getattr(model, "model_path", None) or str(model)
+    if isinstance(model, (str, Path)):
+        from vllm import LLM
+
+        from colo_kit.env import has_cuda
+        from colo_kit.models import resolve_model
+
+        path = str(resolve_model(str(model)))
+        kwargs = {"max_model_len": 2048, "seed": seed, "enforce_eager": not has_cuda()}
+        kwargs.update(llm_kwargs or {})
+        owned = model = LLM(model=path, **kwargs)
+        model_name = path
+    if tokenizer is None:
+        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("pass tokenizer=...: the engine has no get_tokenizer() and the chat template is needed "
+                         "to build the same prompts as training")
+    prompts = [tokenizer.apply_chat_template(math_prompt(r["problem"]), tokenize=False, add_generation_prompt=True)
+               for r in rows]
+    t0 = time.perf_counter()
+    try:
+        texts = _generate(model, prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    finally:
+        generate_s = time.perf_counter() - t0
+        if owned is not None:
+            _shutdown(owned)
+    report = score(rows, texts)
+    from colo_kit.env import vllm_version
+
+    report = {"model": model_name, "dataset": dataset_name, "generate_s": round(generate_s, 3),
+              "settings": {"limit": limit, "source": source, "max_tokens": max_tokens, "temperature": temperature,
+                           "seed": seed, "prompt": "colo_kit.data.math_prompt"},
+              "env": describe(), **report}
+    report["env"]["versions"]["vllm"] = vllm_version()
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        report["path"] = str(out)
+    return report
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    for name in ("shutdown",):
+        for target in (llm, engine, getattr(engine, "engine_core", None)):
+            if target is not None and hasattr(target, name):
+                try:
+                    getattr(target, name)()
+                    break
+                except Exception:
+                    pass
+    del llm
+    gc.collect()
+
+
+def cli_main(argv: list[str]) -> int:
+    import argparse
+
+    from colo_kit.paths import runs_dir
+
+    ap = argparse.ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
+                                 "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
+    ap.add_argument("--model", default="tiny", help="preset (tiny, qwen2.5-1.5b...), hub id or folder")
+    ap.add_argument("--limit", type=int, default=None, help="first N problems only")
+    ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
+    args = ap.parse_args(argv)
+    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=args.out)
+    lo, hi = r["ci95"]
+    print(f"{r['model']}: {r['correct']}/{r['n']} = {r['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {r['dataset']}")
+    for subject, s in r["by_subject"].items():
+        print(f"  {subject:<24} {s['correct']:>4}/{s['n']:<4} {s['accuracy']:.3f}")
+    print(f"wrote {r['path']}")
+    return 0

