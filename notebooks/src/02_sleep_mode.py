@@ -1,0 +1,184 @@
+# %% [markdown]
+# # 02 · The colocated engine and sleep mode
+#
+# In colocate mode (post 1, TRL PR #3394) every training process holds its own vLLM engine, built with
+# `distributed_executor_backend="external_launcher"` inside the trainer's `torch.distributed` group. Training and
+# generation then take turns on the same GPU, so the engine must **give its memory back while the trainer runs**:
+#
+# - **sleep level 1** — weights copied to CPU memory, KV cache discarded (the same weights come back);
+# - **sleep level 2** — weights and KV cache both discarded (GRPO changes the weights every step anyway; the post
+#   uses level 2 for 72B).
+#
+# One training step then costs a **switch**: `sleep` → `wake(weights)` → **push** the trainer's new weights →
+# `wake(kv_cache)`. This notebook builds the kit's engine (`colo_kit.engine.ColocatedEngine`), generates, pushes
+# weights, and — on a GPU — sleeps at both levels with `colo_kit.sleep.SleepManager`, plotting GPU memory (NVML) at
+# each stage and timing each part of the switch. On a CPU, vLLM has no sleep mode: the notebook runs everything
+# else and shows the H200 numbers committed under `results/`.
+
+# %%
+import json
+import os
+
+import ipywidgets as widgets
+import pandas as pd
+from IPython.display import Markdown, display
+
+import colo_kit  # noqa: F401  (runtime defaults)
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's start-up log out of the cells
+from colo_kit.engine import ColocatedEngine, ColocateSettings
+from colo_kit.env import has_cuda, tier, vllm_version
+from colo_kit.sleep import (SleepManager, SleepModeUnavailable, h200_reference, memory_figure, switch_figure,
+                            switch_rows)
+
+GPU = has_cuda()
+print(f"tier: {tier()} · vLLM {vllm_version()}")
+
+# %% [markdown]
+# ## 1 · Control panel
+#
+# The engine is sized from **training settings**, as in the post: `max_num_seqs = per_device_batch × tp ×
+# grad_accum`, `max_model_len = prompt + completion length`, and `vllm_gpu_memory_utilization`, the share of the
+# GPU the engine may take beside the trainer. Change the values and re-run the cells below.
+
+# %%
+model_w = widgets.Dropdown(options=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
+                           value="qwen2.5-1.5b" if GPU else "tiny", description="model")
+batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per-device batch")
+util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.9, step=0.05, description="vLLM util")
+level_w = widgets.ToggleButtons(options=[1, 2], value=2, description="sleep level")
+steps_w = widgets.IntSlider(value=3, min=1, max=10, description="switch steps")
+display(widgets.VBox([model_w, batch_w, util_w, level_w, steps_w]))
+
+# %%
+settings = ColocateSettings(per_device_train_batch_size=batch_w.value, max_prompt_length=64, max_completion_length=32,
+                            vllm_gpu_memory_utilization=util_w.value, enable_sleep_mode=GPU)
+print(f"max_num_seqs={settings.max_num_seqs}, max_model_len={settings.max_model_len}, "
+      f"gpu_memory_utilization={settings.vllm_gpu_memory_utilization}, sleep mode={settings.enable_sleep_mode}")
+
+# Bad settings fail before any engine is built, naming the value and the fix:
+for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_memory_utilization=1.2)):
+    try:
+        bad.validate(world_size=2)
+    except ValueError as err:
+        print("ValueError:", err)
+
+# %% [markdown]
+# ## 2 · Build the engine and generate
+#
+# One process here, so the engine makes a one-rank process group (gloo on CPU, NCCL on GPU) before vLLM starts —
+# `external_launcher` joins an existing group, it never makes one. Under `torchrun --nproc_per_node 2` with
+# `tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
+# fix for vLLM #15895), gather their prompts, and each keep its own completions
+# (`torchrun --nproc_per_node 2 -m colo_kit.engine --tp 2 --sampled` shows it).
+
+# %%
+engine = ColocatedEngine(model_w.value, settings)
+print(f"engine up in {engine.startup_s:.1f} s on {engine.device}; seed {engine.seed}, TP {engine.tp}")
+out = engine.generate(["Summarise: the cat sat on the mat.", "2 + 2 ="], n=2, max_tokens=12)
+pd.DataFrame({"prompt": [engine.tokenizer.decode(p) for p in out.prompt_ids], "completion": out.texts,
+              "tokens": [len(c) for c in out.completion_ids],
+              "mean logprob": [round(sum(lp) / len(lp), 2) for lp in out.logprobs]})
+
+# %% [markdown]
+# The model has random weights (no model hub here), so the text is noise; what matters is the shape: token ids,
+# text and the sampled tokens' log-probabilities, which GRPO needs for its importance ratios.
+#
+# ## 3 · Push the trainer's weights
+#
+# After each optimizer step the trainer's weights go into the engine (`engine.push_weights(model)`: plain,
+# ZeRO-3 gathered, or PEFT merged). A fixed **greedy probe** is a fingerprint of the weights the engine holds: the
+# same weights must give the same tokens; different weights, different ones.
+
+# %%
+import torch
+from transformers import AutoModelForCausalLM
+
+trainer_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16).to(engine.device)
+before = engine.probe()
+push_s = engine.push_weights(trainer_model)
+same = engine.probe()
+print(f"push of the same weights: {push_s * 1000:.1f} ms; probe unchanged: {same['token_ids'] == before['token_ids']}")
+
+original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
+with torch.no_grad():
+    for p in trainer_model.parameters():
+        p.add_(torch.randn_like(p) * 0.02)
+engine.push_weights(trainer_model)
+changed = engine.probe()
+trainer_model.load_state_dict(original)
+engine.push_weights(trainer_model)
+print(f"perturbed weights change the probe: {changed['token_ids'] != before['token_ids']}; "
+      f"pushing the originals back restores it: {engine.probe()['token_ids'] == before['token_ids']}")
+
+# %% [markdown]
+# ## 4 · Sleep, wake, push: the switch of one training step
+#
+# `SleepManager.training(model)` is the "train now, generate next" block: the engine sleeps on entry and, on exit,
+# wakes its weights, takes the trainer's weights, restores the model buffers from its own snapshot (vLLM #16564
+# lost them after level 2), and wakes the KV cache. `self_check` runs a greedy probe before the sleep and after
+# the wake + push of the same weights and raises if they differ.
+#
+# On a CPU this section stops at a clear error: vLLM's CPU engine has no sleep mode (it would log a warning and keep
+# all its memory), so the kit refuses rather than pretend.
+
+# %%
+try:
+    mgr = SleepManager(engine, level=level_w.value)
+except SleepModeUnavailable as err:
+    mgr = None
+    print("SleepModeUnavailable:", err)
+
+# %% tags=["gpu"]
+check = mgr.self_check(trainer_model)
+print("self-check:", {k: check[k] for k in ("passed", "same_tokens", "max_logprob_diff")})
+for _ in range(steps_w.value):
+    with mgr.training(trainer_model):
+        pass  # the optimizer step would run here, with the engine's memory free
+    engine.generate(["x"] * 4, max_tokens=8)
+times = pd.DataFrame([r for r in mgr.stages if r["seconds"] is not None])
+display(times.groupby("stage")["seconds"].median().to_frame("median s"))
+memory_figure(mgr.stages, f"{model_w.value}: GPU memory at each stage, level {level_w.value} (this run)").show()
+
+# %% tags=["gpu"]
+mgr1 = SleepManager(engine, level=1 if level_w.value == 2 else 2)
+mgr1.self_check(trainer_model)
+memory_figure(mgr1.stages, f"{model_w.value}: level {mgr1.level} (this run)").show()
+
+# %% [markdown]
+# ## 5 · The H200 reference
+#
+# `scripts/gpu/engine_bench.sh` ran on 2×H200 (vLLM 0.26.0): random-init Qwen2.5-1.5B and 7B, the kit's engine at
+# `gpu_memory_utilization=0.3` against a plain `vllm.LLM` at 0.9 (256 prompts × 256 tokens, `ignore_eos`), and the
+# switch per training step, each part timed over several steps, with NVML memory at each stage. Until that JSON
+# is committed, the numbers shown are the ones the team saw by hand, labelled as such.
+
+# %%
+ref = h200_reference()
+display(Markdown(f"**Source:** {ref['source']}"))
+if "summary" in ref:
+    display(pd.DataFrame(ref["summary"]).T)
+    display(pd.DataFrame(switch_rows(ref)).set_index(["model", "level"]).round(4))
+else:
+    display(pd.Series({k: v for k, v in ref.items() if k != "source"}, name="value").to_frame())
+switch_figure(ref).show()
+
+# %%
+part = ref.get("parts", {}).get("qwen2.5-1.5b/colocate", {})
+if "level2" in part:
+    memory_figure(part["level2"]["stages"], "Qwen2.5-1.5B on H200, level 2: NVML memory per stage (committed)").show()
+    memory_figure(part["level1"]["stages"], "Qwen2.5-1.5B on H200, level 1 (committed)").show()
+else:
+    print("No committed per-stage memory yet: scripts/gpu/engine_bench.sh writes it to results/engine_bench.json. "
+          "The team saw sleep(level=2) free 41.7 GiB in 0.07 s (1.5B, vLLM 0.26.0, by hand).")
+
+# %% [markdown]
+# ## 6 · Shut down cleanly
+#
+# With sleep mode, vLLM could segfault at interpreter exit (vLLM #16993). `engine.close()` wakes any sleeping
+# memory, stops the engine core and collects it while CUDA is still alive, then destroys vLLM's groups (and the
+# process group only if the engine made it). It is also registered with `atexit`.
+
+# %%
+engine.close()
+print("closed")
