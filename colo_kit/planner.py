@@ -512,8 +512,11 @@ def measured_rows(results_dir: Path | None = None) -> list[dict]:
     path = Path(results_dir or _rd()) / "zero3_run.json"
     if path.exists():
         run = json.loads(path.read_text())
-        if run.get("status") == "ok" and run.get("nvml_peak_gib_per_gpu"):
-            rows.append({"row": f"ZeRO-3 colocate {run['settings']['model']}, {run['settings']['gpus']} GPU, sleep 2",
+        # "partial": a run stopped by its time limit after at least one full step still measured a peak.
+        if (run.get("status") == "ok" or (run.get("status") == "partial" and run.get("step_times_s"))) \
+                and run.get("nvml_peak_gib_per_gpu"):
+            offload = ", optimizer offload" if run["planner_settings"].get("offload_optimizer") else ""
+            rows.append({"row": f"ZeRO-3{offload} colocate {run['settings']['model']}, {run['settings']['gpus']} GPU, sleep 2",
                          "measured_gib": max(run["nvml_peak_gib_per_gpu"]), "plan": run["planner_settings"],
                          "source": "results/zero3_run.json"})
     return rows

@@ -95,6 +95,7 @@ def make_step_timer():
         def __init__(self):
             self.step_times_s: list[float] = []
             self._t = None
+            self.after_step = None  # rank 0 saves what it has after every step: a timeout keeps the numbers
 
         @staticmethod
         def _sync():
@@ -111,6 +112,8 @@ def make_step_timer():
             self._sync()
             if self._t is not None:
                 self.step_times_s.append(round(time.perf_counter() - self._t, 3))
+            if self.after_step is not None:
+                self.after_step()
 
     return StepTimer()
 
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--no-sleep", action="store_true")
     ap.add_argument("--no-gradient-checkpointing", action="store_true")
+    ap.add_argument("--no-offload", action="store_true",
+                    help="the DeepSpeed config does not offload the optimizer (fallback when CPU Adam cannot compile)")
     ap.add_argument("--out", default=None, help="JSON path (default results/zero3_run.json; smoke: results/runs/)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny model, no DeepSpeed, no vLLM")
     args = ap.parse_args(argv)
@@ -179,10 +184,65 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (runs_dir() / "zero3_smoke.json" if args.smoke else results_dir() / "zero3_run.json")
     sampler = NvmlPeak().start() if rank == 0 else None
     record = {"what": "TRL 1.16 GRPOTrainer colocate + DeepSpeed ZeRO-3 (offload_optimizer cpu) + vLLM sleep level 2",
-              "status": "started", "settings": {**vars(args), "model": args.model, "gpus": world}}
+              "status": "started", "settings": {**vars(args), "model": args.model, "gpus": world,
+                                                "deepspeed_config": None if args.smoke else (
+                                                    "zero3 (no optimizer offload)" if args.no_offload
+                                                    else "zero3, offload_optimizer cpu")}}
     timer = make_step_timer()
     t_start = time.perf_counter()
     trainer = None
+
+    def write(final: bool = False) -> None:
+        """Rank 0 writes the record: after each step (status 'partial') and at the end."""
+        if rank != 0:
+            return
+        record["wall_s"] = round(time.perf_counter() - t_start, 1)
+        if final:
+            sampler.stop()
+        gib = sampler.total[0] if sampler.total else None
+        record["env"] = record.get("env") or describe()
+        record["step_times_s"] = list(timer.step_times_s)
+        record["trl_log"] = trainer.state.log_history if trainer is not None else []
+        if sampler.available:
+            record["nvml_peak_gib_per_gpu"] = [round(p, 2) for p in sampler.peak[:world]]
+            record["nvml_baseline_gib_per_gpu"] = [round(b, 2) for b in sampler.baseline[:world]]
+            record["nvml_total_gib"] = round(gib, 2)
+            record["nvml_timeline"] = {"columns": ["t_s"] + [f"gpu{i}_used_gib" for i in range(len(sampler.peak))],
+                                       "rows": list(sampler.timeline)}
+        planner_settings = dict(
+            model=args.model, gpus=world, gpu_mem_gib=round(gib or 139.8, 2),
+            zero_stage=0 if args.smoke else 3, offload_optimizer=not (args.smoke or args.no_offload),
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_tensor_parallel_size=args.tp,
+            sleep_level=0 if (args.smoke or args.no_sleep) else 2, per_device_batch=args.per_device_batch,
+            prompt_length=record.get("prompt_tokens", {}).get("max", 96),
+            completion_length=args.completion_length,
+            gradient_checkpointing=not args.no_gradient_checkpointing,
+            mode="server" if args.smoke else "colocate")  # smoke: no vLLM on the device, like server mode's GPU
+        record["planner_settings"] = planner_settings
+        try:
+            pred = estimate(Plan(**planner_settings))
+            record["planner_prediction"] = {k: pred[k] for k in ("peak_gib_per_gpu", "peak_phase", "parts",
+                                                                 "host_gib_per_node", "fits")}
+            if final:
+                record["planner_recommendation"] = recommend(Plan(**planner_settings))
+            if record.get("nvml_peak_gib_per_gpu"):
+                record["planner_error"] = round(pred["peak_gib_per_gpu"] / max(record["nvml_peak_gib_per_gpu"]) - 1, 4)
+        except Exception as exc:
+            record["planner_prediction"] = {"error": f"{type(exc).__name__}: {exc}"}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        tmp.replace(out)
+        if final:
+            print(f"[zero3] {record['status']}: wrote {out}  peak/GPU {record.get('nvml_peak_gib_per_gpu')} GiB, "
+                  f"predicted {record.get('planner_prediction', {}).get('peak_gib_per_gpu')} GiB, "
+                  f"step times {record['step_times_s']} s", flush=True)
+
+    def after_step():
+        record["status"] = "partial"
+        write()
+
+    timer.after_step = after_step
     try:
         with state.main_process_first():
             model_path = resolve_model(args.model)
@@ -223,44 +283,7 @@ def main(argv=None) -> int:
         record["traceback"] = traceback.format_exc()[-4000:]
         print(record["traceback"], file=sys.stderr, flush=True)
     finally:
-        record["wall_s"] = round(time.perf_counter() - t_start, 1)
-        if rank == 0:
-            sampler.stop()
-            gib = sampler.total[0] if sampler.total else None
-            record["env"] = describe()
-            record["step_times_s"] = timer.step_times_s
-            record["trl_log"] = trainer.state.log_history if trainer is not None else []
-            if sampler.available:
-                record["nvml_peak_gib_per_gpu"] = [round(p, 2) for p in sampler.peak[:world]]
-                record["nvml_baseline_gib_per_gpu"] = [round(b, 2) for b in sampler.baseline[:world]]
-                record["nvml_total_gib"] = round(gib, 2)
-                record["nvml_timeline"] = {"columns": ["t_s"] + [f"gpu{i}_used_gib" for i in range(len(sampler.peak))],
-                                           "rows": sampler.timeline}
-            planner_settings = dict(
-                model=args.model, gpus=world, gpu_mem_gib=round(gib or 139.8, 2),
-                zero_stage=0 if args.smoke else 3, offload_optimizer=not args.smoke,
-                vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_tensor_parallel_size=args.tp,
-                sleep_level=0 if (args.smoke or args.no_sleep) else 2, per_device_batch=args.per_device_batch,
-                prompt_length=record.get("prompt_tokens", {}).get("max", 96),
-                completion_length=args.completion_length,
-                gradient_checkpointing=not args.no_gradient_checkpointing,
-                mode="server" if args.smoke else "colocate")  # smoke: no vLLM on the device, like server mode's GPU
-            record["planner_settings"] = planner_settings
-            try:
-                pred = estimate(Plan(**planner_settings))
-                record["planner_prediction"] = {k: pred[k] for k in ("peak_gib_per_gpu", "peak_phase", "parts",
-                                                                     "host_gib_per_node", "fits")}
-                record["planner_recommendation"] = recommend(Plan(**planner_settings))
-                if record.get("nvml_peak_gib_per_gpu"):
-                    m = max(record["nvml_peak_gib_per_gpu"])
-                    record["planner_error"] = round(pred["peak_gib_per_gpu"] / m - 1, 4)
-            except Exception as exc:
-                record["planner_prediction"] = {"error": f"{type(exc).__name__}: {exc}"}
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(record, indent=1, default=str) + "\n")
-            print(f"[zero3] {record['status']}: wrote {out}  peak/GPU {record.get('nvml_peak_gib_per_gpu')} GiB, "
-                  f"predicted {record.get('planner_prediction', {}).get('peak_gib_per_gpu')} GiB, "
-                  f"step times {record['step_times_s']} s", flush=True)
+        write(final=True)
     return 0 if record["status"] == "ok" else 1
 
 

@@ -139,9 +139,12 @@ if run is None:
     pred = plan_report(model="qwen2.5-7b", gpus=2, zero_stage=3, offload_optimizer=True, sleep_level=2,
                        per_device_batch=8, prompt_length=80, completion_length=128, host_mem_gib=256)
     parts_figure(pred, title="qwen2.5-7b, ZeRO-3 + offload, sleep 2, 2 GPUs: planner only").show()
-elif run.get("status") != "ok":
+elif run.get("status") not in ("ok", "partial") or not run.get("nvml_peak_gib_per_gpu"):
     display(Markdown(f"**The GPU run failed:** `{run.get('error')}` — see `log_tail` in {run_path.name}."))
 else:
+    if run["status"] == "partial":
+        display(Markdown(f"*The run hit its time limit after {len(run['step_times_s'])} step(s); the numbers "
+                         "below are from the steps it finished.*"))
     measured = run["nvml_peak_gib_per_gpu"]
     pred = estimate(Plan(**run["planner_settings"]))
     display(Markdown(
