@@ -211,10 +211,6 @@ def _activation_bytes_per_token(m: ModelShape, plan: Plan) -> float:
     return m.num_hidden_layers * per_layer
 
 
-def _ceil_div(a: float, b: int) -> float:
-    return a / b
-
-
 def estimate(plan: Plan | None = None, **settings) -> dict:
     """Per-GPU memory (GiB) by part for both phases, the peak, whether it fits, and the host memory."""
     plan = replace(plan or Plan(), **settings).validate()
@@ -230,6 +226,7 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
 
     # ---- training state -------------------------------------------------------------------------
     trainable = m.lora_params(plan.lora_rank) if lora else P
+    sync_gather = 0.0
     if deepspeed:
         # DeepSpeed with bf16 keeps bf16 weights and gradients, an fp32 master copy and fp32 Adam moments.
         weights = 2 * P / (n if plan.zero_stage == 3 else 1)
@@ -243,8 +240,8 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
         zero_buckets = 4 * 2 * m.hidden_size ** 2      # reduce bucket ("auto" = hidden²) in fp32, twice
         if lora and plan.zero_stage == 3:
             notes.append("LoRA + ZeRO-3: TRL gathers the whole model on every GPU to merge the adapter before "
-                         "each weight sync (trl/generation/vllm_generation.py); that transient is counted.")
-            zero3_gathered = 2 * P
+                         "each weight sync (trl/generation/vllm_generation.py); counted in the generation phase.")
+            sync_gather = 2 * P
     else:
         weights = w_bytes * P
         grads = (4 if lora else w_bytes) * trainable    # PEFT keeps adapters in fp32
@@ -301,6 +298,7 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
         "ddp_buckets": g(ddp_buckets),
         "zero_buffers": g(zero_buckets),
         "training_cache_kept": g(kept * transient),
+        "weight_sync_gather": g(sync_gather),
         "vllm_weights": vllm_weights,
         "vllm_kv_cache": kv_cache,
         "vllm_overhead": max(0.0, vllm_total - vllm_weights - kv_cache),
@@ -358,9 +356,7 @@ def max_safe_utilization(plan: Plan) -> float:
     lo = estimate(plan, vllm_gpu_memory_utilization=0.01)
     hi = estimate(plan, vllm_gpu_memory_utilization=1.0)
     budget = SAFE_FRACTION * plan.gpu_mem_gib
-    best = 0.0
-    # Each phase: peak(u) = a + b u. The binding one gives the bound.
-    bounds = []
+    bounds = []  # each phase: peak(u) = base + slope × u; the tightest phase sets the bound
     for phase in ("training", "generation"):
         a0, a1 = lo["phase_peaks_gib"][phase], hi["phase_peaks_gib"][phase]
         slope = (a1 - a0) / 0.99
