@@ -300,6 +300,56 @@ class AdapterSync:
         return rec
 
 
+def rollout_groups(server_url: str, model_name: str, prompts_ids: list[list[int]], group_size: int,
+                   max_tokens: int = 24, temperature: float = 1.0) -> list[list[list[int]]]:
+    """G completions per prompt, requested as TRL's rollout worker does (n=1 requests, token-id
+    prompts, `return_token_ids`), all at once through `server_url` (the proxy)."""
+    import asyncio
+
+    import aiohttp
+
+    from colo_kit.replicas import run_async
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+            async def one(ids):
+                async with s.post(server_url + "/v1/completions", json={
+                        "model": model_name, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
+                        "return_token_ids": True, "seed": int.from_bytes(os.urandom(4), "little")}) as r:
+                    body = await r.json()
+                    if r.status != 200:
+                        raise RuntimeError(f"{model_name}: HTTP {r.status} {str(body)[:300]}")
+                    return body["choices"][0]["token_ids"]
+            return await asyncio.gather(*(asyncio.gather(*(one(p) for _ in range(group_size))) for p in prompts_ids))
+
+    return [list(g) for g in run_async(run())]
+
+
+def grpo_step(peft_model, optimizer, prompts_ids, groups, rewards) -> dict:
+    """One GRPO policy-gradient step on CPU (no clipping: the rollouts are on-policy here):
+    group-normalised advantages times the completion's log-probability under the adapter."""
+    import torch
+
+    losses, advs = [], []
+    for prompt, completions, rs in zip(prompts_ids, groups, rewards):
+        r = torch.tensor(rs, dtype=torch.float32)
+        adv = (r - r.mean()) / (r.std() + 1e-4)
+        for comp, a in zip(completions, adv):
+            if not comp:
+                continue
+            ids = torch.tensor([prompt + comp])
+            logits = peft_model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
+            losses.append(-a * logp.mean())
+            advs.append(float(a))
+    loss = torch.stack(losses).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    flat = [x for rs in rewards for x in rs]
+    return {"loss": float(loss), "reward_mean": sum(flat) / len(flat)}
+
+
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
     """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""
     rows = []

@@ -97,6 +97,8 @@ class ProxyConfig:
     slack: int = 8
     tokenizer: str | None = None
     health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    health_failures_to_drop: int = 2  # consecutive failed polls; a refused connection drops at once
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
@@ -243,6 +245,7 @@ class _Replica:
         self.failures = 0
         self.affinity_hits = 0
         self.last_error: str | None = None
+        self.failed_polls = 0
 
 
 class RoutingProxy:
@@ -344,12 +347,20 @@ class RoutingProxy:
 
         try:
             async with self._session.get(rep.url + "/health", headers=self._upstream_headers(),
-                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                                         timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
                 await r.read()
-                return r.status == 200
-        except Exception as exc:
+                if r.status == 200:
+                    rep.failed_polls = 0
+                    return True
+                raise RuntimeError(f"/health answered {r.status}")
+        except aiohttp.ClientConnectorError as exc:  # nothing listening: dead now
             rep.last_error = type(exc).__name__
+            rep.failed_polls = self.config.health_failures_to_drop
             return False
+        except Exception as exc:  # slow or odd answer: dead only if it repeats (a busy host is not a dead one)
+            rep.last_error = type(exc).__name__
+            rep.failed_polls += 1
+            return rep.failed_polls < self.config.health_failures_to_drop and rep.healthy
 
     async def _poll_health(self):
         reps = list(self.replicas.values())

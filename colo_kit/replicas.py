@@ -22,6 +22,39 @@ from pathlib import Path
 from colo_kit.lora import ReplicaLaunch
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_async(coro):
+    """`asyncio.run`, also from a Jupyter cell (whose thread already runs an event loop)."""
+    import asyncio
+    import threading
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class ReplicaSet:
     def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike, token: str | None = None):
         self.launches = launches
@@ -34,7 +67,10 @@ class ReplicaSet:
     def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
         import httpx
 
+        import atexit
+
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)  # a failed notebook cell or test must not leave servers behind
         t0 = time.perf_counter()
         for i, l in enumerate(self.launches):
             log = open(self.log_dir / f"replica{i}.log", "w")
@@ -157,7 +193,7 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
         return latencies
 
     t0 = time.perf_counter()
-    latencies = asyncio.run(run())
+    latencies = run_async(run())
     wall_s = time.perf_counter() - t0
     # The counters are updated by the engine's stats logger; give it a moment to publish.
     time.sleep(1.0)

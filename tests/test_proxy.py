@@ -19,6 +19,7 @@ from colo_kit.proxy import PrefixKeyer, ProxyConfig, RoutingProxy, choose_replic
 from colo_kit.replicas import start_stub
 
 TOKEN_ENV = "COLO_KIT_TEST_PROXY_TOKEN"
+H = httpx.Client(timeout=60)  # the 2 cores are shared: generous timeouts, the asserts are on outcomes
 TOKEN = "s3cr3t-token-for-tests"
 
 
@@ -47,7 +48,7 @@ def _proxy(ports, **kw) -> RoutingProxy:
 
 
 def _state(port) -> dict:
-    return httpx.get(f"http://127.0.0.1:{port}/_stub/state").json()
+    return H.get(f"http://127.0.0.1:{port}/_stub/state").json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +85,9 @@ def test_token_never_in_repr_or_logs(stubs, caplog):
     caplog.set_level("DEBUG", logger="colo_kit.proxy")
     p = _proxy(ports)
     try:
-        httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
+        H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
         assert TOKEN not in repr(p.config)
-        assert TOKEN not in httpx.get(p.url + "/metrics").text
+        assert TOKEN not in H.get(p.url + "/metrics").text
         assert TOKEN not in json.dumps(p.snapshot())
     finally:
         p.stop_thread()
@@ -191,7 +192,7 @@ def test_round_robin_splits_groups(stubs):
     ports, _ = stubs
     p = _proxy(ports, policy="round_robin")
     try:
-        reps = {httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 64}).json()["replica"]
+        reps = {H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 64}).json()["replica"]
                 for _ in range(8)}
         assert reps == {"r0", "r1"}
     finally:
@@ -202,7 +203,7 @@ def test_without_the_token_the_replicas_refuse(stubs, monkeypatch):
     ports, _ = stubs
     p = RoutingProxy(ProxyConfig(replicas=[f"http://127.0.0.1:{x}" for x in ports], port=0)).start_in_thread()
     try:
-        assert httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1]}).status_code == 401
+        assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1]}).status_code == 401
     finally:
         p.stop_thread()
 
@@ -211,14 +212,14 @@ def test_broadcast_reaches_all_and_reports_partial_failure(stubs):
     ports, _ = stubs
     p = _proxy(ports)
     try:
-        r = httpx.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v1", "lora_path": "/x/v1"})
+        r = H.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v1", "lora_path": "/x/v1"})
         assert r.status_code == 200
         assert all(_state(x)["adapters"] == {"trl-policy-v1": "/x/v1"} for x in ports)
-        assert httpx.post(p.url + "/pause", params={"mode": "keep"}).status_code == 200
+        assert H.post(p.url + "/pause", params={"mode": "keep"}).status_code == 200
         assert all(c["query"] == "mode=keep" for x in ports for c in _state(x)["calls"] if c["path"] == "/pause")
 
-        httpx.post(f"http://127.0.0.1:{ports[1]}/_stub/fail", params={"paths": "/resume"})
-        r = httpx.post(p.url + "/resume")
+        H.post(f"http://127.0.0.1:{ports[1]}/_stub/fail", params={"paths": "/resume"})
+        r = H.post(p.url + "/resume")
         assert r.status_code == 502
         body = r.json()
         assert [f["replica"] for f in body["failed"]] == [f"http://127.0.0.1:{ports[1]}"]
@@ -251,7 +252,7 @@ def test_kill_a_replica_mid_run_no_request_lost_then_recovery(stubs, tmp_path):
     p = _proxy(ports)
     try:
         # adapters loaded before the crash are replayed when the replica returns
-        httpx.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v1", "lora_path": "/x/v1"})
+        H.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v1", "lora_path": "/x/v1"})
 
         async def run():
             async with httpx.AsyncClient(timeout=30) as c:
@@ -267,11 +268,11 @@ def test_kill_a_replica_mid_run_no_request_lost_then_recovery(stubs, tmp_path):
         assert {r.json()["replica"] for r in rs} == {"r1"}  # the killed one's requests were re-routed
         snap = p.snapshot()
         assert snap["retries"] >= 1 and not snap["replicas"][f"http://127.0.0.1:{ports[0]}"]["healthy"]
-        health = httpx.get(p.url + "/health").json()
+        health = H.get(p.url + "/health").json()
         assert health["healthy_replicas"] == [f"http://127.0.0.1:{ports[1]}"]
 
         # a broadcast while it is down reports it
-        r = httpx.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v2", "lora_path": "/x/v2"})
+        r = H.post(p.url + "/v1/load_lora_adapter", json={"lora_name": "trl-policy-v2", "lora_path": "/x/v2"})
         assert r.status_code == 502 and r.json()["failed"][0]["replica"] == f"http://127.0.0.1:{ports[0]}"
 
         procs[ports[0]] = start_stub(ports[0], "r0", token_env=TOKEN_ENV, log_path=tmp_path / "stub0b.log")
@@ -281,7 +282,7 @@ def test_kill_a_replica_mid_run_no_request_lost_then_recovery(stubs, tmp_path):
         snap = p.snapshot()
         assert snap["recoveries"] == 1
         assert _state(ports[0])["adapters"] == {"trl-policy-v1": "/x/v1", "trl-policy-v2": "/x/v2"}
-        seen = {httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40}).json()["replica"]
+        seen = {H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40}).json()["replica"]
                 for i in range(30)}
         assert seen == {"r0", "r1"}
     finally:
@@ -295,9 +296,9 @@ def test_all_replicas_dead_gives_a_clear_error(stubs):
         for proc in procs.values():
             proc.kill()
             proc.wait()
-        r = httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
+        r = H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
         assert r.status_code == 502 and "no replica could serve /v1/completions" in r.json()["error"]["message"]
-        assert httpx.get(p.url + "/health").status_code in (200, 503)
+        assert H.get(p.url + "/health").status_code in (200, 503)
     finally:
         p.stop_thread()
 
@@ -307,11 +308,11 @@ def test_metrics_endpoint_is_prometheus_text(stubs):
     p = _proxy(ports)
     try:
         for i in range(5):
-            httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40})
-        text = httpx.get(p.url + "/metrics").text
+            H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40})
+        text = H.get(p.url + "/metrics").text
         assert "colo_proxy_routed_total 5" in text
         assert f'colo_proxy_replica_healthy{{replica="http://127.0.0.1:{ports[0]}"}} 1' in text
-        assert httpx.get(p.url + "/metrics?format=json").json()["routed"] == 5
+        assert H.get(p.url + "/metrics?format=json").json()["routed"] == 5
     finally:
         p.stop_thread()
 
@@ -334,9 +335,9 @@ def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypat
         p = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env=TOKEN_ENV, block_size=32,
                                      tokenizer=tiny_model_path)).start_in_thread()
         try:
-            assert httpx.get(p.url + "/server_info", params={"config_format": "json"}).json()[
+            assert H.get(p.url + "/server_info", params={"config_format": "json"}).json()[
                 "vllm_config"]["lora_config"]["max_loras"] == 3
-            r = httpx.post(p.url + "/v1/load_lora_adapter", timeout=60,
+            r = H.post(p.url + "/v1/load_lora_adapter", timeout=60,
                            json={"lora_name": "trl-policy-v1", "lora_path": str(adapter), "load_inplace": False})
             assert r.status_code == 200, r.text
             probe_adapters(reps.urls, "trl-policy-v1", str(adapter), token=TOKEN)
