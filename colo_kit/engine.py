@@ -506,6 +506,7 @@ def _selftest(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sampled", action="store_true", help="also sample at temperature 1 with the TP seed")
+    ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
     args = ap.parse_args(argv)
     s = ColocateSettings(tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
                          max_completion_length=args.max_tokens)
@@ -520,6 +521,8 @@ def _selftest(argv: list[str] | None = None) -> int:
                                 whole_group=True)
         rec["group_sampled"] = group.completion_ids
     print("COLO_KIT_ENGINE " + json.dumps(rec), flush=True)
+    if args.out_dir:
+        Path(args.out_dir, f"rank{engine.rank}.json").write_text(json.dumps(rec))
     engine.close()
     return 0
 

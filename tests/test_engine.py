@@ -123,16 +123,15 @@ def test_peft_push_merges_the_adapter(engine, hf_model):
 
 
 @pytest.mark.slow
-def test_tp2_under_two_processes_agree(free_port):
+def test_tp2_under_two_processes_agree(free_port, tmp_path):
     """torchrun, 2 processes, gloo, TP=2: the two engines are one model. Both must produce the same
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--max-tokens", "6"]
+           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--max-tokens", "6", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    recs = sorted((json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-                   if line.startswith("COLO_KIT_ENGINE ")), key=lambda r: r["rank"])
+    recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in recs] == [0, 1]
     assert [r["seed"] for r in recs] == [0, 0]
     assert recs[0]["group_sampled"] == recs[1]["group_sampled"]
