@@ -1,0 +1,75 @@
+"""Offline models: real Qwen2 shapes, a tokenizer that survives transformers 5's rebuild, vLLM loads them."""
+
+import json
+
+import pytest
+
+from colo_kit.models import PRESETS, build_model, get_preset, resolve_model
+
+# Published config.json values of the Qwen2.5 Instruct models (hidden, layers, heads, kv heads,
+# intermediate, vocab, tied) and their published parameter counts in billions.
+PUBLISHED = {
+    "qwen2.5-0.5b": ((896, 24, 14, 2, 4864, 151936, True), 0.494),
+    "qwen2.5-1.5b": ((1536, 28, 12, 2, 8960, 151936, True), 1.544),
+    "qwen2.5-7b": ((3584, 28, 28, 4, 18944, 152064, False), 7.616),
+    "qwen2.5-72b": ((8192, 80, 64, 8, 29568, 152064, False), 72.71),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_the_published_shapes_and_sizes(name):
+    p = get_preset(name)
+    shape, billions = PUBLISHED[name]
+    assert (p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
+            p.intermediate_size, p.vocab_size, p.tie_word_embeddings) == shape
+    assert p.num_params() / 1e9 == pytest.approx(billions, rel=0.005)
+    assert p.rope_theta == 1_000_000.0
+
+
+def test_tiny_fits_vllm_cpu_attention():
+    assert get_preset("tiny").head_dim >= 32  # vLLM's CPU attention needs head size >= 32
+
+
+def test_unknown_preset_and_72b_build_fail_clearly():
+    with pytest.raises(ValueError, match="unknown model preset 'qwen9'"):
+        get_preset("qwen9")
+    with pytest.raises(ValueError, match="config only"):
+        build_model("qwen2.5-72b")
+    with pytest.raises(ValueError, match="neither a local folder"):
+        resolve_model("not-a-model")
+
+
+def test_hub_id_passes_through_unchanged():
+    assert resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_tiny_folder_loads_in_transformers_with_a_working_tokenizer(tiny_model_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(tiny_model_path)
+    assert cfg.model_type == "qwen2" and cfg.vocab_size == PRESETS["tiny"].vocab_size
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert len(tok) == cfg.vocab_size
+    text = "TL;DR: my roommate ate 12 of my 20 dumplings \\boxed{\\frac{3}{5}}"
+    ids = tok(text)["input_ids"]
+    # The failure this guards against: a tokenizer rebuilt by transformers 5 that encodes prompts to nothing.
+    assert len(ids) > 5
+    assert tok.decode(ids) == text
+    assert tok.eos_token == "<|im_end|>" and cfg.eos_token_id == tok.eos_token_id
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n")
+    # every id the model can sample decodes to text
+    every = tok.batch_decode([[i] for i in range(cfg.vocab_size)])
+    assert all(isinstance(s, str) for s in every) and sum(1 for s in every if s) >= cfg.vocab_size - 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.lm_head.weight.shape[0] == cfg.vocab_size
+    meta = json.loads((__import__("pathlib").Path(tiny_model_path) / "colo_kit.json").read_text())
+    assert meta["random_weights"] is True
+
+
+def test_build_is_cached(tiny_model_path):
+    import os
+
+    before = os.stat(tiny_model_path + "/model.safetensors").st_mtime
+    assert str(build_model("tiny")) == tiny_model_path
+    assert os.stat(tiny_model_path + "/model.safetensors").st_mtime == before
