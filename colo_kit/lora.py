@@ -347,7 +347,7 @@ def grpo_step(peft_model, optimizer, prompts_ids, groups, rewards) -> dict:
     loss.backward()
     optimizer.step()
     flat = [x for rs in rewards for x in rs]
-    return {"loss": float(loss), "reward_mean": sum(flat) / len(flat)}
+    return {"loss": float(loss.detach()), "reward_mean": sum(flat) / len(flat)}
 
 
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:

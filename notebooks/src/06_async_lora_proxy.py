@@ -157,11 +157,15 @@ opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=
 bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")  # stands in for the mounted bucket
 sync = AdapterSync(proxy.url, bucket, max_staleness=MAX_STALENESS)
 prompts = [tok(p, add_special_tokens=False).input_ids[:96] for p in load_tldr(source="offline")["prompt"][:16]]
-G, STEPS, TARGET = 8, (3 if HEADLESS else 6), 12
+G, STEPS = 8, (3 if HEADLESS else 6)
 
 
-def length_reward(ids):  # the first post's reward, in tokens: best at TARGET tokens
-    return -abs(TARGET - len(ids))
+def copy_reward(prompt, ids):
+    # A toy reward that differs between the samples of a random-weight model: the share of completion
+    # tokens that appear in the prompt. (The first post's length reward is flat here: random weights
+    # never emit the end token, so every completion runs to max_tokens and every advantage is 0.)
+    seen = set(prompt)
+    return sum(t in seen for t in ids) / max(1, len(ids))
 
 
 sync.sync(policy)  # v1: the starting adapter, published and loaded on both replicas
@@ -169,7 +173,7 @@ log = []
 for step in range(STEPS):
     batch = [prompts[(2 * step + i) % len(prompts)] for i in range(2)]
     groups = rollout_groups(proxy.url, adapter_name(sync.version), batch, G, max_tokens=24)
-    rewards = [[length_reward(c) for c in g] for g in groups]
+    rewards = [[copy_reward(p, c) for c in g] for p, g in zip(batch, groups)]
     stats = grpo_step(policy, opt, batch, groups, rewards)
     rec = sync.sync(policy)
     log.append({"step": step + 1, "rolled_out_with": adapter_name(sync.version - 1), **stats,
