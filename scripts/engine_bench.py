@@ -33,6 +33,17 @@ TRL_REFERENCE = {"trl_1.16_colocate_sleep_switch_s": [0.15, 0.27],
                  "note": "issue 3, measured by the team on the same machine; not re-measured here"}
 
 
+_PARTIAL: dict = {}
+
+
+def save_partial(out: dict) -> None:
+    """Write what a run has so far: a part killed by its timeout still leaves its finished phases."""
+    path = _PARTIAL.get("path")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({**out, "partial": True, "env": describe()}, indent=1, default=str))
+
+
 def log(msg: str) -> None:
     print(f"[engine_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -110,6 +121,7 @@ def run_colocate(args) -> dict:
     log("colocate: throughput")
     out["throughput"] = time_generation(gen, prompts, args.tokens, args.repeats)
     log(f"colocate: {out['throughput']['median_tok_per_s']:.0f} tok/s")
+    save_partial(out)
 
     log("colocate: loading the trainer's copy of the model")
     dev = engine.device
@@ -122,6 +134,7 @@ def run_colocate(args) -> dict:
     model.eval()
     pushes = [engine.push_weights(model) for _ in range(args.steps)]
     out["push_awake_s"] = [round(p, 5) for p in pushes]
+    save_partial(out)
 
     if not gpu:
         out["sleep"] = "skipped: vLLM's CPU engine has no sleep mode"
@@ -147,6 +160,7 @@ def run_colocate(args) -> dict:
                 "stages": mgr.stages,  # NVML memory at each stage, self-check cycle first
             }
             log(f"colocate: level {level} switch median {out[f'level{level}']['median_s']['switch_s']:.4f} s")
+            save_partial(out)
         after = engine.probe()
         out["probe_after_all_switches"] = after["token_ids"]
     out["memory_awake"] = nvml()
@@ -203,9 +217,8 @@ def merge(args) -> dict:
             s["throughput_goal_met"] = s["throughput_ratio"] >= GOALS["throughput_ratio_min"]
         if c and "level2" in c:
             s["switch_l2_median_s"] = c["level2"]["median_s"]
-            s["switch_l1_median_s"] = c["level1"]["median_s"]
-            s["self_check_passed"] = bool(c["level2"]["self_check"].get("passed")) and \
-                bool(c["level1"]["self_check"].get("passed"))
+            s["switch_l1_median_s"] = c.get("level1", {}).get("median_s")
+            s["self_check_passed"] = all(bool(c[k]["self_check"].get("passed")) for k in ("level2", "level1") if k in c)
             stages = {r["stage"]: r for r in reversed(c["level2"]["stages"])}  # first occurrence wins
             if "awake" in stages and "sleep_l2" in stages:
                 s["sleep_l2_freed_gib"] = round(stages["awake"]["used_gib"] - stages["sleep_l2"]["used_gib"], 2)
@@ -238,6 +251,8 @@ def main(argv=None) -> int:
         args.model, args.prompts, args.prompt_len, args.tokens, args.repeats, args.steps = "tiny", 8, 16, 16, 2, 2
     if args.util is None:
         args.util = 0.9 if args.mode == "plain" else 0.3
+    if args.mode in ("colocate", "plain"):
+        _PARTIAL["path"] = args.out
     if args.mode == "build":
         print(json.dumps(build(args)))
         return 0
