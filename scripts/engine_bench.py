@@ -163,10 +163,33 @@ def run_colocate(args) -> dict:
             save_partial(out)
         after = engine.probe()
         out["probe_after_all_switches"] = after["token_ids"]
+        if args.zero3_check:
+            out["zero3_push"] = zero3_push_check(engine, model)
+            save_partial(out)
     out["memory_awake"] = nvml()
     del model
     engine.close()
     return out
+
+
+def zero3_push_check(engine, model) -> dict:
+    """Push from a DeepSpeed ZeRO-3 engine (parameters partitioned, gathered batch by batch in
+    push_weights): the greedy probe must equal the one after a push of the same plain model."""
+    try:
+        import deepspeed
+
+        log("colocate: ZeRO-3 push check")
+        want = engine.probe()
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+        ds_engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        partitioned = sum(1 for p in ds_engine.module.parameters() if hasattr(p, "ds_id") and p.numel() == 0)
+        push_s = engine.push_weights(ds_engine)
+        got = engine.probe()
+        return {"push_s": round(push_s, 5), "partitioned_params": partitioned,
+                "same_probe": got["token_ids"] == want["token_ids"],
+                "max_logprob_diff": max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))}
+    except Exception as exc:
+        return {"error": repr(exc)}
 
 
 def run_plain(args) -> dict:
@@ -226,6 +249,8 @@ def merge(args) -> dict:
                 s["switch_goal_met"] = c["level2"]["median_s"]["switch_s"] <= GOALS["switch_s_max_at_1.5b"]
         if c and "push_awake_s" in c:
             s["push_awake_median_s"] = statistics.median(c["push_awake_s"])
+        if c and "zero3_push" in c:
+            s["zero3_push"] = c["zero3_push"]
         if c and "clean_exit" in c:
             s["colocate_clean_exit"] = c["clean_exit"]
         summary[name] = s
@@ -243,6 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="switch steps timed per sleep level")
+    ap.add_argument("--zero3-check", action="store_true", help="also push from a DeepSpeed ZeRO-3 engine (GPU)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 8 prompts x 16 tokens")
     ap.add_argument("--out", default=None)
     ap.add_argument("parts", nargs="*", help="merge: the part JSON files")

@@ -40,7 +40,7 @@ if [ "$SMOKE" = "--smoke" ]; then
   run_part tiny_plain "" 300 plain --smoke
 else
   nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee -a "$LOG"
-  ( run_part q15_colocate 0 170 colocate --model qwen2.5-1.5b
+  ( run_part q15_colocate 0 170 colocate --model qwen2.5-1.5b --zero3-check
     run_part q15_plain 0 120 plain --model qwen2.5-1.5b ) &
   ( run_part q7_colocate 1 190 colocate --model qwen2.5-7b --repeats 2 --steps 3
     run_part q7_plain 1 120 plain --model qwen2.5-7b --repeats 2 ) &
