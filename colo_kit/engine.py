@@ -32,10 +32,10 @@ import json
 import os
 import socket
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda
@@ -308,6 +308,9 @@ class ColocatedEngine:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(tp_groups(self.world_size, self.tp))
         self.seed = self.rank // self.tp  # vLLM #15895: one seed per TP group
 
+        # external_launcher runs its engine core in this process (it asserts so; vLLM >= 0.31 also
+        # switches it off by itself): one scheduler per rank, in step with the trainer.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         kwargs = dict(
