@@ -1,0 +1,198 @@
+"""colo_kit.launch: multi-process cells through accelerate's notebook_launcher, run for real —
+2 forked CPU processes over gloo, a real Jupyter kernel, real worker crashes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from colo_kit.launch import KernelNotSafe, WorkerError, kernel_problems, launch
+from colo_kit.paths import REPO_ROOT
+
+
+def _who(tag):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    print(f"worker {dist.get_rank()} says {tag}", flush=True)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
+            "pid": os.getpid(), "sum": t.item(), "tag": tag, "port": os.environ["MASTER_PORT"]}
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad value 42 on rank one")
+    return "fine"
+
+
+def test_two_cpu_processes_return_results_and_each_launch_gets_its_own_port(capfd):
+    first = launch(_who, "a", num_processes=2, cpu=True)
+    second = launch(_who, "b", num_processes=2, cpu=True)
+    for res, tag in ((first, "a"), (second, "b")):
+        assert res.how == "notebook_launcher (fork)" and res.backend == "gloo"
+        assert [r["rank"] for r in res.results] == [0, 1]
+        assert {r["world"] for r in res.results} == {2}  # really two processes, not two worlds of one
+        assert {r["backend"] for r in res.results} == {"gloo"}
+        assert res.results[0]["pid"] != res.results[1]["pid"] != os.getpid()
+        assert [r["sum"] for r in res.results] == [3.0, 3.0]  # the all-reduce crossed processes
+        assert {r["tag"] for r in res.results} == {tag}
+        assert {r["port"] for r in res.results} == {str(res.port)}
+    assert first.port != second.port
+    out = capfd.readouterr().out
+    assert "[rank 1] worker 1 says b" in out  # worker lines streamed to the caller
+
+
+def test_a_worker_exception_comes_back_with_its_message_and_the_caller_survives():
+    with pytest.raises(WorkerError) as info:
+        launch(_fail_on_rank_one, num_processes=2, cpu=True, echo=False)
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: bad value 42 on rank one" in str(err)
+    assert "_fail_on_rank_one" in err.worker_traceback
+    # The caller is alive and can launch again.
+    assert launch(_who, "again", num_processes=2, cpu=True, echo=False).results[1]["tag"] == "again"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_processes=0), "num_processes=0"),
+    (dict(fresh_process="sometimes"), "fresh_process='sometimes'"),
+])
+def test_bad_arguments_name_the_value(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        launch(_who, "x", cpu=True, **kwargs)
+
+
+def test_not_callable_is_refused():
+    with pytest.raises(TypeError, match="not callable"):
+        launch("train", cpu=True)
+
+
+_ACCELERATE_STATE_SCRIPT = textwrap.dedent("""
+    import colo_kit
+    from accelerate import PartialState
+    from colo_kit.launch import KernelNotSafe, kernel_problems, launch
+
+    def rank_and_world():
+        import torch.distributed as dist
+        return dist.get_rank(), dist.get_world_size()
+
+    PartialState(cpu=True)  # a trainer built in the kernel leaves this behind
+    assert kernel_problems(), "the accelerate state was not noticed"
+    try:
+        launch(rank_and_world, num_processes=2, cpu=True, fresh_process=False)
+    except KernelNotSafe as exc:
+        assert "Fix:" in str(exc) and "fresh_process=True" in str(exc), exc
+        print("REFUSED")
+    res = launch(rank_and_world, num_processes=2, cpu=True, echo=False)  # auto: a fresh process instead
+    print("FRESH", res.how, res.results)
+""")
+
+
+@pytest.mark.slow
+def test_an_unsafe_kernel_is_refused_with_the_fix_or_launched_fresh(tmp_path):
+    script = tmp_path / "unsafe.py"
+    script.write_text(_ACCELERATE_STATE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout
+    assert "FRESH torchrun (fresh process) [(0, 2), (1, 2)]" in proc.stdout
+
+
+_PARTIALSTATE_SCRIPT = textwrap.dedent("""
+    import sys
+    from accelerate import PartialState
+    s = PartialState(cpu=sys.argv[1] == "cpu")
+    print(f"STATE rank={s.process_index} world={s.num_processes} type={s.distributed_type}", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_partialstate_without_cpu_true_is_a_world_of_one(tmp_path, free_port):
+    """Why every worker calls PartialState(cpu=True): under torchrun with 2 processes on a machine
+    without a GPU, a bare PartialState() makes each process a world of one."""
+    script = tmp_path / "state.py"
+    script.write_text(_PARTIALSTATE_SCRIPT)
+    worlds = {}
+    for i, mode in enumerate(("plain", "cpu")):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port + i), str(script), mode],
+                              capture_output=True, text=True, timeout=180, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        worlds[mode] = sorted(line for line in proc.stdout.splitlines() if line.startswith("STATE"))
+    assert all("world=1" in line and "DistributedType.NO" in line for line in worlds["plain"]), worlds
+    assert worlds["cpu"] == ["STATE rank=0 world=2 type=DistributedType.MULTI_CPU",
+                             "STATE rank=1 world=2 type=DistributedType.MULTI_CPU"]
+
+
+@pytest.mark.slow
+def test_in_a_real_kernel_logs_stream_into_the_cell_and_a_crash_leaves_the_kernel_alive():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO_ROOT))
+    try:
+        def run(code: str, timeout: int = 240) -> tuple[str, dict | None]:
+            out, err = [], None
+
+            def hook(msg):
+                nonlocal err
+                if msg["msg_type"] == "stream":
+                    out.append(msg["content"]["text"])
+                elif msg["msg_type"] == "error":
+                    err = msg["content"]
+
+            reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+            assert reply["content"]["status"] in ("ok", "error")
+            return "".join(out), err
+
+        out, err = run(textwrap.dedent("""
+            import colo_kit
+            from colo_kit.launch import launch
+            def hello(x):
+                import torch.distributed as dist
+                print("hello from rank", dist.get_rank(), flush=True)
+                return (dist.get_rank(), dist.get_world_size(), x)
+            res = launch(hello, 5, num_processes=2, cpu=True)
+            print("RESULTS", res.results)
+        """))
+        assert err is None, err
+        assert "[rank 0] hello from rank 0" in out and "[rank 1] hello from rank 1" in out
+        assert "RESULTS [(0, 2, 5), (1, 2, 5)]" in out
+
+        out, err = run(textwrap.dedent("""
+            def crash():
+                import torch.distributed as dist
+                if dist.get_rank() == 0:
+                    raise RuntimeError("worker zero fell over")
+            launch(crash, num_processes=2, cpu=True)
+        """))
+        assert err is not None and err["ename"] == "WorkerError"
+        assert "worker zero fell over" in err["evalue"]
+        assert km.is_alive()
+        out, err = run("print('still here', 6 * 7)")
+        assert err is None and "still here 42" in out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_clean_process_is_safe_to_fork():
+    # pytest's process has not touched CUDA (there is none here) nor built an Accelerator.
+    assert kernel_problems() == []
+
+
+@pytest.mark.gpu
+def test_cuda_initialised_in_the_kernel_is_detected_and_launched_fresh():
+    import torch
+
+    torch.zeros(1, device="cuda")  # what a learner's earlier cell might have done
+    assert any("CUDA is already initialised" in p for p in kernel_problems())
+    with pytest.raises(KernelNotSafe, match="restart the kernel"):
+        launch(_who, "x", fresh_process=False)
+    res = launch(_who, "gpu")
+    assert res.how == "torchrun (fresh process)" and [r["rank"] for r in res.results] == list(range(len(res)))
