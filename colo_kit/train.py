@@ -151,12 +151,13 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              max_completion_length: int = 32, learning_rate: float = 1e-3, seed: int = 0,
              target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3, sleep: bool = False,
              server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
-             on_step=None, **config_overrides) -> GRPORun:
+             on_step=None, on_trainer=None, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
     `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
     to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
-    notebook uses it to update a live chart).
+    notebook uses it to update a live chart). `on_trainer(trainer)` is called once the trainer is
+    built, before training (colo_kit.timeline hooks in there).
     """
     from trl import GRPOTrainer
 
@@ -178,9 +179,15 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep,
                        server_url=server_url, **config_overrides)
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
+    if mode == "server":
+        from colo_kit.server import use_http_weight_sync
+
+        settings["http_weight_sync"] = use_http_weight_sync()  # CPU: no NCCL; see colo_kit.server
     trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
                           train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
     settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
+    if on_trainer is not None:
+        on_trainer(trainer)
     t0 = time.perf_counter()
     trainer.train()
     run.elapsed_s = round(time.perf_counter() - t0, 2)

