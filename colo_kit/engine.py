@@ -92,6 +92,21 @@ class ColocateSettings:
                              f"{model_max_len} tokens (max_position_embeddings); shorten the prompt or the completion")
         return self
 
+    @classmethod
+    def from_grpo_config(cls, args, max_prompt_length: int) -> "ColocateSettings":
+        """The same sizes TRL 1.16's GRPOTrainer gives its colocated engine. TRL has no
+        `max_prompt_length` any more (it infers the context from the model), so pass the longest
+        prompt you expect; `steps_per_generation` defaults to `gradient_accumulation_steps`."""
+        return cls(
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.steps_per_generation or args.gradient_accumulation_steps,
+            max_prompt_length=max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+        )
+
     def llm_kwargs(self) -> dict:
         return {
             "tensor_parallel_size": self.tensor_parallel_size,
