@@ -186,6 +186,20 @@ def summarize(records: list[dict], n_devices: int, k_server: int) -> list[dict]:
     return rows
 
 
+def variants(records: list[dict]) -> list[dict]:
+    """Extra colocate configs against TRL's default colocate config at the same batch."""
+    by = {r["label"]: r for r in records if r.get("tokens_per_s")}
+    out = []
+    for r in records:
+        if r["mode"] != "colocate" or r["label"].startswith("colocate-b") or "error" in r:
+            continue
+        base = by.get(f"colocate-b{r['per_device_batch']}")
+        out.append({"label": r["label"], "per_device_batch": r["per_device_batch"], "tokens_per_s": r["tokens_per_s"],
+                    "trl_default_tok_per_s": base and base["tokens_per_s"],
+                    "vs_trl_default": round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None})
+    return out
+
+
 def _worker_cmd(n_procs: int) -> list[str]:
     if n_procs <= 1:
         return [sys.executable, "-m", "colo_kit.bench", "worker"]
@@ -198,7 +212,8 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
     """Run `configs` (kwargs of `measure`) in order, in one process (one per device under
     accelerate on GPU). Returns rank 0's records; a failed config is recorded with its error."""
     workdir.mkdir(parents=True, exist_ok=True)
-    in_process = (not has_cuda()) if in_process is None else in_process
+    if in_process is None:  # COLO_KIT_BENCH_SUBPROCESS=1 runs the GPU path (worker processes) on CPU
+        in_process = not has_cuda() and not os.environ.get("COLO_KIT_BENCH_SUBPROCESS")
     if in_process:
         reuse_engines()
         out = []
@@ -266,7 +281,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
           max_completion_length: int = 32, n_devices: int | None = None, server_gpus: str = "1",
           server_port: int = 8000, vllm_gpu_memory_utilization: float = 0.3, extra_colocate: dict | None = None,
           gen_probe_batches=(), out: str | Path | None = None, modes=("server", "colocate"), server=None,
-          **overrides) -> dict:
+          budget_s: float | None = None, **overrides) -> dict:
     """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
 
     GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on
@@ -275,6 +290,8 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the
     kit's best config vs TRL's default). `gen_probe_batches`: generation-only timings on the server.
     `server`: a running `colo_kit.server.VLLMServer` to use instead of starting (and stopping) one.
+    `budget_s`: wall-clock budget; a worker still running at the end is stopped and the configs
+    it finished are kept (GPU path).
     """
     from colo_kit.models import resolve_model
     from colo_kit.server import start_server
@@ -299,6 +316,10 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 max_completion_length=max_completion_length, **overrides)
     records, gen_probe, server_info = [], [], {}
     t_start = time.time()
+
+    def left() -> float:
+        return 1e9 if budget_s is None else max(budget_s - (time.time() - t_start), 30.0)
+
     desc = sorted(batches, reverse=True)  # largest first: a cached engine then fits every later batch
     if "server" in modes:
         os.environ["COLO_KIT_SERVER_GPU"] = server_gpus
@@ -311,8 +332,10 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
                              server_pid=srv.pid) for b in desc]
                 records += run_configs(cfgs, n_procs=n_devices - k if gpu else 1,
-                                       gpus=train_gpus if gpu else None, workdir=workdir)
+                                       gpus=train_gpus if gpu else None, workdir=workdir, timeout_s=left() - 15)
                 for B in gen_probe_batches:
+                    if budget_s is not None and time.time() - t_start > budget_s - 15:
+                        break
                     try:
                         gen_probe.append({"batch": B, "gen_s": time_generation(
                             srv.url, str(resolve_model(model)), B, num_generations=num_generations,
@@ -328,9 +351,15 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
             cfg = dict(base, mode="colocate", per_device_batch=max(batches), label=name,
                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
             cfg.update(ov)
+            spg = int(cfg.get("steps_per_generation") or 1)
+            if spg > 1:  # measure whole generation cycles: one cycle of warm-up, then full cycles
+                cfg.setdefault("warmup_steps", spg)
+                cfg["steps"] = max(cfg["steps"], cfg["warmup_steps"] + spg)
             cfgs.append(cfg)
+        # the engine with the most sequences first, so later configs can reuse it (reuse_engines)
+        cfgs.sort(key=lambda c: -c["per_device_batch"] * int(c.get("steps_per_generation") or 1))
         records += run_configs(cfgs, n_procs=n_devices if gpu else 1, gpus=all_gpus if gpu else None,
-                               workdir=workdir)
+                               workdir=workdir, timeout_s=left())
     result = {
         "env": describe(),
         "settings": dict(base, batches=list(batches), n_devices=n_devices, k_server=k, server_gpus=server_gpus,
@@ -339,6 +368,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
         "server": server_info,
         "runs": records,
         "summary": summarize(records, n_devices, k),
+        "colocate_variants": variants(records),
         "gen_probe": gen_probe,
         "wall_s": round(time.time() - t_start, 1),
     }
@@ -386,18 +416,28 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
     ap.add_argument("--modes", default="server,colocate")
+    ap.add_argument("--extra-colocate", default="{}",
+                    help='JSON {label: GRPO overrides} run in colocate mode at the largest batch, e.g. '
+                         '\'{"colocate-kit-best": {"steps_per_generation": 4}}\'')
     ap.add_argument("--out", default=None, help="JSON path (default results/pingpong_<tier>.json)")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for the whole sweep")
     a = ap.parse_args(argv)
     try:
         batches = [int(x) for x in a.batches.split(",") if x]
         probe = [int(x) for x in a.gen_probe.split(",") if x]
     except ValueError:
         ap.error(f"--batches {a.batches!r} / --gen-probe {a.gen_probe!r}: use integers like 8,32,64")
+    try:
+        extra = json.loads(a.extra_colocate)
+        assert isinstance(extra, dict) and all(isinstance(v, dict) for v in extra.values())
+    except (ValueError, AssertionError):
+        ap.error(f"--extra-colocate {a.extra_colocate!r}: give a JSON object of {{label: {{option: value}}}}")
     out = a.out or results_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json"
     res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
                 max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,
                 server_port=a.port, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                gen_probe_batches=probe, out=out, modes=tuple(a.modes.split(",")))
+                gen_probe_batches=probe, out=out, modes=tuple(a.modes.split(",")), extra_colocate=extra,
+                budget_s=a.budget_s)
     for r in res["summary"]:
         print(json.dumps(r))
     errors = [r for r in res["runs"] if "error" in r]
@@ -405,7 +445,36 @@ def cli_main(argv: list[str]) -> int:
     return 1 if errors else 0
 
 
+def merge_results(parts: list[dict]) -> dict:
+    """Stages of one sweep run separately (server, then colocate) -> one results dict."""
+    parts = [p for p in parts if p]
+    if not parts:
+        raise ValueError("no stage JSON to merge: every stage failed before writing")
+    out = dict(parts[0])
+    out["runs"] = [r for p in parts for r in p["runs"]]
+    out["gen_probe"] = [g for p in parts for g in p.get("gen_probe", [])]
+    out["server"] = next((p["server"] for p in parts if p.get("server")), {})
+    out["wall_s"] = round(sum(p.get("wall_s", 0) for p in parts), 1)
+    s = out["settings"]
+    out["summary"] = summarize(out["runs"], s["n_devices"], s["k_server"])
+    out["colocate_variants"] = variants(out["runs"])
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "worker":
         raise SystemExit(_worker_main(sys.argv[2]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...
+        loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
+        merged = merge_results(loaded)
+        try:
+            from colo_kit.pingpong import fit_costs, project_post, validate
+
+            merged["model_validation"] = validate(merged["runs"], merged["gen_probe"])
+            merged["model_projection_8gpu"] = project_post(fit_costs(merged["runs"], merged["gen_probe"]))
+        except ValueError as exc:
+            merged["model_error"] = str(exc)
+        Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
+        print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
+        raise SystemExit(0)
     raise SystemExit(cli_main(sys.argv[1:]))

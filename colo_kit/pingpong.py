@@ -117,6 +117,12 @@ def speedup(costs: PhaseCosts, n_devices: int, per_device_batch: int, k_server: 
             "server_vllm_idle": round(idle_server_vllm, 3)}
 
 
+def _plain_runs(records: list[dict]) -> list[dict]:
+    """The sweep's runs (`server-b<b>`, `colocate-b<b>`): one generation per optimizer step."""
+    return [r for r in records if "error" not in r and r.get("step_time_s") and r.get("phase_s_per_step")
+            and r.get("label", "").startswith(("server-b", "colocate-b"))]
+
+
 def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
     """Phase costs from `colo_kit.bench` records (per-step phase seconds per device).
 
@@ -129,9 +135,7 @@ def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True
     sync = {"server": [], "colocate": []}
     other = {"server": [], "colocate": []}
     tokens = []
-    for r in records:
-        if "error" in r or not r.get("phase_s_per_step") or not r.get("step_time_s"):
-            continue
+    for r in _plain_runs(records):
         b, world, mode = r["per_device_batch"], r.get("world_size", 1), r["mode"]
         phases = r["phase_s_per_step"]
         train_dev = [d for d in phases if "vLLM server" not in d]
@@ -180,7 +184,7 @@ def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True
 def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
     """Leave-one-out: predict each run's step time from the costs fitted on all the *other* runs.
     A model that only re-adds a run's own phases would be circular; this is not."""
-    ok = [r for r in records if "error" not in r and r.get("step_time_s") and r.get("phase_s_per_step")]
+    ok = _plain_runs(records)
     rows = []
     for i, r in enumerate(ok):
         rest = ok[:i] + ok[i + 1:]

@@ -140,12 +140,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 
 def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 enforce_eager: bool = False, log_path: str | Path | None = None, timeout_s: float = 300.0,
+                 enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
                  extra_args: list[str] | None = None) -> VLLMServer:
     """Start a vLLM server for TRL's server mode and wait until it answers `/health`.
 
     `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
-    on CPU. The log goes to `log_path` (default under results/runs/).
+    on CPU. The log goes to `log_path` (default under results/runs/). `enforce_eager` defaults to
+    True on CPU (faster start) and to vLLM's default (CUDA graphs) on GPU.
     """
     from colo_kit.models import resolve_model
 
@@ -154,6 +155,8 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"port={port}; use a free TCP port in 1..65535")
     cpu = not has_cuda()
+    if enforce_eager is None:  # CPU: skip torch.compile at start-up (measured 66 s vs 88 s to healthy here)
+        enforce_eager = cpu
     model_path = resolve_model(model)
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu, extra_args=extra_args)

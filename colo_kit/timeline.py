@@ -77,8 +77,13 @@ class Timeline:
         rank = trainer.accelerator.process_index
         mode = getattr(getattr(trainer, "vllm_generation", None), "mode", "plain") if trainer.use_vllm else "plain"
         cuda = trainer.accelerator.device.type == "cuda"
-        if device is None:
-            device = f"cuda:{trainer.accelerator.device.index or 0}" if cuda else f"cpu:rank{rank}"
+        if device is None:  # the physical GPU index, as NVML (and nvidia-smi) number it
+            if cuda:
+                idx = trainer.accelerator.device.index or 0
+                visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+                device = f"gpu{visible[idx] if idx < len(visible) else idx}"
+            else:
+                device = f"cpu:rank{rank}"
         server_device = server_device or "vLLM server"
         self.meta.update(mode=mode, rank=rank, device=device, server_device=server_device if mode == "server" else None)
         tl = self
@@ -230,7 +235,8 @@ class Timeline:
         out = cls(meta={"parts": [p.meta for p in parts]})
         for p in parts:
             out.intervals += [iv for iv in p.intervals if iv.rank != -1 or p.meta.get("rank", 0) == 0]
-            out.util += p.util
+            if p.meta.get("rank", 0) == 0:  # every rank samples every GPU: keep one copy
+                out.util += p.util
         main = next((p for p in parts if p.meta.get("rank", 0) == 0), parts[0]) if parts else None
         if main is not None:
             out.meta.update({k: v for k, v in main.meta.items() if k in ("mode", "steps", "server_device")})
