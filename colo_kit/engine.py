@@ -524,6 +524,7 @@ def _selftest(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sampled", action="store_true", help="also sample at temperature 1 with the TP seed")
+    ap.add_argument("--push", action="store_true", help="also push the model's own weights, then perturbed ones")
     ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
     args = ap.parse_args(argv)
     s = ColocateSettings(tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
@@ -538,6 +539,21 @@ def _selftest(argv: list[str] | None = None) -> int:
         group = engine.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
                                 whole_group=True)
         rec["group_sampled"] = group.completion_ids
+    if args.push:  # each rank loads the full weights; load_weights keeps this rank's TP shard
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16)
+        before = engine.probe()
+        engine.push_weights(model)
+        rec["push_same_probe"] = engine.probe() == before
+        torch.manual_seed(0)  # the same perturbation on every rank: they are one model
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        engine.push_weights(model)
+        rec["push_perturbed_probe"] = engine.probe()["token_ids"]
+        rec["probe"] = before["token_ids"]
     print("COLO_KIT_ENGINE " + json.dumps(rec), flush=True)
     if args.out_dir:
         Path(args.out_dir, f"rank{engine.rank}.json").write_text(json.dumps(rec))

@@ -140,7 +140,7 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--max-tokens", "6", "--out-dir", str(tmp_path)]
+           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--push", "--max-tokens", "6", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -148,6 +148,10 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     assert [r["seed"] for r in recs] == [0, 0]
     assert recs[0]["group_sampled"] == recs[1]["group_sampled"]
     assert len(recs[0]["group_sampled"]) == 4
+    # A weight push under TP=2: each rank keeps its shard; the same weights leave the probe as it
+    # was, perturbed ones change it, identically on both ranks.
+    assert all(r["push_same_probe"] for r in recs)
+    assert recs[0]["push_perturbed_probe"] == recs[1]["push_perturbed_probe"] != recs[0]["probe"]
     for r in recs:
         assert r["prompt_texts"] == r["prompts"]  # this rank's slice is its own prompts
         assert len(r["greedy"]) == 2 and all(len(c) == 6 for c in r["greedy"])
