@@ -148,8 +148,26 @@ class _Worker:
                                                                               sys.__stderr__):
                 handler.setStream(sys.stderr)
 
+    @staticmethod
+    def _detach_from_kernel() -> None:
+        """A forked worker still holds the kernel's IPython shell: progress bars and widgets made in
+        it (tqdm.auto, transformers' notebook callback) would try to send through the kernel's
+        sockets ("attempted to send message from fork", one warning per update). Silence that
+        channel and drop the shell, so display() falls back to text in the worker's log."""
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None else None
+        if shell is None:
+            return
+        session = getattr(getattr(shell, "kernel", None), "session", None)
+        if session is not None:
+            session.send = lambda *a, **k: None
+        from IPython.core.interactiveshell import InteractiveShell
+
+        InteractiveShell.clear_instance()
+
     def __call__(self, *args):
         rank = int(os.environ.get("RANK", 0))
+        self._detach_from_kernel()
         self._redirect_output(rank)
         out = Path(self.run_dir) / _RESULT.format(rank=rank)
         try:

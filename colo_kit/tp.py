@@ -37,6 +37,7 @@ from pathlib import Path
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import describe, has_cuda
+from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
 
 # What the post reports (BRIEF.md, post 1). The post gives the 7B peak; for 1.5B only the direction.
@@ -192,6 +193,7 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
     for tp in tp_sizes:
         if tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={tp!r}: use a TP size that divides the node's GPUs (1, 2, 4 or 8)")
+    model_path = resolve_model(model)  # built once here: two ranks building one folder would race
     out = {"model": model, "tier": "gpu" if gpu else "cpu",
            "settings": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                         "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
@@ -202,7 +204,7 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
     for tp in tp_sizes:
         port = free_port()
         try:
-            res = launch(generation_worker, model, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization,
+            res = launch(generation_worker, model_path, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization,
                          enforce_eager, repeats, num_processes=num_processes, echo=echo, preimport=_PREIMPORT,
                          port=port)
         finally:
@@ -218,13 +220,23 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
 # ---------------------------------------------------------------------------------------------
 
 def grpo_worker(model: str, tp: int, max_steps: int, per_device_batch: int, num_generations: int,
-                max_completion_length: int, gpu_memory_utilization: float, overrides: dict) -> dict:
-    """One rank of a TRL colocate run with `vllm_tensor_parallel_size=tp` (inside `colo_kit.launch`)."""
+                max_completion_length: int, gpu_memory_utilization: float, overrides: dict,
+                enforce_eager: bool = False) -> dict:
+    """One rank of a TRL colocate run with `vllm_tensor_parallel_size=tp` (inside `colo_kit.launch`).
+
+    `enforce_eager=True` builds TRL's engine without torch.compile and CUDA graphs (TRL has no
+    option for it): 50-90 s less per engine start on a GPU, at some decode speed. Recorded."""
     import torch.distributed as dist
 
     from colo_kit.train import run_grpo
 
     unique_cpu_shm_names()
+    if enforce_eager:
+        import functools
+
+        import trl.generation.vllm_generation as vllm_generation
+
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
     run = run_grpo(model, "colocate", max_steps=max_steps, per_device_batch=per_device_batch,
                    num_generations=num_generations, max_completion_length=max_completion_length,
                    vllm_gpu_memory_utilization=gpu_memory_utilization, vllm_tensor_parallel_size=tp,
@@ -251,25 +263,28 @@ def summarize_grpo(ranks: list[dict]) -> dict:
 def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = None, per_device_batch: int = 4,
                num_generations: int = 4, max_completion_length: int | None = None,
                gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
-               **overrides) -> dict:
+               enforce_eager: bool = False, **overrides) -> dict:
     """Colocated GRPO step time at each `vllm_tensor_parallel_size`, on every GPU of the node."""
     from colo_kit.launch import free_port, launch
 
     gpu = has_cuda()
     max_steps = max_steps or (4 if gpu else 2)
     max_completion_length = max_completion_length or (256 if gpu else 16)
+    model_path = resolve_model(model)
     out = {"model": model, "tier": "gpu" if gpu else "cpu",
            "settings": {"max_steps": max_steps, "per_device_batch": per_device_batch,
                         "num_generations": num_generations, "max_completion_length": max_completion_length,
-                        "vllm_gpu_memory_utilization": gpu_memory_utilization, **overrides},
+                        "vllm_gpu_memory_utilization": gpu_memory_utilization, "vllm_enforce_eager": enforce_eager,
+                        **overrides},
            "tp": {}}
     if not gpu:
         out["label"] = CPU_LABEL
     for tp in tp_sizes:
         port = free_port()
         try:
-            res = launch(grpo_worker, model, tp, max_steps, per_device_batch, num_generations, max_completion_length,
-                         gpu_memory_utilization, overrides, num_processes=num_processes, echo=echo, port=port,
+            res = launch(grpo_worker, model_path, tp, max_steps, per_device_batch, num_generations, max_completion_length,
+                         gpu_memory_utilization, overrides, enforce_eager, num_processes=num_processes, echo=echo,
+                         port=port,
                          preimport=_PREIMPORT + (("trl", "colo_kit.train") if not has_cuda() else ()))
         finally:
             remove_cpu_shm(port)
@@ -339,6 +354,17 @@ def ratios_table(gpu: dict | None) -> list[dict]:
                      "generation_tp2_over_tp1": tp_ratio(gen, "tok_per_s") if gen else None,
                      "grpo_speedup_tp2": tp_ratio(grpo, "step_s") if grpo else None})
     return rows
+
+
+def expected_step_speedup(generation_speedup: float, generation_share: float) -> float:
+    """The ping-pong view of a colocated step (`colo_kit.pingpong`): generation and training take
+    turns, step = gen + train + sync + other, and TP changes only gen. A generation speed-up g on
+    a step that spends a share f generating gives 1 / ((1 - f) + f / g) on the whole step."""
+    if not 0 <= generation_share <= 1:
+        raise ValueError(f"generation_share={generation_share!r} must be in [0, 1] (the fraction of a step spent generating)")
+    if generation_speedup <= 0:
+        raise ValueError(f"generation_speedup={generation_speedup!r} must be positive")
+    return 1.0 / ((1 - generation_share) + generation_share / generation_speedup)
 
 
 def throughput_figure(sweeps: list[dict], title: str):

@@ -1,0 +1,270 @@
+# %% [markdown]
+# # 03 · Tensor parallelism for colocated vLLM: when sharding helps
+#
+# Colocated vLLM (TRL's `vllm_mode="colocate"`) can shard each engine over several GPUs with
+# `vllm_tensor_parallel_size` (TP). The first post swept it with GRPO on 8 GPUs and found two opposite trends:
+#
+# - **Qwen2.5-1.5B** (experiment 2): more TP is **slower** — "avoid sharding small models".
+# - **Qwen2.5-7B** (experiment 4): more TP is **faster**, up to **1.73×**.
+#
+# This notebook measures both on the GPUs of one node, TP 1 against TP 2: **generation alone** (N prompts × T
+# tokens through colocated engines) and **colocated GRPO steps** with TRL. Each run spans several processes,
+# started from a cell with accelerate's `notebook_launcher` through `colo_kit.launch`, which keeps the kernel
+# safe. Then it explains the flip: communication against room for the KV cache.
+#
+# **On a CPU** (this machine in CI) the same cells run the kit's tiny model on 2 processes over gloo: a
+# *functional demo* of the code path — 2 processes, TP groups, the same seed inside a group — **not a speed
+# result**. The H200 numbers come from the committed `results/tp_gpu.json`.
+
+# %%
+import os
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import Markdown, display
+
+import colo_kit  # noqa: F401  (runtime defaults)
+from colo_kit import tp
+from colo_kit.env import gpu_count, tier
+from colo_kit.launch import kernel_problems, launch
+
+TIER = tier()
+HEADLESS = os.environ.get("COLO_KIT_HEADLESS") == "1"
+MODELS = ["qwen2.5-1.5b", "qwen2.5-7b"] if TIER == "gpu" else ["tiny"]
+print(f"tier: {TIER}; GPUs: {gpu_count()}; models for the live runs: {MODELS}"
+      + ("" if TIER == "gpu" else f"  <- {tp.CPU_LABEL}"))
+
+# %% [markdown]
+# ## 1 · Multi-process cells that cannot kill the kernel
+#
+# `launch(fn, *args)` runs `fn` in one process per GPU (2 on a CPU) and returns what each rank returned.
+# Around accelerate's `notebook_launcher` it adds what a notebook needs:
+#
+# | what goes wrong with a bare `notebook_launcher` | what `colo_kit.launch` does |
+# |---|---|
+# | a CUDA context in the kernel breaks the forked workers (accelerate #1751/#3925) | `kernel_problems()` checks first; then a fresh `torchrun` process runs the function (cloudpickled), or `fresh_process=False` raises with the fix |
+# | a fixed `MASTER_PORT` makes a re-run collide (TRL #3979) | a free port per launch |
+# | return values are dropped | each rank pickles its result into the launch folder |
+# | worker output lands in the terminal, a worker crash is a wall of elastic errors | worker logs stream into the cell as `[rank N] …`; a crash becomes one `WorkerError` with the worker's traceback, and the kernel lives |
+# | on a CPU, `PartialState()` quietly makes each process a world of one (and `accelerate launch --cpu --num_processes 2` starts one process) | every worker starts `PartialState(cpu=True)`: gloo, world size 2 |
+#
+# Keep every GPU call inside the launched function. Two small launches in a row:
+
+# %%
+print("kernel problems before forking:", kernel_problems() or "none")
+
+
+def whoami(tag):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # crosses the processes: the sum is the world size
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} ({dist.get_backend()}) says {tag}", flush=True)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "all_reduce_sum": t.item(), "pid": os.getpid()}
+
+
+first = launch(whoami, "hello")
+second = launch(whoami, "again")
+print(first.results)
+print(f"ports: {first.port} then {second.port}; launched by {first.how}")
+
+# %% [markdown]
+# A worker that raises does not take the kernel down; its error comes back here:
+
+# %%
+from colo_kit.launch import WorkerError
+
+
+def fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 found a bad value")
+    return "ok"
+
+
+try:
+    launch(fails_on_rank_one, echo=False)
+except WorkerError as exc:
+    print(f"WorkerError from rank {exc.rank}:", str(exc).splitlines()[0])
+print("the kernel is still here")
+
+# %% [markdown]
+# ## 2 · Control panel: what TP changes for a model
+#
+# Pick a model and a TP size. The panel shows, for 2 H200s with vLLM at `vllm_gpu_memory_utilization = 0.3`
+# (the post's setting), what each GPU's engine holds (from `colo_kit.planner`), what TP costs in
+# communication, the post's finding, and the H200 measurement once it is committed.
+
+# %%
+GPU_RESULTS = tp.load_gpu_results()
+ROOM = {(r["model"], r["tp"]): r for r in tp.kv_room()}
+RATIOS = {r["model"]: r for r in tp.ratios_table(GPU_RESULTS)}
+
+model_w = widgets.Dropdown(options=[("Qwen2.5-1.5B", "qwen2.5-1.5b"), ("Qwen2.5-7B", "qwen2.5-7b")],
+                           value="qwen2.5-7b", description="model")
+tp_w = widgets.ToggleButtons(options=[1, 2], value=2, description="TP")
+panel = widgets.Output()
+
+
+def show_panel(*_):
+    m, t = model_w.value, tp_w.value
+    room, base = ROOM[(m, t)], ROOM[(m, 1)]
+    ratio = RATIOS[m]
+    measured = ("pending GPU run" if ratio["generation_tp2_over_tp1"] is None
+                else f"{ratio['generation_tp2_over_tp1']}× generation, "
+                     f"{ratio['grpo_speedup_tp2'] or 'n/a'}× GRPO step (TP 2 over TP 1)")
+    with panel:
+        panel.clear_output(wait=True)
+        display(Markdown(
+            f"| {m}, TP {t} | per GPU |\n|---|---|\n"
+            f"| engine weights | {room['vllm_weights_gib']:.1f} GiB |\n"
+            f"| KV cache (vLLM's 0.3 minus weights and overhead) | {room['kv_cache_gib']:.1f} GiB = "
+            f"{room['kv_tokens']:,} tokens ({room['kv_tokens'] / base['kv_tokens']:.2f}× TP 1) |\n"
+            f"| all-reduce traffic per generated token | {tp.allreduce_bytes_per_token(m, t):,} bytes |\n"
+            f"| the post | {ratio['post']} |\n"
+            f"| measured on 2×H200 | {measured} |"))
+
+
+model_w.observe(show_panel, "value")
+tp_w.observe(show_panel, "value")
+show_panel()
+display(widgets.HBox([model_w, tp_w]), panel)
+
+# %% [markdown]
+# ## 3 · Generation only: TP 1 against TP 2
+#
+# Every process runs one colocated engine (`colo_kit.engine.ColocatedEngine`: `external_launcher`, TP groups
+# over consecutive ranks, `seed = rank // tp`). Each rank brings its share of the prompts. At **TP 1** every
+# GPU is its own engine (data parallel); at **TP 2** the two GPUs form one engine: each holds half of every
+# weight matrix, the ranks all-gather their prompts, and both generate the same completions. Throughput is
+# all generated tokens over the slowest rank's time. (On GPU: 256 prompts × 256 tokens; on CPU: 8 × 16.)
+
+# %%
+gen_sweeps = [tp.generation_sweep(m, (1, 2)) for m in MODELS]
+for sw in gen_sweeps:
+    for t, s in sw["tp"].items():
+        print(f"{sw['model']} TP {t}: {s['tok_per_s']:,.0f} tok/s, seeds {[r['seed'] for r in s['ranks']]}, "
+              f"KV cache {s['kv_tokens_per_engine']:,} tokens per engine, engine start {s['startup_s']} s")
+    print(f"{sw['model']}: TP 2 / TP 1 = {tp.tp_ratio(sw, 'tok_per_s')}")
+title = "generation throughput, this machine" + ("" if TIER == "gpu" else " — CPU functional demo, not a speed result")
+tp.throughput_figure(gen_sweeps, title).show()
+
+# %% [markdown]
+# At TP 1 the two engines have seeds 0 and 1 (two independent samplers); at TP 2 both ranks have seed 0: the
+# workers of one TP group must draw the same random numbers or their sequences drift apart — the bug the post
+# bisected in vLLM #15895.
+#
+# ## 4 · Colocated GRPO with `vllm_tensor_parallel_size`
+#
+# The same comparison inside training: TRL's `GRPOTrainer`, `vllm_mode="colocate"`, on every GPU of the node,
+# with `vllm_tensor_parallel_size` 1 and 2 (TRL makes the TP subgroups and gathers the prompts itself). The
+# step time is the median after the first step. On a CPU headless run only TP 2 runs, for two steps: it shows
+# that TRL's colocate TP works over gloo on 2 processes.
+
+# %%
+grpo_tps = (2,) if (TIER == "cpu" and HEADLESS) else (1, 2)
+grpo_kwargs = {} if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4, max_completion_length=8)
+grpo_sweeps = [tp.grpo_sweep(m, grpo_tps, **grpo_kwargs) for m in MODELS]
+for sw in grpo_sweeps:
+    for t, s in sw["tp"].items():
+        print(f"{sw['model']} vllm_tensor_parallel_size={t}: TRL's TP group = {s['vllm_tp_group_size']} ranks, "
+              f"{len(s['step_s_all'])} steps, median step {s['step_s']:.2f} s, rewards {s['rewards']}")
+tp.grpo_figure(grpo_sweeps, "colocated GRPO step time, this machine"
+               + ("" if TIER == "gpu" else " — CPU functional demo, not a speed result")).show()
+
+# %% [markdown]
+# ## 5 · The reference: 2×H200
+#
+# `scripts/gpu/tp_tuning.sh` ran the same functions on 2×H200 (vLLM 0.26) with random-weight Qwen2.5-1.5B and
+# 7B: generation of 256 prompts × 256 tokens at TP 1 and 2, then colocated GRPO steps at
+# `vllm_tensor_parallel_size` 1 and 2 where time allowed. Ratios come from one run.
+
+# %%
+if GPU_RESULTS is None:
+    display(Markdown("**Pending GPU run**: `results/tp_gpu.json` is not committed yet. What the post reports "
+                     "(8 GPUs, TRL colocate, `vllm_gpu_memory_utilization=0.3`):\n\n"
+                     + "\n".join(f"- **{m}**: {r['says']}" for m, r in tp.POST_REFERENCE.items()
+                                 if m.startswith("qwen"))))
+else:
+    ref_gen = [GPU_RESULTS["generation"][m] for m in tp.POST_REFERENCE if m in GPU_RESULTS.get("generation", {})]
+    if ref_gen:
+        tp.throughput_figure(ref_gen, "generation throughput on 2×H200 (committed results/tp_gpu.json)").show()
+    ref_grpo = [GPU_RESULTS["grpo"][m] for m in tp.POST_REFERENCE if m in GPU_RESULTS.get("grpo", {})]
+    if ref_grpo:
+        tp.grpo_figure(ref_grpo, "colocated GRPO step time on 2×H200 (committed results/tp_gpu.json)").show()
+    gpus = GPU_RESULTS["describe"].get("gpus", [])
+    print("hardware:", ", ".join(g["name"] for g in gpus), "| vLLM", GPU_RESULTS["describe"]["versions"].get("vllm"))
+for row in tp.ratios_table(GPU_RESULTS):
+    print(row)
+
+# %% [markdown]
+# ## 6 · Why the trend flips: communication against room for the KV cache
+#
+# - **Communication.** TP splits each layer's matrices over the GPUs, so each layer ends with an all-reduce of
+#   its output — two per layer per forward pass, for every generated token. The bytes depend on the hidden
+#   size, not on the model's total size, while the compute saved shrinks with the model: for 1.5B the matrices
+#   are small and the saved time is less than the synchronisation added.
+# - **Room for the KV cache.** Colocated, vLLM may use only `vllm_gpu_memory_utilization` of each GPU. The 7B
+#   weights (14 GiB in bf16) take a third of 0.3 × 141 GB; at TP 2 each GPU holds half, so the KV cache gets
+#   more room and each decode step reads half the weights per GPU — decoding is memory-bound. The 1.5B weights
+#   (3 GiB) barely dent the budget: TP 2 adds little room.
+
+# %%
+tp.why_figure().show()
+
+# %% [markdown]
+# **With the ping-pong model** (`colo_kit.pingpong`, notebook 01): a colocated step is generation and
+# training taking turns, `step = gen + train + sync + other`. TP only changes `gen`, so a generation speed-up
+# `g` on a step that spends a share `f` generating gives `1 / ((1 − f) + f / g)` on the whole step — GRPO's
+# gain is the generation gain diluted by training (and TP does not make training any faster). Drag the
+# sliders:
+
+# %%
+g_w = widgets.FloatSlider(value=1.5, min=0.5, max=2.5, step=0.05, description="gen speed-up g")
+f_w = widgets.FloatSlider(value=0.7, min=0.0, max=1.0, step=0.05, description="gen share f")
+amdahl = widgets.Output()
+
+
+def show_amdahl(*_):
+    with amdahl:
+        amdahl.clear_output(wait=True)
+        fs = [i / 20 for i in range(21)]
+        fig = go.Figure(go.Scatter(x=fs, y=[tp.expected_step_speedup(g_w.value, f) for f in fs], mode="lines"))
+        fig.add_scatter(x=[f_w.value], y=[tp.expected_step_speedup(g_w.value, f_w.value)], mode="markers",
+                        marker_size=12, name="your setting")
+        fig.update_layout(height=320, xaxis_title="share of the step spent generating",
+                          yaxis_title="GRPO step speed-up from TP", showlegend=False)
+        fig.show()
+
+
+g_w.observe(show_amdahl, "value")
+f_w.observe(show_amdahl, "value")
+display(widgets.HBox([g_w, f_w]), amdahl)
+show_amdahl()
+
+# %% [markdown]
+# ## 7 · Closing note: measured against the post
+
+# %%
+lines = []
+for row in tp.ratios_table(GPU_RESULTS):
+    ref = tp.POST_REFERENCE[row["model"]]
+    if row["generation_tp2_over_tp1"] is None:
+        lines.append(f"- **{row['model']}**: the post — {ref['trend']}"
+                     + (f" (up to {ref['max_speedup']}×)" if ref["max_speedup"] else "")
+                     + ". H200 measurement pending.")
+        continue
+    gen, step = row["generation_tp2_over_tp1"], row["grpo_speedup_tp2"]
+    judged = step or gen  # the post measured GRPO steps; generation alone when no step was measured
+    agrees = (judged < 1) if ref["max_speedup"] is None else (judged > 1)
+    lines.append(f"- **{row['model']}**: TP 2 over TP 1 = **{gen}×** for generation"
+                 + (f", **{step}×** per GRPO step" if step else "")
+                 + f" on 2×H200; the post: {ref['trend']}"
+                 + (f" (up to {ref['max_speedup']}× on 8 GPUs)" if ref["max_speedup"] else "")
+                 + (" — **same direction**." if agrees else " — **not the post's direction** on this setup."))
+display(Markdown("\n".join(lines) + "\n\nOn this machine: "
+                 + ("the live runs above are H200 measurements of this session." if TIER == "gpu"
+                    else "the CPU runs above show the code path (2 processes, TP groups, one seed per group, "
+                         "TRL colocate with TP 2); their times say nothing about GPUs.")))
