@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from colo_kit.timeline import Timeline, UtilSampler
 # --- one engine for several trainers ----------------------------------------------------------------
 
 _ENGINES: dict = {}
+ENGINE_BUILDS: list = []  # every engine built through reuse_engines, in order
 
 
 def reuse_engines() -> None:
@@ -64,6 +66,7 @@ def reuse_engines() -> None:
         gc.collect()
         llm = real(*args, **kwargs)
         _ENGINES[key] = (kwargs.get("max_num_seqs") or 0, llm)
+        ENGINE_BUILDS.append({"max_num_seqs": kwargs.get("max_num_seqs"), "t": time.time()})
         return llm
 
     vllm_generation.LLM = LLM
@@ -117,13 +120,13 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
                      "samples": completions, "reward": row.get("reward")})
     meas = [r for r in rows[warmup_steps:] if r["step_time_s"]]
     total_s = sum(r["step_time_s"] for r in meas)
-    per_step = {dev: {p: round(v / max(len(meas), 1), 4) for p, v in ph.items()}
-                for dev, ph in tl.phase_totals(skip_steps=warmup_steps).items()}
+    per_step = tl.phase_per_step(skip_steps=warmup_steps)
     rec = {
         "label": label, "mode": mode, "model": model, "rank": rank, "world_size": world,
         "per_device_batch": per_device_batch, "num_generations": num_generations,
         "max_completion_length": max_completion_length, "steps": rows, "warmup_steps": warmup_steps,
         "step_time_s": round(total_s / len(meas), 4) if meas else None,
+        "median_step_time_s": round(statistics.median(r["step_time_s"] for r in meas), 4) if meas else None,
         "tokens_per_s": round(sum(r["tokens"] for r in meas) / total_s, 1) if total_s else None,
         "samples_per_s": round(sum(r["samples"] for r in meas) / total_s, 3) if total_s else None,
         "idle_fraction": tl.idle_fraction(skip_steps=warmup_steps),
@@ -132,6 +135,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         "mean_util_pct": sampler.mean_util_pct(),
         "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "elapsed_s": run.elapsed_s,
+        "engines_built_so_far": len(ENGINE_BUILDS),  # unchanged from the previous config = engine reused
     }
     if timeline_dir is not None:
         Path(timeline_dir).mkdir(parents=True, exist_ok=True)
@@ -148,7 +152,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
 
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
-                    prompt_len: int = 64, repeats: int = 2) -> float:
+                    prompt_len: int = 64, repeats: int = 1) -> float:
     """Seconds the server takes to generate `batch` completions (batch/G prompts × G) of exactly
     `max_tokens` tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
     import requests
@@ -159,7 +163,7 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
                "min_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # (the server was warmed up by its own start: CUDA graphs, compile)
         r = requests.post(f"{url}/v1/completions", json=payload, timeout=900)
         r.raise_for_status()
         best = min(best, time.perf_counter() - t0)
@@ -331,17 +335,24 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 print(f"[bench] server up in {srv.startup_s} s", flush=True)
                 cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
                              server_pid=srv.pid) for b in desc]
-                records += run_configs(cfgs, n_procs=n_devices - k if gpu else 1,
-                                       gpus=train_gpus if gpu else None, workdir=workdir, timeout_s=left() - 15)
+                # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
+                # small request that pays any first-request cost
+                if gen_probe_batches:
+                    try:
+                        time_generation(srv.url, str(resolve_model(model)), num_generations,
+                                        num_generations=num_generations, max_tokens=8)
+                    except Exception:
+                        pass
                 for B in gen_probe_batches:
-                    if budget_s is not None and time.time() - t_start > budget_s - 15:
-                        break
                     try:
                         gen_probe.append({"batch": B, "gen_s": time_generation(
                             srv.url, str(resolve_model(model)), B, num_generations=num_generations,
                             max_tokens=max_completion_length)})
                     except Exception as exc:
                         gen_probe.append({"batch": B, "error": repr(exc)[:300]})
+                    print(f"[bench] gen probe {gen_probe[-1]}", flush=True)
+                records += run_configs(cfgs, n_procs=n_devices - k if gpu else 1,
+                                       gpus=train_gpus if gpu else None, workdir=workdir, timeout_s=left() - 15)
         except Exception as exc:
             records.append({"label": "server", "mode": "server", "error": repr(exc)[:3000]})
     if "colocate" in modes:
@@ -372,6 +383,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
         "gen_probe": gen_probe,
         "wall_s": round(time.time() - t_start, 1),
     }
+    attach_model(result)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))
@@ -445,6 +457,20 @@ def cli_main(argv: list[str]) -> int:
     return 1 if errors else 0
 
 
+def attach_model(result: dict) -> dict:
+    """Add the ping-pong model's validation table and 8-GPU projection to a results dict."""
+    from colo_kit.pingpong import fit_costs, project_post, validate
+
+    try:
+        result["model_validation"] = validate(result["runs"], result.get("gen_probe", []))
+        costs = fit_costs(result["runs"], result.get("gen_probe", []))
+        result["model_costs"] = costs.to_dict()
+        result["model_projection_8gpu"] = project_post(costs)
+    except (ValueError, ZeroDivisionError) as exc:
+        result["model_error"] = str(exc)
+    return result
+
+
 def merge_results(parts: list[dict]) -> dict:
     """Stages of one sweep run separately (server, then colocate) -> one results dict."""
     parts = [p for p in parts if p]
@@ -466,14 +492,7 @@ if __name__ == "__main__":
         raise SystemExit(_worker_main(sys.argv[2]))
     if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...
         loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
-        merged = merge_results(loaded)
-        try:
-            from colo_kit.pingpong import fit_costs, project_post, validate
-
-            merged["model_validation"] = validate(merged["runs"], merged["gen_probe"])
-            merged["model_projection_8gpu"] = project_post(fit_costs(merged["runs"], merged["gen_probe"]))
-        except ValueError as exc:
-            merged["model_error"] = str(exc)
+        merged = attach_model(merge_results(loaded))
         Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
         print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
         raise SystemExit(0)

@@ -34,7 +34,7 @@ POST_SPEEDUPS = {"qwen2.5-1.5b": 1.43, "qwen2.5-7b": 1.35}  # post 1, experiment
 class PhaseCosts:
     """Measured per-phase costs on one device (seconds)."""
 
-    gen_points: list[tuple[float, float]]  # (completions generated in one call, seconds)
+    gen_points: list[tuple[float, float]]  # (completions generated in one call, seconds): the server
     train_fixed_s: float  # forward/backward/optimizer: fixed part per step ...
     train_per_sample_s: float  # ... + per completion
     sync_server_s: float = 0.0
@@ -44,11 +44,16 @@ class PhaseCosts:
     tokens_per_sample: float = 256.0
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    # colocated engine and colocated training, when measured apart (a colocated engine has less
+    # memory and shares its device; on CPU the server mode's trainer shares the cores with the
+    # server process). None: same as the server-mode numbers above.
+    gen_points_colocate: list[tuple[float, float]] | None = None
+    train_colocate: tuple[float, float] | None = None  # (fixed_s, per_sample_s)
 
-    def gen(self, x: float) -> float:
+    def gen(self, x: float, mode: str = "server") -> float:
         """Generation seconds for x completions: piecewise-linear through the measured points,
         extended linearly (from the last two points) beyond them."""
-        pts = sorted(self.gen_points)
+        pts = sorted(self.gen_points_colocate if mode == "colocate" and self.gen_points_colocate else self.gen_points)
         if not pts:
             raise ValueError("no generation measurements: run colo_kit.bench first")
         if len(pts) == 1:
@@ -62,7 +67,9 @@ class PhaseCosts:
         (b0, t0), (b1, t1) = pts[-2], pts[-1]
         return t1 + max(t1 - t0, 0.0) / (b1 - b0) * (x - b1)
 
-    def train(self, b: float) -> float:
+    def train(self, b: float, mode: str = "server") -> float:
+        if mode == "colocate" and self.train_colocate:
+            return self.train_colocate[0] + self.train_colocate[1] * b
         return self.train_fixed_s + self.train_per_sample_s * b
 
     def scaled(self, factor: float, note: str) -> "PhaseCosts":
@@ -72,7 +79,9 @@ class PhaseCosts:
                           self.train_per_sample_s * factor, self.sync_server_s * factor,
                           self.sync_colocate_s * factor, self.other_server_s * factor,
                           self.other_colocate_s * factor, self.tokens_per_sample, self.source,
-                          self.notes + [note])
+                          self.notes + [note],
+                          [(b, t * factor) for b, t in self.gen_points_colocate] if self.gen_points_colocate else None,
+                          tuple(v * factor for v in self.train_colocate) if self.train_colocate else None)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,10 +99,10 @@ def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_batch: int,
         samples = n * b
         parts = {"generation": gen, "train": costs.train(b), "sync": costs.sync_server_s, "other": costs.other_server_s}
     elif mode == "colocate":
-        gen = costs.gen(b)
-        step = gen + costs.sync_colocate_s + costs.train(b) + costs.other_colocate_s
+        gen = costs.gen(b, "colocate")
+        step = gen + costs.sync_colocate_s + costs.train(b, "colocate") + costs.other_colocate_s
         samples = n_devices * b
-        parts = {"generation": gen, "train": costs.train(b), "sync": costs.sync_colocate_s,
+        parts = {"generation": gen, "train": costs.train(b, "colocate"), "sync": costs.sync_colocate_s,
                  "other": costs.other_colocate_s}
     else:
         raise ValueError(f"mode={mode!r}; use 'server' or 'colocate'")
@@ -131,7 +140,8 @@ def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True
     - train: least squares of forward+backward+optimizer seconds vs per-device batch;
     - sync, other: means per mode (other = step time − the phases above, on the training device).
     """
-    gen_pts, train_pts = [], []
+    gen_pts = {"server": [], "colocate": []}
+    train_pts = {"server": [], "colocate": []}
     sync = {"server": [], "colocate": []}
     other = {"server": [], "colocate": []}
     tokens = []
@@ -144,63 +154,91 @@ def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True
             continue
         tp = phases[train_dev[0]]
         train_s = tp.get("forward", 0) + tp.get("backward", 0) + tp.get("optimizer", 0)
-        train_pts.append((b, train_s))
+        train_pts[mode].append((b, train_s))
         if mode == "server" and server_dev:
-            gen_pts.append((b * world, phases[server_dev[0]].get("generation", 0)))
+            gen_pts["server"].append((b * world, phases[server_dev[0]].get("generation", 0)))
             sync_s = phases[server_dev[0]].get("weight_sync", 0)
             gen_s = phases[server_dev[0]].get("generation", 0)
         else:
             gen_s = tp.get("generation", 0)
-            gen_pts.append((b, gen_s))
+            gen_pts["colocate"].append((b, gen_s))
             sync_s = tp.get("weight_sync", 0) + tp.get("sleep", 0) + tp.get("wake_up", 0)
         sync[mode].append(sync_s)
-        other[mode].append(max(r["step_time_s"] - gen_s - sync_s - train_s, 0.0))
+        other[mode].append(max(_step(r) - gen_s - sync_s - train_s, 0.0))
         done = [s for s in r.get("steps", [])[r.get("warmup_steps", 1):] if s.get("tokens")]
         if done:
             tokens.append(sum(s["tokens"] / s["samples"] for s in done) / len(done))
     for p in gen_probe or ():
         if "gen_s" in p:
-            gen_pts.append((p["batch"], p["gen_s"]))
-    if not train_pts:
+            gen_pts["server"].append((p["batch"], p["gen_s"]))
+    if not train_pts["server"] and not train_pts["colocate"]:
         raise ValueError("no usable bench records (all failed or empty): nothing to fit")
-    # one point per batch: the mean of repeated measurements
-    merged: dict[float, list] = {}
-    for b, t in gen_pts:
-        merged.setdefault(b, []).append(t)
-    gen_pts = [(b, sum(v) / len(v)) for b, v in sorted(merged.items())]
-    xs = [b for b, _ in train_pts]
-    ys = [t for _, t in train_pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my / mx
-    slope = max(slope, 0.0)
     mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
-    return PhaseCosts(gen_points=gen_pts, train_fixed_s=max(my - slope * mx, 0.0), train_per_sample_s=slope,
+    server_gen = _merge_points(gen_pts["server"]) or _merge_points(gen_pts["colocate"])
+    server_train = _line(train_pts["server"] or train_pts["colocate"])
+    return PhaseCosts(gen_points=server_gen, train_fixed_s=server_train[0], train_per_sample_s=server_train[1],
                       sync_server_s=mean(sync["server"]), sync_colocate_s=mean(sync["colocate"]),
                       other_server_s=mean(other["server"]), other_colocate_s=mean(other["colocate"]),
-                      tokens_per_sample=mean(tokens) or 256.0, source="fit_costs")
+                      tokens_per_sample=mean(tokens) or 256.0, source="fit_costs",
+                      gen_points_colocate=_merge_points(gen_pts["colocate"]) or None,
+                      train_colocate=_line(train_pts["colocate"]) if train_pts["colocate"] else None)
+
+
+def _merge_points(pts):
+    """One point per batch: the mean of repeated measurements."""
+    merged: dict[float, list] = {}
+    for b, t in pts:
+        merged.setdefault(b, []).append(t)
+    return [(b, sum(v) / len(v)) for b, v in sorted(merged.items())]
+
+
+def _line(pts) -> tuple[float, float]:
+    """Least-squares (fixed_s, per_sample_s), both >= 0."""
+    xs = [b for b, _ in pts]
+    ys = [t for _, t in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my / mx, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def _step(r: dict) -> float:
+    return r.get("median_step_time_s") or r["step_time_s"]
 
 
 def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
-    """Leave-one-out: predict each run's step time from the costs fitted on all the *other* runs.
-    A model that only re-adds a run's own phases would be circular; this is not."""
+    """Predicted vs measured step time, two ways, neither of which re-adds a run's own phases:
+
+    - `cross-mode`: every colocate run predicted from costs measured in **server mode only**
+      (server generation + probes, the server-mode trainer's training time) plus colocate's
+      weight-sync cost — the model's claim that both modes spend gen(b) + train(b) per device;
+    - `leave-one-out`: each run predicted from the costs fitted on all the *other* runs.
+    """
     ok = _plain_runs(records)
     rows = []
+
+    def row(r, costs, method):
+        world = r.get("world_size", 1)
+        n_dev = world + 1 if r["mode"] == "server" else world
+        pred = predict(costs, r["mode"], n_dev, r["per_device_batch"], 1)
+        measured = _step(r)
+        return {"method": method, "label": r["label"], "mode": r["mode"], "per_device_batch": r["per_device_batch"],
+                "n_devices": n_dev, "measured_step_s": measured, "predicted_step_s": round(pred["step_s"], 4),
+                "error_pct": round(100 * (pred["step_s"] - measured) / measured, 1)}
+
+    server_runs = [r for r in ok if r["mode"] == "server"]
+    colocate_runs = [r for r in ok if r["mode"] == "colocate"]
+    if server_runs and colocate_runs:
+        from_server = fit_costs(server_runs, gen_probe)
+        from_server.sync_colocate_s = fit_costs(colocate_runs).sync_colocate_s
+        from_server.other_colocate_s = from_server.other_server_s
+        for r in colocate_runs:
+            rows.append(row(r, from_server, "cross-mode"))
     for i, r in enumerate(ok):
         rest = ok[:i] + ok[i + 1:]
         if not any(x["mode"] == r["mode"] for x in rest):
             continue
-        try:
-            costs = fit_costs(rest, gen_probe)
-        except ValueError:
-            continue
-        world = r.get("world_size", 1)
-        n_dev = world + 1 if r["mode"] == "server" else world
-        pred = predict(costs, r["mode"], n_dev, r["per_device_batch"], 1)
-        err = (pred["step_s"] - r["step_time_s"]) / r["step_time_s"]
-        rows.append({"label": r["label"], "mode": r["mode"], "per_device_batch": r["per_device_batch"],
-                     "n_devices": n_dev, "measured_step_s": r["step_time_s"],
-                     "predicted_step_s": round(pred["step_s"], 4), "error_pct": round(100 * err, 1)})
+        rows.append(row(r, fit_costs(rest, gen_probe), "leave-one-out"))
     return rows
 
 

@@ -218,6 +218,22 @@ class Timeline:
                 out[iv.device][iv.phase] += d
         return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
 
+    def phase_per_step(self, skip_steps: int = 1, stat: str = "median") -> dict[str, dict[str, float]]:
+        """Seconds per device per phase per measured step: the median (default) or mean over the
+        steps after the first `skip_steps`. The median keeps one disturbed step (a busy neighbour
+        on a shared machine) from moving the costs the ping-pong model is fitted on."""
+        import statistics
+
+        steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
+        per: dict[str, dict[str, dict[int, float]]] = {}
+        for iv in self.intervals:
+            if iv.step + 1 in steps:  # an interval recorded while global_step = s - 1 belongs to step s
+                d = per.setdefault(iv.device, {}).setdefault(iv.phase, {})
+                d[iv.step + 1] = d.get(iv.step + 1, 0.0) + (iv.end_s - iv.start_s)
+        f = statistics.median if stat == "median" else statistics.fmean
+        return {dev: {p: round(f([v.get(s, 0.0) for s in steps]), 4) for p, v in ph.items()}
+                for dev, ph in per.items()} if steps else {}
+
     # -- I/O ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"intervals": [asdict(iv) for iv in self.intervals], "util": self.util, "meta": self.meta}

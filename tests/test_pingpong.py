@@ -61,17 +61,28 @@ def test_scaled_costs_scale_step_time():
     assert big.notes == ["x4"]
 
 
-@pytest.mark.parametrize("name", ["pingpong_cpu", "pingpong_gpu"])
-def test_model_error_on_committed_measurements(name):
-    res = load_result(name)
+def test_model_on_committed_cpu_measurements():
+    """On CPU the two "devices" are two processes on the same 2 cores, so the model's premise
+    (independent devices) does not hold; the table must still cover every run, with finite errors."""
+    res = load_result("pingpong_cpu")
     if res is None:
-        pytest.skip(f"results/{name}.json not committed yet")
+        pytest.skip("results/pingpong_cpu.json not committed yet")
     rows = validate(res["runs"], res.get("gen_probe", []))
-    assert rows, "no run could be predicted"
-    for r in rows:
-        assert math.isfinite(r["error_pct"])
-    worst = max(abs(r["error_pct"]) for r in rows)
-    assert worst <= res.get("model_tolerance_pct", 10.0), rows
+    plain = [r for r in res["runs"] if "error" not in r and r["label"].startswith(("server-b", "colocate-b"))]
+    assert len([r for r in rows if r["method"] == "leave-one-out"]) == len(plain)
+    assert len([r for r in rows if r["method"] == "cross-mode"]) == len([r for r in plain if r["mode"] == "colocate"])
+    assert all(math.isfinite(r["error_pct"]) for r in rows)
+    assert res["model_validation"] == rows  # what the JSON (and the notebook) shows is what the code computes
+
+
+def test_model_within_10pct_on_committed_gpu_runs():
+    """Issue 4's bar: the 2-GPU colocate runs predicted from the 1+1 server-mode costs within 10%."""
+    res = load_result("pingpong_gpu")
+    if res is None:
+        pytest.skip("results/pingpong_gpu.json not committed yet (scripts/gpu/pingpong.sh writes it)")
+    rows = [r for r in validate(res["runs"], res.get("gen_probe", [])) if r["method"] == "cross-mode"]
+    assert rows, "no colocate run to predict"
+    assert max(abs(r["error_pct"]) for r in rows) <= 10.0, rows
     proj = project_post(fit_costs(res["runs"], res.get("gen_probe", [])))
     assert all(p["normalised"] > 0 for p in proj)
     assert pingpong.POST_SPEEDUPS["qwen2.5-1.5b"] == 1.43

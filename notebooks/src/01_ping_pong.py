@@ -157,17 +157,21 @@ for name, res in committed.items():
 # - server, N devices, k serve, n = N−k train: step = gen(n·b/k) + sync + train(b) + other; throughput n·b/step
 # - colocate, N devices: step = gen(b) + sync + train(b) + other; throughput N·b/step
 #
-# **Validation** (leave-one-out: each run's step time predicted from costs fitted on the *other* runs).
+# **Validation**, two ways that never re-add a run's own phases: `cross-mode` predicts each colocate run from costs
+# measured in server mode only (the model's claim: both modes spend gen(b) + train(b) per device); `leave-one-out`
+# predicts each run from the costs fitted on the other runs. The bar is 10% on the H200 runs. On CPU the two
+# "devices" are two processes on the same cores: the server process slows the trainer down (training in server mode
+# measured 2–3× slower than the same training colocated), so the model's premise — independent devices — does not
+# hold there, and the CPU errors say so.
 
 # %%
 data = committed["pingpong_gpu"] or committed["pingpong_cpu"] or mine
 source = "pingpong_gpu" if committed["pingpong_gpu"] else ("pingpong_cpu" if committed["pingpong_cpu"] else "this notebook")
 display(Markdown(f"costs from **{source}**"))
 display(pd.DataFrame(pingpong.validate(data["runs"], data.get("gen_probe", []))))
-display(pd.DataFrame(pingpong.validate(mine["runs"], mine.get("gen_probe", []))).assign(source="this notebook")
-        if len(mine["runs"]) > 2 else Markdown("_(this notebook's two runs are too few for leave-one-out)_"))
+display(pd.DataFrame(pingpong.validate(mine["runs"], mine.get("gen_probe", []))).assign(source="this notebook"))
 costs = pingpong.fit_costs(data["runs"], data.get("gen_probe", []))
-costs.gen_points
+pd.DataFrame(costs.gen_points, columns=["completions", "server generation s"])
 
 # %% [markdown]
 # **Projection to the post's 8-GPU experiments** (7 train + 1 vLLM), beside the post's numbers at its largest batch.
