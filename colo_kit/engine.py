@@ -170,6 +170,27 @@ def ensure_process_group() -> bool:
     return made
 
 
+@contextmanager
+def _stdout_with_fd():
+    """vLLM silences C-level prints while it makes its groups by dup2-ing `sys.stdout.fileno()`;
+    a Jupyter kernel's stdout may have no file descriptor (io.UnsupportedOperation: fileno).
+    Lend it the process's real stdout for the duration."""
+    import sys
+
+    try:
+        sys.stdout.fileno()
+        swap = False
+    except Exception:
+        swap = sys.__stdout__ is not None
+    saved = sys.stdout
+    if swap:
+        sys.stdout = sys.__stdout__
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
 def tp_groups(world_size: int, tp: int) -> list[list[int]]:
     """Consecutive ranks: world 4, tp 2 -> [[0, 1], [2, 3]]."""
     return [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
@@ -340,7 +361,8 @@ class ColocatedEngine:
         )
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with _stdout_with_fd():
+            self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         self.asleep: set[str] = set()  # tags whose memory is released; kept up to date by colo_kit.sleep
