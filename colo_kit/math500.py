@@ -56,9 +56,9 @@ from pathlib import Path
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_COMPLETION_CHARS = 20_000  # only the end of a completion is read: the final answer is there
-MAX_ANSWER_CHARS = 1_000      # a MATH answer is at most ~100 characters
+MAX_ANSWER_CHARS = 400        # a MATH answer is at most ~100 characters; parsing time grows with length
 MAX_TAIL_CHARS = 3_000        # without a box, the stated answer is near the end
-MAX_NESTING = 10              # parsing time grows exponentially with nesting (\frac 12 deep: seconds)
+MAX_NESTING = 8               # parsing time grows exponentially with nesting (\frac 12 deep: seconds)
 MAX_FUNCTION_NESTING = 3      # simplify() of sin(sin(sin(sin(...)))) grows exponentially too
 MAX_DIGITS = 10_000           # 2^{2005} has 604 digits; 10^{10^{10}} would need 10^10
 MAX_NODES = 2_000             # sympy tree size above which simplify() may not finish
@@ -87,18 +87,18 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` / `\\fbox{...}` that closes, braces matched by depth.
     For `\\boxed{\\boxed{10}}` that is the inner box; for an unclosed box, the one before it."""
-    starts = [m.end() for m in _BOX.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for k in range(start, len(text)):
-            ch = text[k]
-            if ch == "{" and text[k - 1] != "\\":
-                depth += 1
-            elif ch == "}" and text[k - 1] != "\\":
-                depth -= 1
-                if depth == 0:
-                    return text[start:k]
-    return None
+    starts = {m.end() - 1 for m in _BOX.finditer(text)}  # index of each box's "{"
+    if not starts:
+        return None
+    stack, best = [], None  # one pass: a scan per box would be quadratic in \boxed{\boxed{...
+    for k, ch in enumerate(text):
+        if ch == "{" and (k == 0 or text[k - 1] != "\\"):
+            stack.append(k)
+        elif ch == "}" and stack and text[k - 1] != "\\":
+            opened = stack.pop()
+            if opened in starts and (best is None or opened > best[0]):
+                best = (opened, k)
+    return None if best is None else text[best[0] + 1:best[1]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +140,93 @@ def normalize_answer(answer: str) -> str:
 def _squash(s: str) -> str:
     """For the exact-string fast path: spacing and \\left/\\right do not change an answer."""
     return re.sub(r"\s+|\\left|\\right|\\[,;!: ]", "", s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast path: most answers are plain numbers; compare them exactly without parsing LaTeX
+# (math-verify's LaTeX parser, ANTLR, costs milliseconds per answer; this costs microseconds)
+# ---------------------------------------------------------------------------------------------
+
+_INT = re.compile(r"\d+|\d{1,3}(?:(?:,|,\\!|\{,\})\d{3})+")  # 1000, 1,000, 10,\!000
+_FRAC = re.compile(r"\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+)")
+_DECIMAL = re.compile(r"\d*\.\d+")
+
+
+def simple_number(answer: str) -> tuple[Fraction, bool] | None:
+    """(exact value, written as a decimal?) for an integer, decimal or plain fraction, optionally
+    signed, with a dollar sign in front or a degree sign behind; None for anything else."""
+    if len(answer) > 100:
+        return None
+    t = re.sub(r"\s+|\\[;: ]|\\,(?!\d)", "", answer)
+    t = t.removeprefix("\\$").removeprefix("$")
+    for suffix in ("^\\circ", "^{\\circ}"):
+        t = t.removesuffix(suffix)
+    sign = -1 if t.startswith("-") else 1
+    t = t[1:] if sign < 0 else t
+    if _INT.fullmatch(t):
+        return Fraction(sign * int(re.sub(r"\D", "", t))), False
+    if _DECIMAL.fullmatch(t):
+        return sign * Fraction(t), True
+    m = _FRAC.fullmatch(t)
+    if m:
+        num, den = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return (sign * Fraction(int(num), int(den)), False) if int(den) else None
+    return None
+
+
+def simple_tuple(answer: str) -> tuple[str, list] | None:
+    """(brackets, elements) for a pair, triple or interval of plain numbers or +-infinity, such as
+    `(-2, 3)` or `[1, \\infty)`; None for anything else. Parsing these with ANTLR costs ~20 ms."""
+    t = _squash(answer)
+    if len(t) > 100 or len(t) < 5 or t[0] not in "([" or t[-1] not in ")]":
+        return None
+    values = []
+    for part in t[1:-1].split(","):
+        if part in ("\\infty", "+\\infty", "-\\infty"):
+            values.append(part.lstrip("+"))
+            continue
+        v = simple_number(part)
+        if v is None or v[1]:  # decimals are left to math-verify's rounding rules
+            return None
+        values.append(v[0])
+    return (t[0] + t[-1], values) if len(values) >= 2 else None
+
+
+def _fast_verdict(answer: str, gold_norm: str) -> bool | None:
+    """True/False when both sides are plain numbers (or tuples / intervals of them) and that
+    settles it exactly; None to leave it to math-verify (which, e.g., accepts 0.333333 for 1/3:
+    it rounds decimals to 6 places, or may read (2, 5) as an interval or a point)."""
+    a, g = simple_number(answer), simple_number(gold_norm)
+    if a is not None and g is not None:
+        if a[0] == g[0]:
+            return True
+        return None if (a[1] or g[1]) else False
+    a, g = simple_tuple(answer), simple_tuple(gold_norm)
+    if a is not None and g is not None and a[0] == g[0] and len(a[1]) == len(g[1]):
+        return a[1] == g[1]
+    return None
+
+
+def _differ_numerically(gold, pred) -> bool:
+    """True when two constant expressions (no variables, not sets or equations) evaluate to clearly
+    different numbers (or intervals / tuples with a clearly different end or element): a wrong
+    `4\\sqrt{8}` is then settled in a fraction of a millisecond instead
+    of by simplify(). Close values (0.333333 vs 1/3) are left to math-verify's own rules."""
+    import sympy
+
+    if isinstance(gold, sympy.Interval) and isinstance(pred, sympy.Interval):  # (2, 5) vs (2, 6)
+        return _differ_numerically(gold.start, pred.start) or _differ_numerically(gold.end, pred.end)
+    if isinstance(gold, sympy.Tuple) and isinstance(pred, sympy.Tuple) and len(gold) == len(pred):
+        return any(_differ_numerically(g, p) for g, p in zip(gold, pred))
+    if not (isinstance(gold, sympy.Expr) and isinstance(pred, sympy.Expr)) or gold.free_symbols or pred.free_symbols:
+        return False
+    try:
+        a, b = complex(gold.evalf(20)), complex(pred.evalf(20))
+    except Exception:
+        return False
+    if not all(math.isfinite(x) for x in (a.real, a.imag, b.real, b.imag)):
+        return False
+    return abs(a - b) > 1e-6 * max(1.0, abs(a), abs(b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,8 +325,9 @@ def _refuse_expr(parsed) -> str | None:
                     exp = _digits(node.exp)
                     if exp is not None and exp > 4:      # x^{100000} expands forever too
                         return "exponent over 10,000"
-                    if exp is not None and exp > 1.8 and node.base.is_Add and node.base.free_symbols:
-                        return "a polynomial raised to a power over 60"
+                    if (node.exp.is_Number and abs(float(node.exp)) > 60 and node.base.free_symbols
+                            and not node.base.is_Symbol):
+                        return "an expression in x raised to a power over 60"  # (x+1)^{999}, sin^{200}(x)
                 digits = _digits(node)
                 if digits is not None and digits > MAX_DIGITS:
                     return f"a number over {MAX_DIGITS} digits"
@@ -261,6 +349,20 @@ def _parse(latex: str, anchored_only: bool = False):
 
 
 @lru_cache(maxsize=4096)
+def _gold_norm(gold: str) -> str | None:
+    """The normalised gold answer, None if it cannot be a gold answer. A plain number is settled
+    here; anything else is parsed by math-verify (once: cached, GRPO checks each gold G times)."""
+    if _refuse_text(gold):
+        return None
+    norm = normalize_answer(gold)
+    if not norm:
+        return None
+    if simple_number(norm) is None and simple_tuple(norm) is None and _gold(gold)[1] is None:
+        return None
+    return norm
+
+
+@lru_cache(maxsize=4096)
 def _gold(gold: str):
     """(normalised gold, parsed gold) — cached: GRPO checks every gold G times per step."""
     if _refuse_text(gold):
@@ -279,7 +381,7 @@ def parse_gold(gold: str):
     it cannot be read. In-process: gold answers come from the dataset, not from the model."""
     if not isinstance(gold, str):
         raise TypeError(f"gold={gold!r}: a gold answer is a LaTeX string such as '\\\\frac{{1}}{{2}}'")
-    return _gold(gold)[1]
+    return None if _gold_norm(gold) is None else _gold(gold)[1]
 
 
 def check(completion: str, gold: str) -> Verdict:
@@ -290,8 +392,8 @@ def check(completion: str, gold: str) -> Verdict:
     if not isinstance(completion, str) or not isinstance(gold, str):
         raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
                         f"and {type(gold).__name__}")
-    gold_norm, gold_parsed = _gold(gold)
-    if gold_parsed is None:
+    gold_norm = _gold_norm(gold)
+    if gold_norm is None:
         return Verdict(False, None, "gold unparseable", gold_ok=False)
     completion = completion[-MAX_COMPLETION_CHARS:]
     boxed = last_boxed(completion)
@@ -304,6 +406,9 @@ def check(completion: str, gold: str) -> Verdict:
             return Verdict(False, "", "empty box")
         if _squash(answer) == _squash(gold_norm):
             return Verdict(True, answer, "equal-string")
+        fast = _fast_verdict(answer, gold_norm)
+        if fast is not None:
+            return Verdict(fast, answer, "equal-number" if fast else "different-number")
         pred = _parse("\\boxed{" + answer + "}")
     else:
         tail = completion[-MAX_TAIL_CHARS:]
@@ -316,6 +421,11 @@ def check(completion: str, gold: str) -> Verdict:
     refused = _refuse_expr(pred)
     if refused:
         return Verdict(False, answer[:80], "refused: " + refused)
+    gold_parsed = _gold(gold)[1]
+    if gold_parsed is None:  # a plain-number gold math-verify cannot read (not seen; kept safe)
+        return Verdict(False, answer, "gold unparseable", gold_ok=False)
+    if _differ_numerically(gold_parsed[0], pred[0]):
+        return Verdict(False, answer, "different-value")
     ok = verify(gold_parsed, pred, allow_set_relation_comp=True, timeout_seconds=None)
     return Verdict(bool(ok), answer, "math-verify")
 
@@ -375,8 +485,7 @@ class _Worker:
 
     def kill(self) -> None:
         if self.pid == os.getpid() and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.kill()  # not waited for (subprocess reaps it later): the caller returns now
 
 
 class Checker:
@@ -445,12 +554,25 @@ class Checker:
             line = worker.readline(max(0.0, end - time.monotonic()))
             if line is None:
                 worker.kill()
+                worker = None
                 self.restarts += 1
-                worker = _Worker()  # warms up in the background while the caller goes on
+                # A replacement starts in the background; the caller returns now.
+                threading.Thread(target=self._replace, daemon=True).start()
                 return Verdict(False, None, f"timeout after {self.deadline_s} s")
             return Verdict(**json.loads(line))
         finally:
             self._give(worker)
+
+    def _replace(self) -> None:
+        with self._cond:
+            if len(self._idle) + self._busy >= self.max_workers:
+                return
+            self._busy += 1
+        try:
+            worker = _Worker()
+        except Exception:
+            worker = None
+        self._give(worker)
 
     def warm_up(self, workers: int = 1) -> None:
         """Start `workers` processes now and wait until they are ready (a training run calls this

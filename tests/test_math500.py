@@ -1,0 +1,195 @@
+"""The Math500 checker against hand-labelled cases, its time bound (guards, worker deadline,
+threads, worker processes), and the evaluation runner (Wilson interval, breakdowns, real vLLM)."""
+
+import json
+import multiprocessing
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from colo_kit.math500 import (Checker, UnparseableGold, check, is_correct, last_boxed, parse_gold, score,
+                              simple_number, wilson_interval)
+from colo_kit.paths import data_dir
+
+CASES = [json.loads(line) for line in (data_dir() / "math500_checker_cases.jsonl").read_text().splitlines() if line]
+PITFALLS = {"nested_braces", "fraction_forms", "units_text", "percent", "degrees", "interval_inequality",
+            "tuple_comma", "matrix", "unreduced_fraction", "pm", "several_boxed", "no_answer", "symbolic"}
+
+
+def test_labelled_set_covers_the_pitfalls():
+    assert len(CASES) >= 150
+    assert len({c["id"] for c in CASES}) == len(CASES)
+    cats = Counter(c["category"] for c in CASES)
+    assert PITFALLS <= set(cats), f"missing categories: {PITFALLS - set(cats)}"
+    verdicts = Counter(c["verdict"] for c in CASES)
+    assert verdicts[True] >= 40 and verdicts[False] >= 40, verdicts
+
+
+def test_checker_agrees_with_the_labels_at_least_98_percent():
+    """Through is_correct (the worker process), as the reward calls it."""
+    wrong = [(c["id"], c["gold"], last_boxed(c["completion"]), c["verdict"]) for c in CASES
+             if is_correct(c["completion"], c["gold"]) != c["verdict"]]
+    agreement = 1 - len(wrong) / len(CASES)
+    assert agreement >= 0.98, f"agreement {agreement:.3f}; disagreements: {wrong}"
+
+
+def test_in_process_check_gives_the_same_verdicts_as_the_worker():
+    for c in CASES[::7]:
+        assert check(c["completion"], c["gold"]).correct == is_correct(c["completion"], c["gold"]), c["id"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so $\boxed{\frac{\sqrt{3}}{2}}$.", r"\frac{\sqrt{3}}{2}"),
+    (r"\boxed{3} then \boxed{4}", "4"),
+    (r"\boxed{\boxed{10}}", "10"),
+    (r"\fbox{7}", "7"),
+    (r"\boxed{2} and the unclosed \boxed{3", "2"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+    ("no box here", None),
+])
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"\boxed{\dfrac{6}{8}}", r"\frac{3}{4}", True),             # unreduced, \dfrac
+    (r"\boxed{10,\!000}", "10000", True),                       # thousands comma
+    (r"\boxed{(2,1)}", "(1, 2)", False),                        # ordered pair
+    (r"\boxed{25}", r"25\%", True),
+    (r"\boxed{0.25}", r"25\%", False),
+    (r"\boxed{2 < x < 5}", "(2, 5)", True),                     # interval vs inequality
+    (r"\boxed{\pm 2}", "-2, 2", True),
+    ("the digits 4 and 2 appear: 42", "42", False),             # no stated answer
+])
+def test_pitfalls(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
+def test_simple_number_reads_only_plain_numbers():
+    assert simple_number(r"-\frac{6}{8}")[0] == simple_number("-3/4")[0] == simple_number("-0.75")[0]
+    assert simple_number(r"1,000")[0] == 1000 and simple_number(r"30^\circ")[0] == 30
+    assert simple_number(r"\sqrt{2}") is None and simple_number("1, 2") is None
+
+
+def test_unparseable_gold_raises_and_parse_gold_says_none():
+    assert parse_gold(r"\frac{1}{2}") is not None and parse_gold("") is None
+    with pytest.raises(UnparseableGold, match="cannot be parsed"):
+        is_correct(r"\boxed{1}", "   ")
+    with pytest.raises(TypeError, match="two strings"):
+        is_correct(None, "1")
+
+
+@pytest.mark.parametrize("answer", [r"10^{10^{10}}", r"9999999999!", r"\binom{10^9}{5 \cdot 10^8}", r"(x+1)^{999}",
+                                    "{" * 300 + "1" + "}" * 300, r"\frac{1}{" * 30 + "2" + "}" * 30,
+                                    r"\sin(" * 12 + "x" + ")" * 12, "9" * 100_000])
+def test_adversarial_answers_come_back_fast_and_wrong(answer):
+    t0 = time.perf_counter()
+    assert is_correct(rf"The answer is $\boxed{{{answer}}}$", "5") is False
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_long_completion_without_a_box_is_bounded():
+    t0 = time.perf_counter()
+    assert is_correct("1 + " * 250_000 + "$" * 10_000, "2") is False
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_deadline_kills_a_slow_comparison_and_the_next_call_works():
+    checker = Checker(deadline_s=0.05)
+    slow = r"\boxed{\sin(\sin(\sin(x)))+\cos(\cos(\cos(x)))+\tan(\tan(\tan(x)))}"
+    try:
+        checker.warm_up()
+        t0 = time.perf_counter()
+        v = checker.check(slow, "1")
+        assert v.reason.startswith("timeout") and v.correct is False
+        assert time.perf_counter() - t0 < 1.0
+        assert checker.restarts == 1
+        checker.deadline_s = 30.0
+        assert checker.check(r"\boxed{\frac{2}{4}}", r"\frac12").correct is True
+    finally:
+        checker.close()
+
+
+def test_threads_get_their_own_workers_and_right_verdicts():
+    cases = CASES[::3]
+    results, times = [], []
+
+    def work(part):
+        for c in part:
+            t0 = time.perf_counter()
+            results.append((c["id"], is_correct(c["completion"], c["gold"]) == c["verdict"]))
+            times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=work, args=(cases[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == len(cases)
+    assert sum(ok for _, ok in results) >= len(cases) - 2
+    assert max(times) < 5.0
+
+
+def _check_case(case):
+    return is_correct(case["completion"], case["gold"]) == case["verdict"]
+
+
+def test_safe_in_worker_processes():
+    """A multiprocessing pool (daemonic, forked from a process that already has a worker)."""
+    is_correct(r"\boxed{1}", "1")  # this process's worker exists before the fork
+    cases = CASES[:12]
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert sum(pool.map(_check_case, cases)) >= len(cases) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation runner
+# ---------------------------------------------------------------------------------------------
+
+def test_wilson_interval_known_values():
+    lo, hi = wilson_interval(5, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    lo, hi = wilson_interval(10, 10)
+    assert round(lo, 4) == 0.7225 and hi == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_score_breakdowns_from_known_completions():
+    rows = [{"problem": "p", "answer": "4", "subject": "Algebra", "level": 1, "unique_id": "a"},
+            {"problem": "p", "answer": r"\frac{1}{2}", "subject": "Algebra", "level": 2, "unique_id": "b"},
+            {"problem": "p", "answer": "(1, 2)", "subject": "Geometry", "level": 2, "unique_id": "c"},
+            {"problem": "p", "answer": "7", "subject": "Geometry", "level": 2, "unique_id": "d"},
+            {"problem": "p", "answer": "", "subject": "Geometry", "level": 3, "unique_id": "e"}]
+    completions = [r"\boxed{4}", r"\boxed{0.5}", r"\boxed{(2, 1)}", "no idea", r"\boxed{1}"]
+    r = score(rows, completions)
+    assert (r["n"], r["correct"], r["unparseable_gold"]) == (4, 2, 1)
+    assert r["accuracy"] == 0.5 and r["ci95"] == [round(x, 4) for x in wilson_interval(2, 4)]
+    assert r["by_subject"]["Algebra"]["accuracy"] == 1.0 and r["by_subject"]["Geometry"]["correct"] == 0
+    assert r["by_level"]["2"] == {"n": 3, "correct": 1, "accuracy": 1 / 3,
+                                  "ci95": [round(x, 4) for x in wilson_interval(1, 3)]}
+    assert "3" not in r["by_level"]  # its only problem has an unparseable gold
+    assert [s["correct"] for s in r["samples"]] == [True, True, False, False, None]
+    with pytest.raises(ValueError, match="one completion per problem"):
+        score(rows, completions[:2])
+
+
+@pytest.mark.slow
+def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
+    """The real runner: vLLM (CPU) generates with the training prompt; a random model's accuracy is
+    ~0 by construction, so this checks the mechanics, not the score."""
+    from colo_kit.math500 import cli_main
+
+    out = tmp_path / "eval.json"
+    assert cli_main(["--model", tiny_model_path, "--limit", "6", "--max-tokens", "12", "--source", "offline",
+                     "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["n"] + r["unparseable_gold"] == 6 and 0 <= r["accuracy"] <= 1
+    assert len(r["samples"]) == 6 and all(isinstance(s["completion"], str) for s in r["samples"])
+    assert any(s["completion"] for s in r["samples"]), "vLLM generated nothing"
+    assert sum(v["n"] for v in r["by_subject"].values()) == r["n"]
+    assert r["settings"]["prompt"] == "colo_kit.data.math_prompt" and r["env"]["versions"]["vllm"]
+    assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
