@@ -357,6 +357,9 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
     worker = _Worker(function, str(run_dir), cpu)
     for note in notes:
         print(f"[colo_kit.launch] {note}", flush=True)
+    if echo:
+        print(f"[colo_kit.launch] {num_processes} {'CPU processes (gloo)' if cpu else 'GPU processes (NCCL)'}, "
+              f"rendezvous 127.0.0.1:{port}, logs in {run_dir}", flush=True)
 
     tail = _Tail(run_dir, num_processes, echo)
     tail.start()
@@ -385,19 +388,33 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
 def _launch_forked(worker: _Worker, args: tuple, num_processes: int, port: int) -> None:
     """accelerate's notebook_launcher with our port. For one process notebook_launcher calls the
     function in the kernel itself; we fork that case through torch elastic (the engine notebook_launcher
-    uses) so that a crash cannot take the kernel with it."""
-    from accelerate import notebook_launcher
+    uses) so that a crash cannot take the kernel with it.
 
-    if num_processes > 1:
-        notebook_launcher(worker, args=args, num_processes=num_processes, use_port=str(port),
-                          master_addr="127.0.0.1")
-        return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    accelerate 1.15 prints "Launching training on 2 CUDAs." on a CPU too (its device probe falls back
+    to "cuda"); the workers' own first line says what they got. torch elastic's error report of a
+    failed worker is silenced here: `WorkerError` carries the worker's own traceback instead."""
+    import logging
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="none",
-                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
-                          max_restarts=0, monitor_interval=0.1, start_method="fork")
-    elastic_launch(config=config, entrypoint=worker)(*args)
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        if num_processes > 1:
+            from accelerate import notebook_launcher
+
+            notebook_launcher(worker, args=args, num_processes=num_processes, use_port=str(port),
+                              master_addr="127.0.0.1")
+            return
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="none",
+                              rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
+                              max_restarts=0, monitor_interval=0.1, start_method="fork")
+        elastic_launch(config=config, entrypoint=worker)(*args)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
 
 
 def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool, run_dir: Path, port: int,

@@ -48,7 +48,9 @@ print(f"tier: {TIER}; GPUs: {gpu_count()}; models for the live runs: {MODELS}"
 # | worker output lands in the terminal, a worker crash is a wall of elastic errors | worker logs stream into the cell as `[rank N] …`; a crash becomes one `WorkerError` with the worker's traceback, and the kernel lives |
 # | on a CPU, `PartialState()` quietly makes each process a world of one (and `accelerate launch --cpu --num_processes 2` starts one process) | every worker starts `PartialState(cpu=True)`: gloo, world size 2 |
 #
-# Keep every GPU call inside the launched function. Two small launches in a row:
+# Keep every GPU call inside the launched function. Two small launches in a row (accelerate 1.15 prints
+# "Launching training on 2 CUDAs" even on a CPU — its device probe falls back to `cuda`; each worker's
+# first line says what it really got):
 
 # %%
 print("kernel problems before forking:", kernel_problems() or "none")
