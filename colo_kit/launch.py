@@ -426,8 +426,9 @@ def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "colo_kit.launch", str(run_dir)]
     env = dict(os.environ)
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # The fresh process must import what this one can: cloudpickle sends importable functions by name.
+    paths = [str(Path(__file__).resolve().parent.parent)] + [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     # The launcher's own messages go to a file; the workers' lines reach the cell through the tail.
     with open(run_dir / "launcher.log", "wb") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)

@@ -50,6 +50,11 @@ POST_REFERENCE = {
     "setup": "8 GPUs, TRL colocate, vllm_gpu_memory_utilization=0.3 (post 1)",
 }
 GPU_RESULTS = "tp_gpu.json"
+# Colocated GRPO on 2 H200s, shared by scripts/gpu/tp_tuning.sh and notebook 03: bf16 weights and
+# Adam states (TRL loads a model path in fp32, and 7B in fp32 beside a 0.3 engine does not fit one
+# H200: see colo_kit.planner), gradient checkpointing, 16 completions per GPU in groups of 8.
+GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_batch=16, num_generations=8, max_completion_length=256,
+                         model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=True)
 # On a CPU the kernel imports vLLM once and every forked worker inherits it (importing it costs each
 # worker 10-60 s on 2 busy cores). On a GPU the workers import it themselves: nothing that might
 # touch CUDA runs in the kernel.

@@ -78,9 +78,8 @@ def cmd_grpo(a) -> int:
     part = {"kind": "grpo", "model": a.model, "tp": a.tp}
     overrides = {}
     if has_cuda():
-        # bf16 weights and Adam states: 7B full fine-tuning beside a 0.3 vLLM engine fits one H200 this way
-        # (TRL loads a path in fp32 by default, which does not fit; see colo_kit.planner).
-        overrides = dict(model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=True)
+        overrides = {k: v for k, v in tp.GPU_GRPO_SETTINGS.items()
+                     if k in ("model_init_kwargs", "gradient_checkpointing")}
     try:
         sw = tp.grpo_sweep(model, (a.tp,), max_steps=a.steps, per_device_batch=a.per_device_batch,
                            num_generations=a.num_generations, max_completion_length=a.max_tokens,
@@ -152,10 +151,12 @@ def main(argv=None) -> int:
             p.add_argument("--max-tokens", type=int, default=256)
             p.add_argument("--repeats", type=int, default=2)
         else:
-            p.add_argument("--steps", type=int, default=4)
-            p.add_argument("--per-device-batch", type=int, default=16)
-            p.add_argument("--num-generations", type=int, default=8)
-            p.add_argument("--max-tokens", type=int, default=256)
+            from colo_kit.tp import GPU_GRPO_SETTINGS as g
+
+            p.add_argument("--steps", type=int, default=g["max_steps"])
+            p.add_argument("--per-device-batch", type=int, default=g["per_device_batch"])
+            p.add_argument("--num-generations", type=int, default=g["num_generations"])
+            p.add_argument("--max-tokens", type=int, default=g["max_completion_length"])
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="*")
     m.add_argument("--out", required=True)

@@ -16,7 +16,8 @@ def _who(tag):
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([dist.get_rank() + 1.0])
+    device = f"cuda:{os.environ['LOCAL_RANK']}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([dist.get_rank() + 1.0], device=device)
     dist.all_reduce(t)
     print(f"worker {dist.get_rank()} says {tag}", flush=True)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),

@@ -59,8 +59,9 @@ print("kernel problems before forking:", kernel_problems() or "none")
 def whoami(tag):
     import torch
     import torch.distributed as dist
+    from accelerate import PartialState
 
-    t = torch.ones(1)
+    t = torch.ones(1, device=PartialState().device)  # a GPU tensor under NCCL, a CPU one under gloo
     dist.all_reduce(t)  # crosses the processes: the sum is the world size
     print(f"rank {dist.get_rank()} of {dist.get_world_size()} ({dist.get_backend()}) says {tag}", flush=True)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "all_reduce_sum": t.item(), "pid": os.getpid()}
@@ -167,7 +168,8 @@ tp.throughput_figure(gen_sweeps, title).show()
 
 # %%
 grpo_tps = (2,) if (TIER == "cpu" and HEADLESS) else (1, 2)
-grpo_kwargs = {} if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4, max_completion_length=8)
+grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4,
+                                                              max_completion_length=8)
 grpo_sweeps = [tp.grpo_sweep(m, grpo_tps, **grpo_kwargs) for m in MODELS]
 for sw in grpo_sweeps:
     for t, s in sw["tp"].items():
