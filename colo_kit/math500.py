@@ -765,6 +765,34 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
     return report
 
 
+def load_policy(engine, model) -> None:
+    """Put a model's weights into a running engine, so one engine evaluates several models (base,
+    colocate-trained, plain-trained) without restarting: the colocate trick, used for evaluation.
+    `engine` is the kit's `ColocatedEngine` or a vLLM `LLM` (e.g. `trainer.vllm_generation.llm`);
+    `model` is a transformers model or a preset / folder / hub id to load."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        from colo_kit.models import resolve_model
+
+        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(str(model))), dtype="auto")
+    if hasattr(engine, "push_weights"):
+        engine.push_weights(model)
+        return
+    from colo_kit.vllm_compat import load_weights
+
+    load_weights(engine, ((name, t.detach()) for name, t in model.state_dict().items()))
+
+
+def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
+    """`evaluate` each of `models` (name -> model or path) on one engine, loading its weights first."""
+    reports = {}
+    for name, model in models.items():
+        load_policy(engine, model)
+        reports[name] = evaluate(engine, **evaluate_kwargs)
+    return reports
+
+
 def _shutdown(llm) -> None:
     import gc
 

@@ -1,0 +1,206 @@
+# %% [markdown]
+# # 05 · The two rewards, and the Math500 evaluation
+#
+# GRPO learns from a **reward function**: TRL calls it with the completions of a step (and the
+# dataset's other columns) and wants one number per completion back. The first post uses two:
+#
+# 1. a **length reward**, `-abs(20 - len(completion))` — a smoke test any model, even a random one,
+#    learns in a few dozen steps;
+# 2. a **Math500 answer checker** — 1 if the completion's final answer equals the gold answer — for
+#    the 72B run (experiment 5), whose trained models "beat the base model on Math500, and colocate
+#    matches plain TRL", with **nearly identical reward curves** for the two.
+#
+# This notebook explains both rewards with examples, trains with the length reward in **colocate**
+# mode and in **plain** mode (no vLLM) from the same seed and puts both reward curves on one chart,
+# then evaluates base vs colocate-trained vs plain-trained models on Math500.
+
+# %%
+import json
+import os
+
+import colo_kit  # environment defaults before torch/vLLM load
+from colo_kit.env import tier
+from colo_kit.models import default_preset
+
+HEADLESS = os.environ.get("COLO_KIT_HEADLESS") == "1"
+print(f"tier: {tier()} | default model preset: {default_preset()} | headless: {HEADLESS}")
+
+# %% [markdown]
+# ## 1 · The length reward
+#
+# `colo_kit.rewards.length_reward(completions, target=20)` returns `-abs(target - len(text))` per
+# completion: 0 for exactly 20 characters, one point less per character too many or too few. TRL may
+# pass completions as strings or as chat messages; the reward reads either.
+
+# %%
+import pandas as pd
+from IPython.display import display
+
+from colo_kit.rewards import length_reward
+
+examples = ["Too short.", "Exactly twenty chars", "A summary that rambles on for far longer than the target.",
+            [{"role": "assistant", "content": "Chat-form, 20 chars."}]]
+display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]['content']}" for e in examples],
+                      "characters": [len(e if isinstance(e, str) else e[0]["content"]) for e in examples],
+                      "length_reward": length_reward(examples)}))
+
+# %% [markdown]
+# ## 2 · The Math500 checker
+#
+# Comparing strings is not enough: `\dfrac{1}{2}`, `0.5` and `\frac{2}{4}` are one answer, `(2, 1)` is not
+# `(1, 2)`, and `25\%`, `25` and `30^\circ` vs `30` are what graders accept. `colo_kit.math500.is_correct`
+# takes the **last** `\boxed{}` (braces matched by depth), normalises the forms math-verify does not read
+# the way a grader does, and lets **math-verify** compare values (LaTeX → sympy). Without a box only an
+# answer the text *states* counts, so a random model's noise that contains the number scores 0.
+#
+# Below, tricky cases from the kit's hand-labelled set (`data/math500_checker_cases.jsonl`): the label a
+# careful grader gives, a plain string comparison of the boxed answer, and the checker.
+
+# %%
+from colo_kit.math500 import default_checker, is_correct, last_boxed
+
+cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
+picked_ids = ["c000", "c017", "c026", "c035", "c047", "c076", "c087", "c098", "c114", "c119", "c130",
+              "c137", "c146", "c150", "c154", "c164", "c166", "c168", "c177"]
+picked = [c for c in cases if c["id"] in picked_ids]
+default_checker().warm_up()  # start the checker's worker process before timing anything
+
+
+def plain_compare(completion: str, gold: str) -> bool:
+    boxed = last_boxed(completion)
+    return boxed is not None and boxed.strip() == gold.strip()
+
+
+table = pd.DataFrame([{"category": c["category"], "gold": c["gold"],
+                       "final answer": last_boxed(c["completion"]) if last_boxed(c["completion"]) is not None
+                       else c["completion"][-40:],
+                       "label": c["verdict"], "string ==": plain_compare(c["completion"], c["gold"]),
+                       "is_correct": is_correct(c["completion"], c["gold"])} for c in picked])
+display(table)
+print(f"string comparison agrees with the label on {(table['string =='] == table['label']).sum()}/{len(table)}, "
+      f"the checker on {(table['is_correct'] == table['label']).sum()}/{len(table)} of these")
+
+# %% [markdown]
+# On the whole labelled set (222 cases, labels decided by reading, not by running any checker), and what
+# the committed benchmark (`scripts/bench_checker.py` → `results/math500_checker.json`) measured: agreement,
+# checks per second on one core, and the worst time of any input under fuzzing (random and adversarial
+# LaTeX — `10^{10^{10}}`, 10,000-deep braces, megabyte strings — from one thread and from four).
+#
+# The time bound matters because math-verify's own timeout uses `signal.alarm`, which works only in the
+# main thread. The kit turns it off, refuses what sympy cannot finish (over-long answers, deep nesting,
+# numbers over 10,000 digits), and runs each comparison in a worker process with a 4 s deadline.
+
+# %%
+import time
+
+t0 = time.perf_counter()
+live = sum(is_correct(c["completion"], c["gold"]) == c["verdict"] for c in cases)
+live_s = time.perf_counter() - t0
+print(f"now, here: {live}/{len(cases)} = {live / len(cases):.1%} agreement ({len(cases) / live_s:.0f} checks/s)")
+with open("../results/math500_checker.json") as f:
+    bench = json.load(f)
+s = bench["summary"]
+print(f"committed benchmark: agreement {s['agreement']:.1%} (bar 98%), {s['checks_per_cpu_s']:.0f} checks per "
+      f"CPU-second (bar 200), worst input {s['worst_case_s']:.2f} s (bar 5 s)")
+for d in bench["agreement"]["disagreements"]:
+    print(f"  disagreement {d['id']} ({d['category']}): gold {d['gold']!r}, answer {d['extracted']!r}, "
+          f"label {d['label']}, checker {d['checker']}")
+
+# %% [markdown]
+# ## 3 · Colocate vs plain, same seed
+#
+# Two GRPO runs with the length reward, identical but for where generation happens: **colocate**
+# (`use_vllm=True, vllm_mode="colocate"`: vLLM inside the trainer) and **plain** (`use_vllm=False`:
+# transformers' `generate`). The post's 72B runs showed nearly identical reward curves; colocation
+# changes where tokens are sampled, not what is learned. (The two samplers draw different random numbers,
+# so the curves are not equal step by step: compare their trend.)
+
+# %%
+import ipywidgets as widgets
+
+model_w = widgets.Text(value=default_preset(), description="model")
+steps_w = widgets.IntSlider(value=20 if HEADLESS else 40, min=5, max=200, step=5, description="steps")
+gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations")
+seed_w = widgets.IntText(value=0, description="seed")
+problems_w = widgets.IntSlider(value=24 if HEADLESS else 60, min=4, max=500, step=4, description="Math500 N")
+display(widgets.VBox([model_w, steps_w, gen_w, seed_w, problems_w]))
+
+# %%
+from colo_kit.train import run_grpo
+
+common = dict(reward="length", target_length=20, max_steps=steps_w.value, num_generations=gen_w.value,
+              per_device_batch=2 * gen_w.value, max_completion_length=32, learning_rate=5e-3, seed=seed_w.value)
+runs = {mode: run_grpo(model_w.value, mode, **common) for mode in ("colocate", "plain")}
+for mode, run in runs.items():
+    print(f"{mode:>8}: {len(run.steps)} steps in {run.elapsed_s} s, reward {run.rewards[0]:.1f} -> {run.rewards[-1]:.1f}")
+
+# %%
+import plotly.graph_objects as go
+
+fig = go.Figure()
+for mode, run in runs.items():
+    fig.add_scatter(x=run.series("step"), y=run.rewards, name=f"{mode} (use_vllm={mode == 'colocate'})",
+                    mode="lines+markers")
+fig.update_layout(title="Length reward, colocate vs plain GRPO, same seed", xaxis_title="optimizer step",
+                  yaxis_title="mean reward = -|20 - len(text)|", height=420)
+fig.show()
+
+# %% [markdown]
+# ## 4 · Math500: base vs colocate-trained vs plain-trained
+#
+# `colo_kit.math500.evaluate` answers each problem greedily with the **training prompt**
+# (`colo_kit.data.math_prompt`: "...put your final answer within \boxed{}"), scores with `is_correct`, and
+# reports accuracy with a 95% Wilson interval and per-subject / per-level breakdowns. `compare_models` does it
+# for several models on **one** engine — the colocate trainer's own vLLM — loading each model's weights
+# into it in turn, the same weight push colocation does every step.
+#
+# **Offline** (no hub, as in CI) this uses the kit's stand-in problems (`data/math_problems.jsonl`) and
+# random-weight models: accuracy is **~0 by construction** — the point is the mechanics. **Online**, set the
+# model to a hub id (the post: `Qwen/Qwen2.5-Math-72B`; small: `Qwen/Qwen2.5-Math-1.5B`) and train with
+# `reward="math500"` on a math set; `load_math()` then reads `HuggingFaceH4/MATH-500` from the hub.
+
+# %%
+from colo_kit.data import load_math
+from colo_kit.math500 import compare_models
+
+problems = load_math()
+engine = runs["colocate"].trainer.vllm_generation.llm
+reports = compare_models(engine, {"base": model_w.value, "colocate-trained": runs["colocate"].trainer.model,
+                                  "plain-trained": runs["plain"].trainer.model},
+                         problems=problems, limit=problems_w.value, max_tokens=64 if HEADLESS else 256)
+summary = pd.DataFrame([{"model": name, "problems": r["n"], "correct": r["correct"], "accuracy": r["accuracy"],
+                         "95% CI": f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}"} for name, r in reports.items()])
+display(summary)
+
+# %%
+names = list(reports)
+acc = [reports[n]["accuracy"] for n in names]
+fig = go.Figure(go.Bar(x=names, y=acc, error_y=dict(type="data", symmetric=False,
+                                                    array=[reports[n]["ci95"][1] - a for n, a in zip(names, acc)],
+                                                    arrayminus=[a - reports[n]["ci95"][0] for n, a in zip(names, acc)])))
+fig.update_layout(title=f"Math500 accuracy with 95% Wilson intervals ({reports['base']['dataset'][:60]})",
+                  yaxis_title="accuracy", yaxis_range=[0, 1], height=380)
+fig.show()
+subjects = pd.DataFrame({n: {k: v["accuracy"] for k, v in r["by_subject"].items()} for n, r in reports.items()})
+display(subjects.style.format("{:.2f}").set_caption("accuracy by subject"))
+
+# %% [markdown]
+# One completion of the base model, and how the checker read it:
+
+# %%
+sample = reports["base"]["samples"][0]
+print(f"gold {sample['gold']!r} | extracted {sample['answer']!r} | {sample['reason']} | correct {sample['correct']}")
+print(sample["completion"][:300])
+
+# %% [markdown]
+# ## What to take away
+#
+# - The **length reward** needs no model quality, so both modes learn it and their curves follow the same
+#   trend from the same seed — the post's "nearly identical reward curves", at toy scale.
+# - The **checker** is where Math500 numbers are won or lost: a string comparison misses most of the
+#   tricky cases above; the checker agrees with a careful grader on the labelled set (numbers above, from
+#   `results/math500_checker.json`), and no input can stall a training step for more than its deadline.
+# - **Evaluate like you train**: the same prompt template, one engine, weights swapped in — and report an
+#   interval, not just a number: with 60 problems a 95% interval is about ±12 points wide.
+#
+# The command-line version: `colo-kit eval-math500 --model <preset|folder|hub id> --limit 500`.
