@@ -58,7 +58,7 @@ def cmd_gen(a) -> int:
     try:
         sw = tp.generation_sweep(model, (a.tp,), num_prompts=a.num_prompts, prompt_len=a.prompt_len,
                                  max_tokens=a.max_tokens, gpu_memory_utilization=a.util,
-                                 enforce_eager=a.eager, repeats=a.repeats, echo="brief")
+                                 enforce_eager=bool(a.eager), repeats=a.repeats, echo="brief")
         part["sweep"] = sw
         s = sw["tp"][a.tp]
         log(f"{a.model} gen TP {a.tp}: {s['tok_per_s']:,.0f} tok/s (runs {s['tok_per_s_runs']}), "
