@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
-from colo_kit.env import describe, has_cuda
+from colo_kit.env import has_cuda
 from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
 
