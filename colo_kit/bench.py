@@ -100,6 +100,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         hooked["rank"] = trainer.accelerator.process_index
         tl.hook(trainer, server_device="vLLM server" if not has_cuda() else f"gpu{os.environ.get('COLO_KIT_SERVER_GPU', '1')} (vLLM server)")
 
+    _free_rendezvous_port()
     t0 = time.time()
     try:
         run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
@@ -149,6 +150,21 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
 
         torch.cuda.empty_cache()
     return rec
+
+
+def _free_rendezvous_port() -> None:
+    """A single process (notebook, CPU bench) still builds a torch.distributed group for vLLM's
+    external_launcher; a MASTER_PORT left at 29500 collides with any other run on the host
+    (seen: EADDRINUSE while another job trained). Under a launcher the launcher's port stands."""
+    import socket
+
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,

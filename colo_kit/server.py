@@ -94,6 +94,17 @@ class VLLMServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def wait(self, timeout_s: float = 300.0) -> "VLLMServer":
+        """Block until `/health` answers (for a server started with `wait=False`)."""
+        if not self.startup_s:
+            try:
+                wait_healthy(self.url, self.proc, timeout_s, self.log_path)
+            except BaseException:
+                self.stop()
+                raise
+            self.startup_s = round(time.perf_counter() - self.extra["t0"], 2)
+        return self
+
     def __enter__(self):
         return self
 
@@ -141,8 +152,9 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
-                 extra_args: list[str] | None = None) -> VLLMServer:
-    """Start a vLLM server for TRL's server mode and wait until it answers `/health`.
+                 extra_args: list[str] | None = None, wait: bool = True) -> VLLMServer:
+    """Start a vLLM server for TRL's server mode and wait until it answers `/health`
+    (`wait=False`: return at once and call `server.wait()` later, e.g. after other work).
 
     `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
     on CPU. The log goes to `log_path` (default under results/runs/). `enforce_eager` defaults to
@@ -169,15 +181,11 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://{host}:{port}"
-    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus)
-    try:
-        server.startup_s = round(wait_healthy(url, proc, timeout_s, log_path), 2)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0})
+    return server.wait(timeout_s) if wait else server
 
 
 # --- the CPU weight sync ---------------------------------------------------------------------------

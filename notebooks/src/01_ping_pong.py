@@ -55,8 +55,7 @@ SETTINGS
 # ## 2 · Two real runs, two timelines
 #
 # First the server: `colo_kit.server.start_server` launches the command `trl vllm-serve` would run (TRL 1.16 builds a
-# `vllm serve` command line), waits for `/health` and logs to a file. It starts in the background while the colocate
-# run trains (vLLM takes a while to start: here tens of seconds, 50–90 s per process on an H200).
+# `vllm serve` command line), waits for `/health` and logs to a file. Here it boots while the colocate run trains (vLLM takes a while to start: here tens of seconds, 50–90 s per process on an H200).
 #
 # On CPU two things of server mode do not work out of the box, and the kit works around both (see `colo_kit/server.py`):
 # `trl vllm-serve` dies with `PackageNotFoundError: No package metadata was found for vllm` (the CPU wheel is named
@@ -64,35 +63,23 @@ SETTINGS
 # through `POST /collective_rpc` (vLLM's layer-wise `reload_weights`).
 
 # %%
-import threading
-
-import trl.scripts.vllm_serve  # noqa: F401  (imported here, not inside the thread below)
-
 from colo_kit.server import start_server
 
-server_box = {}
+def boot(wait):
+    return start_server(SETTINGS["model"], port=8013, gpus="1", max_model_len=None if GPU else 512, wait=wait)
 
 
-def _start():
-    try:
-        server_box["server"] = start_server(SETTINGS["model"], port=8013, gpus="1",
-                                            max_model_len=None if GPU else 512)
-    except Exception as exc:  # shown below, the colocate half still runs
-        server_box["error"] = exc
-
-
-booting = threading.Thread(target=_start, daemon=True)
-booting.start()
+server = None  # started after the colocate run: a booting server would slow it down (CPU) or need its GPU
 common = dict(batches=(SETTINGS["per_device_batch"],), steps=SETTINGS["steps"],
               num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"])
-colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
-booting.join()
-if "error" in server_box:
-    raise server_box["error"]
-server = server_box["server"]
-print(f"server healthy after {server.startup_s} s; log: {server.log_path}")
-server_res = bench.sweep(SETTINGS["model"], modes=("server",), server=server, **common)
-server.stop()
+try:
+    colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
+    server = (server or boot(wait=True)).wait()
+    print(f"server healthy after {server.startup_s} s; log: {server.log_path}")
+    server_res = bench.sweep(SETTINGS["model"], modes=("server",), server=server, **common)
+finally:
+    if server is not None:
+        server.stop()
 mine = bench.merge_results([server_res, colocate_res])
 for r in mine["runs"]:
     print(r["label"], r.get("error") or f"{r['tokens_per_s']} tok/s, step {r['step_time_s']} s, idle {r['idle_fraction']}")
@@ -121,7 +108,9 @@ gantt(timeline_of(mine, f"colocate-b{b}"), f"colocate mode, batch {b}: one devic
 # the question is "what does each GPU I train on give me".
 #
 # The sweep below is the committed one (`colo-kit bench`, `results/pingpong_cpu.json`), with the H200 sweep
-# (`scripts/gpu/pingpong.sh`, `results/pingpong_gpu.json`) beside it when present.
+# (`scripts/gpu/pingpong.sh`, `results/pingpong_gpu.json`) beside it when present. **Read the CPU ratios as a
+# demonstration of the machinery, not as measurements of the post's effect**: the trainer and the server are two
+# processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps here moved by 2× and more.
 
 # %%
 display(pd.DataFrame(mine["summary"]).assign(source="this notebook"))
