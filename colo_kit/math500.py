@@ -685,6 +685,13 @@ def _texts(outputs) -> list[str]:
     return texts
 
 
+def _engine_model_name(llm) -> str | None:
+    try:
+        return str(llm.llm_engine.model_config.model)
+    except AttributeError:
+        return None
+
+
 def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float, seed: int) -> list[str]:
     """One completion per prompt from a vLLM `LLM` (`generate(prompts, sampling_params)`) or from the
     kit's `ColocatedEngine` (`generate(prompts, n=, max_tokens=, temperature=)` -> `.texts`)."""
@@ -723,7 +730,7 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
         rows = rows[:limit]
 
     owned = None
-    model_name = getattr(model, "model_path", None) or str(model)
+    model_name = str(getattr(model, "model_path", None) or _engine_model_name(model) or model)
     if isinstance(model, (str, Path)):
         from vllm import LLM
 
