@@ -22,6 +22,17 @@ from pathlib import Path
 from colo_kit.lora import ReplicaLaunch
 
 
+def _die_with_parent():
+    """Linux: SIGTERM the replica when the process that started it dies, even by SIGKILL (a
+    notebook kernel killed after a failed cell runs no atexit handler)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def free_port() -> int:
     import socket
 
@@ -77,7 +88,7 @@ class ReplicaSet:
             env = {**os.environ, **l.env}
             # own process group: stop() ends the server and the engine process it spawns
             self.procs.append(subprocess.Popen(l.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+                                               start_new_session=True, preexec_fn=_die_with_parent))
         pending = dict(enumerate(self.urls))
         self.startup_s = [0.0] * len(self.urls)
         try:
