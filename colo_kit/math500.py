@@ -14,17 +14,21 @@ plain". Reproducing that takes two things this module holds:
      (`0.\\overline{3}`), `\\pm` written out, `°`, `\\varnothing`, a sentence's full stop inside the
      box, and percent signs (compared as the number in front of them, so `25\\%` = `25`, but
      `0.25` is not `25\\%`);
-   - intervals are compared with the inequalities that describe them (`(2,5)` = `2<x<5`).
+   - intervals are compared with the inequalities that describe them (`(2,5)` = `2<x<5`);
+   - plain numbers and tuples of them are compared exactly without parsing LaTeX, and constant
+     expressions that clearly differ in value are settled by evaluating them, before math-verify's
+     slower parser and simplify() run (checks per second are a bar here: GRPO checks every sample).
    `data/math500_checker_cases.jsonl` holds the hand-labelled cases it is measured on
    (`scripts/bench_checker.py`; the numbers are in `results/math500_checker.json`).
 
    **Time bound.** math-verify bounds its own time with `signal.alarm`, which works only in the main
    thread; TRL may call reward functions elsewhere. Here those timeouts are off, and time is bounded
-   twice: cheap guards refuse what sympy cannot finish (answers over 1,000 characters, nesting
-   deeper than 40, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
-   `is_correct` runs the comparison in a worker process with a deadline (`Checker`): a comparison
-   that overruns it is killed, the worker restarted, and the answer counted wrong. The worker is per
-   process (a forked child gets its own) and shared by threads through a lock.
+   twice: cheap guards refuse what the parser or sympy cannot finish (answers over 400 characters,
+   brackets nested deeper than 8 — parsing time grows exponentially with depth —, functions nested
+   deeper than 3, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
+   `is_correct` runs the comparison in a worker process with a deadline (`Checker`): a call that
+   overruns it is counted wrong and its worker killed and replaced. Each concurrent call gets its
+   own worker (threads never wait for each other), and a forked child process starts its own.
 
    **Gold that cannot be parsed** (empty, over-long, or nothing math-verify can read) raises
    `UnparseableGold` from `is_correct`; `parse_gold(gold)` returns None for it. The reward turns it
@@ -549,9 +553,12 @@ class Checker:
                     # Still importing (a loaded machine): keep it for the next call, count this one wrong.
                     return Verdict(False, None, f"timeout: checker worker still starting after {self.deadline_s} s")
                 worker.ready = True
-            worker.proc.stdin.write((json.dumps({"completion": completion, "gold": gold}) + "\n").encode())
-            worker.proc.stdin.flush()
-            line = worker.readline(max(0.0, end - time.monotonic()))
+            try:
+                worker.proc.stdin.write((json.dumps({"completion": completion, "gold": gold}) + "\n").encode())
+                worker.proc.stdin.flush()
+                line = worker.readline(max(0.0, end - time.monotonic()))
+            except OSError:  # the worker died (killed from outside, out of memory): same as a timeout
+                line = None
             if line is None:
                 worker.kill()
                 worker = None

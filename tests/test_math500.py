@@ -112,6 +112,17 @@ def test_deadline_kills_a_slow_comparison_and_the_next_call_works():
         checker.close()
 
 
+def test_a_worker_killed_from_outside_is_replaced():
+    checker = Checker()
+    try:
+        checker.warm_up()
+        checker._idle[0].proc.kill()
+        checker._idle[0].proc.wait()
+        assert checker.check(r"\boxed{0.5}", r"\frac{1}{2}").correct is True  # a fresh worker answers
+    finally:
+        checker.close()
+
+
 def test_threads_get_their_own_workers_and_right_verdicts():
     cases = CASES[::3]
     results, times = [], []
