@@ -145,6 +145,9 @@ def adversarial() -> list[tuple[str, str, str]]:
     out.append(("trig power", r"\boxed{\sin^{200}(x)+\cos^{200}(x)}", "1"))
     out.append(("nested trig", r"\boxed{" + r"\sin(" * 30 + "x" + ")" * 30 + "}", "x"))
     out.append(("long sum symbolic", r"\boxed{" + "+".join(f"x^{{{k}}}" for k in range(300)) + "}", "x"))
+    # Within every guard, yet simplify() works for a while (~1 s on the dev box).
+    out.append(("nested trig sum", r"\boxed{\sin(\sin(\sin(x)))+\cos(\cos(\cos(x)))+\tan(\tan(\tan(x)))"
+                r"+\sin(\cos(\tan(x)))+\cos(\tan(\sin(x)))}", "1"))
     out.append(("nul and unicode", "\x00\u202e\\boxed{\u00bd}\ufffd", r"\frac12"))
     return out
 
