@@ -122,3 +122,35 @@ def test_publish_load_cycle_through_the_proxy_on_a_real_replica(tiny_model_path,
                 probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
         finally:
             proxy.stop_thread()
+
+
+def test_cpu_varlen_attention_matches_causal_attention_per_sample():
+    """The CPU stand-in for FA3 (used by `cpu_async_grpo_patches`): two samples sharing a 5-token
+    prefix, packed as a tree (prefix segment + two branch segments), give the same outputs as
+    plain causal attention over each sample on its own."""
+    import torch
+    import torch.nn.functional as F
+
+    from colo_kit.lora import _TorchVarlenAttention
+
+    torch.manual_seed(0)
+    H, Hkv, D = 4, 2, 8
+    prefix, a, b = 5, 3, 4
+    q, k, v = (torch.randn(prefix + a + b, n, D) for n in (H, Hkv, Hkv))
+    idx = torch.arange(prefix + a + b)
+    path_a = torch.cat([idx[:prefix], idx[prefix:prefix + a]])
+    path_b = torch.cat([idx[:prefix], idx[prefix + a:]])
+    kv_index = torch.cat([idx[:prefix], path_a, path_b])
+    cu_q = torch.tensor([0, prefix, prefix + a, prefix + a + b], dtype=torch.int32)
+    cu_k = torch.tensor([0, prefix, prefix + len(path_a), prefix + len(path_a) + len(path_b)], dtype=torch.int32)
+    out = _TorchVarlenAttention.flash_attn_varlen_func(q, k[kv_index], v[kv_index], cu_q, cu_k, 0, 0)
+
+    def causal(path):
+        qq, kk, vv = (t[path].transpose(0, 1) for t in (q, k, v))
+        kk, vv = kk.repeat_interleave(H // Hkv, 0), vv.repeat_interleave(H // Hkv, 0)
+        return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(0, 1)
+
+    ref_a, ref_b = causal(path_a), causal(path_b)
+    assert torch.allclose(out[:prefix], ref_a[:prefix], atol=1e-5)
+    assert torch.allclose(out[prefix:prefix + a], ref_a[prefix:], atol=1e-5)
+    assert torch.allclose(out[prefix + a:], ref_b[prefix:], atol=1e-5)
