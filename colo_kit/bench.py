@@ -110,15 +110,19 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         tl.unhook()
         tl.util = sampler.stop()
     world, rank = hooked.get("world", 1), hooked.get("rank", 0)
-    ends = [s["end_s"] for s in sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])]
+    marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
+    ends = [s["end_s"] for s in marks]
     step_times = [round(b - a, 4) for a, b in zip([t0] + ends[:-1], ends)]
     completions = per_device_batch * world
-    rows = []
-    for i, row in enumerate(run.steps):
-        st = step_times[i] if i < len(step_times) else None
-        tokens = row.get("completions/mean_length", max_completion_length) * completions
-        rows.append({"step": row.get("step", i + 1), "step_time_s": st, "tokens": round(tokens, 1),
-                     "samples": completions, "reward": row.get("reward")})
+    # TRL logs completion lengths and rewards on the steps that generate; with
+    # steps_per_generation > 1 the steps in between train on buffered completions of the last one.
+    logged = {row.get("step"): row for row in run.steps}
+    rows, mean_len = [], float(max_completion_length)
+    for mark, st in zip(marks, step_times):
+        row = logged.get(mark["step"], {})
+        mean_len = row.get("completions/mean_length", mean_len)
+        rows.append({"step": mark["step"], "step_time_s": st, "tokens": round(mean_len * completions, 1),
+                     "samples": completions, "reward": row.get("reward"), "generated": "reward" in row})
     meas = [r for r in rows[warmup_steps:] if r["step_time_s"]]
     total_s = sum(r["step_time_s"] for r in meas)
     per_step = tl.phase_per_step(skip_steps=warmup_steps)
@@ -214,6 +218,8 @@ def variants(records: list[dict]) -> list[dict]:
         if r["mode"] != "colocate" or r["label"].startswith("colocate-b") or "error" in r:
             continue
         base = by.get(f"colocate-b{r['per_device_batch']}")
+        if not r.get("tokens_per_s"):
+            continue
         out.append({"label": r["label"], "per_device_batch": r["per_device_batch"], "tokens_per_s": r["tokens_per_s"],
                     "trl_default_tok_per_s": base and base["tokens_per_s"],
                     "vs_trl_default": round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None})
