@@ -146,6 +146,27 @@ fig.update_layout(title="Length reward, colocate vs plain GRPO, same seed", xaxi
 fig.show()
 
 # %% [markdown]
+# The same comparison at GPU scale (Qwen2.5-0.5B's shape, random weights, one H200), from
+# `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed:
+
+# %%
+from pathlib import Path
+
+gpu_json = Path("../results/math500_gpu.json")
+if gpu_json.exists():
+    gpu = json.loads(gpu_json.read_text())
+    fig = go.Figure()
+    for mode, r in gpu["runs"].items():
+        fig.add_scatter(x=list(range(1, len(r["reward"]) + 1)), y=r["reward"], name=f"{mode} (GPU)", mode="lines")
+    fig.update_layout(title=f"GPU: colocate vs plain, {gpu['settings']['model']}, same seed",
+                      xaxis_title="optimizer step", yaxis_title="mean reward", height=380)
+    fig.show()
+    for mode, r in gpu["runs"].items():
+        print(f"GPU {mode:>8}: {len(r['reward'])} steps in {r['train_s']} s")
+else:
+    print("results/math500_gpu.json is not committed yet: run `bash scripts/gpu/math500.sh` on a GPU machine")
+
+# %% [markdown]
 # ## 4 · Math500: base vs colocate-trained vs plain-trained
 #
 # `colo_kit.math500.evaluate` answers each problem greedily with the **training prompt**
