@@ -834,9 +834,14 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N problems only")
     ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
     ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
     args = ap.parse_args(argv)
-    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=args.out)
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit {args.limit}: give a number of problems >= 1, or leave it out for all")
+    llm_kwargs = {"tensor_parallel_size": args.tp} if args.tp > 1 else None
+    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=args.out,
+                 llm_kwargs=llm_kwargs)
     lo, hi = r["ci95"]
     print(f"{r['model']}: {r['correct']}/{r['n']} = {r['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {r['dataset']}")
     for subject, s in r["by_subject"].items():
