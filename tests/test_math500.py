@@ -204,3 +204,31 @@ def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
     assert sum(v["n"] for v in r["by_subject"].values()) == r["n"]
     assert r["settings"]["prompt"] == "colo_kit.data.math_prompt" and r["env"]["versions"]["vllm"]
     assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
+
+
+@pytest.mark.slow
+def test_compare_models_swaps_weights_in_one_engine(tiny_model_path):
+    """evaluate() on the kit's ColocatedEngine; compare_models loads each model into it: the base
+    weights again give the same greedy completions, perturbed weights give other ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colo_kit.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.math500 import compare_models, evaluate
+
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine = ColocatedEngine(tiny_model_path, ColocateSettings(max_prompt_length=256, max_completion_length=16))
+    try:
+        kw = dict(limit=4, max_tokens=16, source="offline")
+        first = evaluate(engine, **kw)
+        reports = compare_models(engine, {"base": tiny_model_path, "perturbed": perturbed}, **kw)
+    finally:
+        engine.close()
+    texts = {name: [s["completion"] for s in r["samples"]] for name, r in reports.items()}
+    assert texts["base"] == [s["completion"] for s in first["samples"]]
+    assert texts["perturbed"] != texts["base"]
+    assert all(r["n"] == 4 for r in reports.values())
