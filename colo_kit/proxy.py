@@ -688,6 +688,9 @@ def cli_main(argv: list[str]) -> int:
             asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # e.g. the port is taken
+        print(f"colo-kit proxy: cannot serve on {args.host}:{args.port}: {exc}; choose another --port", file=sys.stderr)
+        return 2
     return 0
 
 
