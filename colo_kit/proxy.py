@@ -293,7 +293,11 @@ class RoutingProxy:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError:
+            await self.stop()
+            raise
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.config.host}:{port}"
         await self._poll_health()
