@@ -32,7 +32,7 @@ if [ "${1:-}" = "--smoke" ]; then
   S1=400; S2=300
 else
   MODEL=qwen2.5-1.5b; BATCHES=64,32,8; G=8; LEN=256; STEPS=4; PROBE=448,224,56; FINAL=results/pingpong_gpu.json
-  S1=190; S2=220
+  S1=190; S2=200
 fi
 # tokens/s counts the completion lengths TRL logs (random weights rarely emit EOS: ~LEN each)
 FIXED="--max-completion-length $LEN --num-generations $G --steps $STEPS --batches $BATCHES"
