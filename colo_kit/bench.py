@@ -429,6 +429,22 @@ def throughput_figure(result: dict, title: str = ""):
     return fig
 
 
+def write_plots(result: dict, path: str | Path) -> Path:
+    """One HTML page: the throughput chart and every run's Gantt chart."""
+    from colo_kit.timeline import gantt
+
+    figs = [throughput_figure(result, "tokens/s per batch")] if result.get("summary") else []
+    for r in result["runs"]:
+        if r.get("timeline") and r["timeline"].get("intervals"):
+            tl = Timeline.from_dict(r["timeline"])
+            figs.append(gantt(tl, f"{r['label']}: {r.get('tokens_per_s')} tok/s",
+                              skip_steps=r.get("warmup_steps", 1) if len(tl.meta.get("steps", [])) > 1 else 0))
+    path = Path(path)
+    path.write_text("\n".join(f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
+                               for i, f in enumerate(figs)))
+    return path
+
+
 def load_result(name: str) -> dict | None:
     """A committed results JSON (e.g. "pingpong_gpu"), or None when absent."""
     p = results_dir() / f"{name}.json"
@@ -474,6 +490,8 @@ def cli_main(argv: list[str]) -> int:
                 budget_s=a.budget_s)
     for r in res["summary"]:
         print(json.dumps(r))
+    html = write_plots(res, runs_dir() / (Path(out).stem + ".html"))
+    print(f"[colo_kit] plots: {html}")
     errors = [r for r in res["runs"] if "error" in r]
     print(f"[colo_kit] wrote {out}; {len(res['runs'])} runs, {len(errors)} failed")
     return 1 if errors else 0
@@ -516,6 +534,7 @@ if __name__ == "__main__":
         loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
         merged = attach_model(merge_results(loaded))
         Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
+        print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
         print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
         raise SystemExit(0)
     raise SystemExit(cli_main(sys.argv[1:]))
