@@ -284,7 +284,7 @@ class RoutingProxy:
         from aiohttp import web
 
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self._own_health)
