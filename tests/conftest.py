@@ -17,12 +17,28 @@ def tiny_model_path() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The launcher's tests check what it does in a pristine interpreter (fork through
+    # notebook_launcher). Tests that start vLLM or a TRL trainer in-process leave a process group and
+    # rank variables behind, after which the launcher rightly refuses to fork; so those run first.
+    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_launch.py") else 1)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU; the GPU evidence is committed under results/")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Undo each test's changes to os.environ. TRL's colocate mode and the kit's engine write RANK,
+    WORLD_SIZE and MASTER_PORT into the environment of the process that builds an engine; left in
+    pytest's environment, every later subprocess (a notebook kernel, a script, torchrun) would try to
+    bind the rendezvous port this process still holds (EADDRINUSE)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 @pytest.fixture
