@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda
+from colo_kit.vllm_compat import stdout_with_fd
 
 # vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
 # profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
@@ -168,27 +169,6 @@ def ensure_process_group() -> bool:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     return made
-
-
-@contextmanager
-def _stdout_with_fd():
-    """vLLM silences C-level prints while it makes its groups by dup2-ing `sys.stdout.fileno()`;
-    a Jupyter kernel's stdout may have no file descriptor (io.UnsupportedOperation: fileno).
-    Lend it the process's real stdout for the duration."""
-    import sys
-
-    try:
-        sys.stdout.fileno()
-        swap = False
-    except Exception:
-        swap = sys.__stdout__ is not None
-    saved = sys.stdout
-    if swap:
-        sys.stdout = sys.__stdout__
-    try:
-        yield
-    finally:
-        sys.stdout = saved
 
 
 def tp_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -361,7 +341,7 @@ class ColocatedEngine:
         )
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
-        with _stdout_with_fd():
+        with stdout_with_fd():
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()

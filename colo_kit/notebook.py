@@ -88,7 +88,7 @@ def build_all() -> list[Path]:
     return written
 
 
-def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 1200, html: bool = True) -> dict:
+def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 600, html: bool = True) -> dict:
     """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy
     (and an HTML one) under `out_dir`, and return where they are and how long it took.
     Raises `nbclient.exceptions.CellExecutionError` with the failing cell's traceback."""

@@ -163,6 +163,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
     from colo_kit.data import load_tldr
     from colo_kit.models import resolve_model
+    from colo_kit.vllm_compat import stdout_with_fd
 
     model_path = resolve_model(model)
     if dataset is None:
@@ -183,8 +184,9 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         from colo_kit.server import use_http_weight_sync
 
         settings["http_weight_sync"] = use_http_weight_sync()  # CPU: no NCCL; see colo_kit.server
-    trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
-                          train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
+    with stdout_with_fd():  # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
+        trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
+                              train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
     settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
     if on_trainer is not None:
         on_trainer(trainer)

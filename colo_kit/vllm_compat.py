@@ -1,6 +1,6 @@
 """Loading new weights into a running vLLM engine, on every platform the kit supports.
 
-One function, `load_weights(llm, named_tensors)`, used by the TRL colocate patch (colo_kit.train)
+`load_weights(llm, named_tensors)`, used by the TRL colocate patch (colo_kit.train)
 and by the kit's own engine. Why it is more than `model.load_weights(...)`:
 
 - vLLM's CPU backend repacks each linear layer's weight for its GEMM kernels after loading and
@@ -19,6 +19,7 @@ and by the kit's own engine. Why it is more than `model.load_weights(...)`:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 
@@ -54,3 +55,24 @@ def _refresh_tied_lm_head(model) -> None:
     method = getattr(lm_head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(lm_head)
+
+
+@contextmanager
+def stdout_with_fd():
+    """vLLM silences C-level prints while it makes its groups by dup2-ing `sys.stdout.fileno()`;
+    a Jupyter kernel's stdout may have no file descriptor (io.UnsupportedOperation: fileno).
+    Lend it the process's real stdout for the duration."""
+    import sys
+
+    try:
+        sys.stdout.fileno()
+        swap = False
+    except Exception:
+        swap = sys.__stdout__ is not None
+    saved = sys.stdout
+    if swap:
+        sys.stdout = sys.__stdout__
+    try:
+        yield
+    finally:
+        sys.stdout = saved
