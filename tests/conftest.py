@@ -1,6 +1,7 @@
 """Shared fixtures. Importing colo_kit first sets the runtime defaults (OMP threads, vLLM CPU
 KV-cache size, in-process engine) before any test imports torch or vLLM."""
 
+import gc
 import os
 
 import pytest
@@ -36,9 +37,14 @@ def _restore_environ():
     pytest's environment, every later subprocess (a notebook kernel, a script, torchrun) would try to
     bind the rendezvous port this process still holds (EADDRINUSE)."""
     before = dict(os.environ)
+    gc.collect()
     yield
     os.environ.clear()
     os.environ.update(before)
+    # An in-process vLLM engine left for the garbage collector tears down vLLM's process-global
+    # model-parallel groups whenever it is finally collected, possibly in the middle of the next
+    # test's engine ("pipeline model parallel group is not initialized"): collect it here instead.
+    gc.collect()
 
 
 @pytest.fixture
