@@ -41,9 +41,9 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(before)
-    # An in-process vLLM engine left for the garbage collector tears down vLLM's process-global
-    # model-parallel groups whenever it is finally collected, possibly in the middle of the next
-    # test's engine ("pipeline model parallel group is not initialized"): collect it here instead.
+    # Collect engines a test dropped before the next test builds one, so their teardown (which touches
+    # vLLM's process-global groups) happens between tests. A precaution: it did not by itself cure
+    # "pipeline model parallel group is not initialized" (see tests/test_timeline.py).
     gc.collect()
 
 
