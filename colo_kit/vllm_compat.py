@@ -12,7 +12,7 @@ and by the kit's own engine. Why it is more than `model.load_weights(...)`:
   tied parameter for one of its layers only (a documented limitation in
   vllm/model_executor/model_loader/reload). On CPU the LM head keeps its stale packed copy, so
   the sampler would use the old output layer: generation silently drifts from the trainer
-  (measured: log-prob gap vs the trainer grew to 2 nats in 20 steps, GRPO's importance ratios
+  (seen in an exploratory, uncommitted run: log-prob gap vs the trainer grew to 2 nats in 20 steps, GRPO's importance ratios
   went to 0 and learning stopped). We re-tie and re-process the head after every load.
 """
 
