@@ -47,6 +47,16 @@ def _restore_environ():
     gc.collect()
 
 
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env() -> dict:
+    """os.environ without the rank/rendezvous variables, for a child process that starts its own
+    group. Module-scoped engine fixtures are set up before `_restore_environ` takes its snapshot, so
+    the MASTER_PORT they write stays in pytest's environment while this process still holds that port."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+
+
 @pytest.fixture
 def free_port() -> int:
     import socket

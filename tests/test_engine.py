@@ -61,12 +61,17 @@ def test_lengths_over_the_model_limit(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
+    import os
+
     from colo_kit.engine import ColocatedEngine
 
+    before = dict(os.environ)  # the engine writes RANK/MASTER_PORT; don't leak them past this module
     eng = ColocatedEngine(tiny_model_path, ColocateSettings(per_device_train_batch_size=4, max_prompt_length=64,
                                                             max_completion_length=16))
     yield eng
     eng.close()
+    os.environ.clear()
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="module")

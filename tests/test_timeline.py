@@ -85,9 +85,11 @@ def test_colocate_run_records_every_phase(tiny_model_path, tmp_path):
     import subprocess
     import sys
 
+    from conftest import clean_env
+
     out = tmp_path / "timeline.json"
     proc = subprocess.run([sys.executable, "-c", _COLOCATE_TIMELINE, str(out)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     phases = {phase for phase, *_ in res["intervals"]}
