@@ -295,7 +295,11 @@ def _worker_main(plan_path: str) -> int:
             import traceback
 
             traceback.print_exc()
-            rec = {"label": cfg["label"], "mode": cfg["mode"], "error": repr(exc)[:2000], "rank": -1}
+            # Kept by rank 0 like a measurement: an error record dropped here is a config that
+            # "exited 0 with no record" (the first H200 sweep lost three colocate configs that way).
+            rec = {"label": cfg["label"], "mode": cfg["mode"], "per_device_batch": cfg.get("per_device_batch"),
+                   "error": repr(exc)[:2000], "traceback": traceback.format_exc()[-3000:],
+                   "rank": int(os.environ.get("RANK", "0"))}
         if rec.get("rank", 0) == 0:
             rec.pop("timeline", None)
             Path(plan["out"], f"record_{cfg['label']}.json").write_text(json.dumps(rec))

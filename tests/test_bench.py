@@ -49,3 +49,27 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
         assert r["peak_mem_gib"]["trainer"] > 0
     assert len(bench._ENGINES) == 1  # batch 8 built the engine, batch 4 reused it
     assert json.loads((tmp_path / "c.json").read_text())["summary"] == []  # no server half here
+
+
+def test_worker_keeps_the_record_of_a_config_that_failed(tmp_path):
+    # The worker-process path (accelerate launch on GPU) on CPU: a config that raises must come back
+    # as a record carrying its error, and must not stop the configs after it.
+    import os
+
+    from conftest import clean_env
+
+    from colo_kit.bench import run_configs
+
+    env = os.environ.copy()
+    os.environ.clear()
+    os.environ.update(clean_env())
+    try:
+        recs = run_configs([dict(mode="colocate", model="no-such-model-anywhere", label="broken", per_device_batch=4),
+                            dict(mode="nonsense", model="tiny", label="bad-mode", per_device_batch=4)],
+                           workdir=tmp_path, in_process=False, timeout_s=300)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert [r["label"] for r in recs] == ["broken", "bad-mode"]
+    assert "no-such-model-anywhere" in recs[0]["error"] and "no record" not in recs[0]["error"]
+    assert "nonsense" in recs[1]["error"] and recs[1]["per_device_batch"] == 4
