@@ -101,6 +101,10 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         tl.hook(trainer, server_device="vLLM server" if not has_cuda() else f"gpu{os.environ.get('COLO_KIT_SERVER_GPU', '1')} (vLLM server)")
 
     _free_rendezvous_port()
+    if has_cuda():  # this process's own peaks, beside NVML's whole-GPU view (see `torch_peak_gib`)
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     try:
         run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
@@ -137,6 +141,11 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         "idle_fraction": tl.idle_fraction(skip_steps=warmup_steps),
         "phase_s_per_step": per_step,
         "peak_mem_gib": sampler.peak_mem_gib(),
+        # NVML counts everything on the GPU; these split it into what the trainer's tensors needed
+        # (allocated) and what PyTorch's caching allocator held on to (reserved). The planner predicts
+        # the first; a server-mode trainer GPU measured far above it by NVML is the second. In colocate
+        # mode the in-process engine's tensors count here too (unless sleep mode's allocator holds them).
+        "torch_peak_gib": _torch_peaks(),
         "mean_util_pct": sampler.mean_util_pct(),
         "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "elapsed_s": run.elapsed_s,
@@ -154,6 +163,16 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
 
         torch.cuda.empty_cache()
     return rec
+
+
+def _torch_peaks() -> dict | None:
+    if not has_cuda():
+        return None
+    import torch
+
+    gib = 2 ** 30
+    return {"allocated": round(torch.cuda.max_memory_allocated() / gib, 2),
+            "reserved": round(torch.cuda.max_memory_reserved() / gib, 2)}
 
 
 def _free_rendezvous_port() -> None:
