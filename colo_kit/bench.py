@@ -47,10 +47,15 @@ def reuse_engines() -> None:
     first). Weights are pushed at the first step of every trainer, so a reused engine generates
     with the new trainer's weights. Sleep-mode engines are never shared (TRL puts them to sleep
     right after building them).
+
+    vLLM keeps its model-parallel groups in process-global state, shared by every engine in the
+    process: closing any engine (`ColocatedEngine.close`) destroys them under the cached one, which
+    then fails with "pipeline model parallel group is not initialized". So a cached engine is only
+    handed out while those groups are alive, and `release_engines` undoes all this when a sweep ends.
     """
     from trl.generation import vllm_generation
 
-    if getattr(vllm_generation, "_colo_kit_cached", False):
+    if getattr(vllm_generation, "_colo_kit_real_LLM", None) is not None:
         return
     real = vllm_generation.LLM
 
@@ -59,7 +64,7 @@ def reuse_engines() -> None:
             return real(*args, **kwargs)
         key = json.dumps({k: v for k, v in kwargs.items() if k != "max_num_seqs"}, sort_keys=True, default=str)
         hit = _ENGINES.get(key)
-        if hit is not None and hit[0] >= (kwargs.get("max_num_seqs") or 0):
+        if hit is not None and hit[0] >= (kwargs.get("max_num_seqs") or 0) and _groups_alive():
             return hit[1]
         for k in list(_ENGINES):  # one engine at a time: free the smaller one first
             del _ENGINES[k]
@@ -70,7 +75,25 @@ def reuse_engines() -> None:
         return llm
 
     vllm_generation.LLM = LLM
-    vllm_generation._colo_kit_cached = True
+    vllm_generation._colo_kit_real_LLM = real
+
+
+def release_engines() -> None:
+    """Drop the cached engines and give TRL back its own `LLM` (a no-op if `reuse_engines` was not called)."""
+    from trl.generation import vllm_generation
+
+    _ENGINES.clear()
+    real = getattr(vllm_generation, "_colo_kit_real_LLM", None)
+    if real is not None:
+        vllm_generation.LLM = real
+        vllm_generation._colo_kit_real_LLM = None
+    gc.collect()
+
+
+def _groups_alive() -> bool:
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    return model_parallel_is_initialized()
 
 
 # --- one measured run -------------------------------------------------------------------------------
@@ -262,14 +285,17 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
     if in_process:
         reuse_engines()
         out = []
-        for cfg in configs:
-            try:
-                out.append(measure(**cfg, timeline_dir=workdir))
-            except Exception as exc:  # one failure must not lose the others
-                out.append({"label": cfg.get("label"), "mode": cfg["mode"], "error": repr(exc)[:2000],
-                            "per_device_batch": cfg.get("per_device_batch")})
-            print(f"[bench] {out[-1].get('label')}: {out[-1].get('tokens_per_s')} tok/s {out[-1].get('error', '')}",
-                  flush=True)
+        try:
+            for cfg in configs:
+                try:
+                    out.append(measure(**cfg, timeline_dir=workdir))
+                except Exception as exc:  # one failure must not lose the others
+                    out.append({"label": cfg.get("label"), "mode": cfg["mode"], "error": repr(exc)[:2000],
+                                "per_device_batch": cfg.get("per_device_batch")})
+                print(f"[bench] {out[-1].get('label')}: {out[-1].get('tokens_per_s')} tok/s "
+                      f"{out[-1].get('error', '')}", flush=True)
+        finally:  # a notebook or test process goes on to build other engines: leave TRL as it was
+            release_engines()
         return out
     plan = workdir / f"plan-{int(time.time() * 1000)}.json"
     plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))

@@ -42,8 +42,8 @@ def _restore_environ():
     os.environ.clear()
     os.environ.update(before)
     # Collect engines a test dropped before the next test builds one, so their teardown (which touches
-    # vLLM's process-global groups) happens between tests. A precaution: it did not by itself cure
-    # "pipeline model parallel group is not initialized" (see tests/test_timeline.py).
+    # vLLM's process-global groups) happens between tests. A precaution; the cause of the "pipeline
+    # model parallel group is not initialized" seen here was a stale cached engine (tests/test_bench.py).
     gc.collect()
 
 

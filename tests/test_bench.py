@@ -37,6 +37,7 @@ def test_committed_results_follow_the_posts_normalisation(name):
 def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     from colo_kit import bench
 
+    before = len(bench.ENGINE_BUILDS)
     res = sweep("tiny", batches=(4, 8), steps=3, max_completion_length=16, modes=("colocate",),
                 out=tmp_path / "c.json")
     recs = {r["label"]: r for r in res["runs"]}
@@ -47,7 +48,11 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
         assert r["steps"][1]["samples"] == r["per_device_batch"]
         assert {"generation", "forward", "backward"} <= set(r["phase_s_per_step"]["cpu:rank0"])
         assert r["peak_mem_gib"]["trainer"] > 0
-    assert len(bench._ENGINES) == 1  # batch 8 built the engine, batch 4 reused it
+    # batch 8 (run first) built the engine, batch 4 reused it
+    assert [r["engines_built_so_far"] for r in res["runs"]] == [before + 1, before + 1]
+    from trl.generation import vllm_generation
+
+    assert not bench._ENGINES and not getattr(vllm_generation, "_colo_kit_real_LLM", None)  # released
     assert json.loads((tmp_path / "c.json").read_text())["summary"] == []  # no server half here
 
 
@@ -73,3 +78,29 @@ def test_worker_keeps_the_record_of_a_config_that_failed(tmp_path):
     assert [r["label"] for r in recs] == ["broken", "bad-mode"]
     assert "no-such-model-anywhere" in recs[0]["error"] and "no record" not in recs[0]["error"]
     assert "nonsense" in recs[1]["error"] and recs[1]["per_device_batch"] == 4
+
+
+@pytest.mark.slow
+def test_cached_engine_is_not_reused_after_its_groups_were_destroyed(tiny_model_path):
+    # The bug behind "pipeline model parallel group is not initialized": a cached engine outlived
+    # another engine's close(), which destroys vLLM's process-global model-parallel groups.
+    from colo_kit import bench
+    from colo_kit.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.train import run_grpo
+
+    small = dict(max_steps=1, per_device_batch=4, num_generations=4, max_completion_length=8)
+    bench.reuse_engines()
+    try:
+        run = run_grpo("tiny", "colocate", **small)
+        first = run.trainer.vllm_generation.llm
+        del run
+        eng = ColocatedEngine(tiny_model_path, ColocateSettings(per_device_train_batch_size=4, max_prompt_length=64,
+                                                                max_completion_length=16))
+        eng.close()
+        run = run_grpo("tiny", "colocate", **small)
+        assert run.trainer.vllm_generation.llm is not first  # rebuilt, not the engine with dead groups
+        assert len(run.steps) >= 1
+        again = run_grpo("tiny", "colocate", **small)  # groups alive again: this one is reused
+        assert again.trainer.vllm_generation.llm is run.trainer.vllm_generation.llm
+    finally:
+        bench.release_engines()

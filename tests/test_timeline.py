@@ -80,8 +80,9 @@ json.dump({"intervals": [[iv.phase, iv.step, iv.start_s, iv.end_s] for iv in tl.
 
 @pytest.mark.slow
 def test_colocate_run_records_every_phase(tiny_model_path, tmp_path):
-    # In a fresh interpreter: vLLM keeps its model-parallel groups in process-global state, and an
-    # engine built earlier in pytest's process was seen to leave them torn down for the next one.
+    # In a fresh interpreter, as a learner's script runs it. (It first moved here when an engine the
+    # bench had cached in pytest's process was handed out after another engine's close() destroyed
+    # vLLM's process-global groups; bench.reuse_engines now checks, see test_bench.py.)
     import subprocess
     import sys
 
