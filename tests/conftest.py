@@ -3,6 +3,7 @@ KV-cache size, in-process engine) before any test imports torch or vLLM."""
 
 import gc
 import os
+import signal
 
 import pytest
 
@@ -30,6 +31,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     """Undo each test's changes to os.environ. TRL's colocate mode and the kit's engine write RANK,
@@ -37,10 +41,17 @@ def _restore_environ():
     pytest's environment, every later subprocess (a notebook kernel, a script, torchrun) would try to
     bind the rendezvous port this process still holds (EADDRINUSE)."""
     before = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
     gc.collect()
     yield
     os.environ.clear()
     os.environ.update(before)
+    # torch.distributed.elastic (under accelerate's notebook_launcher) installs SIGTERM/SIGINT/SIGHUP/
+    # SIGQUIT handlers in the launching process and leaves them; a process forked later inherits
+    # them, and a multiprocessing Pool's terminate() was seen to hang on a worker that survived SIGTERM.
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
     # Collect engines a test dropped before the next test builds one, so their teardown (which touches
     # vLLM's process-global groups) happens between tests. A precaution; the cause of the "pipeline
     # model parallel group is not initialized" seen here was a stale cached engine (tests/test_bench.py).

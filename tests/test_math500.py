@@ -151,8 +151,13 @@ def test_safe_in_worker_processes():
     """A multiprocessing pool (daemonic, forked from a process that already has a worker)."""
     is_correct(r"\boxed{1}", "1")  # this process's worker exists before the fork
     cases = CASES[:12]
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        assert sum(pool.map(_check_case, cases)) >= len(cases) - 1
+    pool = multiprocessing.get_context("fork").Pool(2)
+    try:
+        agreed = sum(pool.map(_check_case, cases))
+    finally:  # workers exit on the close() sentinel; terminate() (the `with` exit) relies on SIGTERM's
+        pool.close()  # default action, which a handler inherited from an earlier test can replace
+        pool.join()
+    assert agreed >= len(cases) - 1
 
 
 # ---------------------------------------------------------------------------------------------
