@@ -64,15 +64,25 @@ class Preset:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """One decoder layer: q (+bias), k, v (+bias), o; gate, up, down; two RMSNorms."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        return (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+
     def num_params(self) -> int:
         """Parameter count from the shapes (matches the released models to <0.1%)."""
-        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        kv = self.num_key_value_heads * self.head_dim
-        attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k, v (+bias), o
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h  # two RMSNorms
-        emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + h
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * self.layer_params() + emb + self.hidden_size  # + the final norm
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA on every linear layer of the decoder (q, k, v, o, gate, up, down)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        per_layer = rank * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+        return self.num_hidden_layers * per_layer
 
 
 PRESETS: dict[str, Preset] = {

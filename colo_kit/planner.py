@@ -33,6 +33,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from colo_kit.models import Preset
+
 GIB = 2**30
 # What CUDA reports as total memory on one H200 (nvidia-smi: 143,771 MiB, less the driver's share).
 H200_GIB = 139.8
@@ -61,43 +63,11 @@ FITTED = {
 # Model shapes
 # =================================================================================================
 
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    def layer_params(self) -> int:
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
-
-    def num_params(self) -> int:
-        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * self.layer_params() + emb + self.hidden_size
-
-    def lora_params(self, rank: int) -> int:
-        """LoRA on every linear layer of the decoder (q, k, v, o, gate, up, down)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        per_layer = rank * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
-        return self.num_hidden_layers * per_layer
-
-
-def model_shape(model) -> ModelShape:
-    """A preset name (`qwen2.5-7b`), an HF config.json path or folder, or a config dict."""
-    if isinstance(model, ModelShape):
+def model_shape(model) -> Preset:
+    """A preset name (`qwen2.5-7b`), an HF config.json path or folder, or a config dict, as a
+    `models.Preset` (made from a config: hub_id None, not buildable), so the shapes and parameter
+    counts live in one place."""
+    if isinstance(model, Preset):
         return model
     if isinstance(model, dict):
         cfg, name = model, model.get("_name_or_path") or model.get("model_type", "custom")
@@ -106,9 +76,7 @@ def model_shape(model) -> ModelShape:
         from colo_kit.models import PRESETS
 
         if text.lower() in PRESETS:
-            p = PRESETS[text.lower()]
-            return ModelShape(p.name, p.hidden_size, p.num_hidden_layers, p.num_attention_heads,
-                              p.num_key_value_heads, p.intermediate_size, p.vocab_size, p.tie_word_embeddings)
+            return PRESETS[text.lower()]
         path = Path(text)
         if path.is_dir():
             path = path / "config.json"
@@ -121,9 +89,9 @@ def model_shape(model) -> ModelShape:
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"config of {name!r} lacks {missing}: the planner needs a dense decoder's config.json")
-    return ModelShape(str(name), cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                      cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
-                      cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
+    return Preset(str(name), None, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                  cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
+                  cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)), buildable=False)
 
 
 # =================================================================================================
@@ -191,7 +159,7 @@ class Plan:
 # The estimate
 # =================================================================================================
 
-def _activation_bytes_per_token(m: ModelShape, plan: Plan) -> float:
+def _activation_bytes_per_token(m: Preset, plan: Plan) -> float:
     """Bytes autograd keeps per token for the backward pass (bf16 autocast over the training dtype).
 
     Per layer without checkpointing: the two RMSNorms (fp32 input and normalised copy), the bf16 casts
