@@ -190,8 +190,6 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
     One launch per TP size (one engine per process each time). Returns
     {tp: summary} plus the settings; `tok_per_s` is the node's throughput.
     """
-    from colo_kit.launch import free_port, launch
-
     gpu = has_cuda()
     num_prompts = num_prompts or (256 if gpu else 8)
     max_tokens = max_tokens or (256 if gpu else 16)
@@ -206,17 +204,29 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
            "tp": {}}
     if not gpu:
         out["label"] = CPU_LABEL
+    out["tp"] = _launch_per_tp(
+        tp_sizes, generation_worker, summarize_generation,
+        lambda tp: (model_path, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization, enforce_eager,
+                    repeats),
+        num_processes=num_processes, echo=echo, preimport=_PREIMPORT)
+    return out
+
+
+def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> dict:
+    """One launch of `worker(*args_for(tp))` on every rank per TP size, each on a fresh rendezvous
+    port (whose CPU shared-memory names are removed after it); {tp: summarize(ranks' results)}."""
+    from colo_kit.launch import free_port, launch
+
+    out = {}
     for tp in tp_sizes:
         port = free_port()
         try:
-            res = launch(generation_worker, model_path, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization,
-                         enforce_eager, repeats, num_processes=num_processes, echo=echo, preimport=_PREIMPORT,
-                         port=port)
+            res = launch(worker, *args_for(tp), port=port, **launch_kwargs)
         finally:
             remove_cpu_shm(port)
-        summary = summarize_generation(res.results)
+        summary = summarize(res.results)
         summary.update(launch_s=res.seconds, port=res.port, how=res.how)
-        out["tp"][tp] = summary
+        out[tp] = summary
     return out
 
 
@@ -270,8 +280,6 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
                gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
                enforce_eager: bool = False, **overrides) -> dict:
     """Colocated GRPO step time at each `vllm_tensor_parallel_size`, on every GPU of the node."""
-    from colo_kit.launch import free_port, launch
-
     gpu = has_cuda()
     max_steps = max_steps or (4 if gpu else 2)
     max_completion_length = max_completion_length or (256 if gpu else 16)
@@ -284,18 +292,12 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
            "tp": {}}
     if not gpu:
         out["label"] = CPU_LABEL
-    for tp in tp_sizes:
-        port = free_port()
-        try:
-            res = launch(grpo_worker, model_path, tp, max_steps, per_device_batch, num_generations, max_completion_length,
-                         gpu_memory_utilization, overrides, enforce_eager, num_processes=num_processes, echo=echo,
-                         port=port,
-                         preimport=_PREIMPORT + (("trl", "colo_kit.train") if not has_cuda() else ()))
-        finally:
-            remove_cpu_shm(port)
-        summary = summarize_grpo(res.results)
-        summary.update(launch_s=res.seconds, how=res.how)
-        out["tp"][tp] = summary
+    out["tp"] = _launch_per_tp(
+        tp_sizes, grpo_worker, summarize_grpo,
+        lambda tp: (model_path, tp, max_steps, per_device_batch, num_generations, max_completion_length,
+                    gpu_memory_utilization, overrides, enforce_eager),
+        num_processes=num_processes, echo=echo,
+        preimport=_PREIMPORT + (("trl", "colo_kit.train") if not gpu else ()))
     return out
 
 
