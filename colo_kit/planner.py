@@ -550,7 +550,13 @@ VALIDATION_NOTE = (
     "with it every colocate row is within 5%. The server-mode row is not explained: the same trainer without "
     "vLLM predicts ~36 GiB against 50.6 measured, while 2-GPU colocate at the same batch measured only 27.3 GiB "
     "more (vLLM alone holds 41.9 GiB). No constant shared by all rows fits both; it needs a measured breakdown "
-    "(torch allocated/reserved per phase) of a server-mode run."
+    "(torch allocated/reserved per phase) of a server-mode run. A second server-mode observation, not a row "
+    "here: the kit's first H200 ping-pong sweep (results/pingpong_gpu_partial.json, server-b64) ran with "
+    "gradient checkpointing off (a kit bug since fixed) and its training GPU's NVML peak reached 137.2 GiB, "
+    "where the planner gives 103.2 for that setting (prompt length 95 assumed); at batch 64 without "
+    "checkpointing the planner also puts 2-GPU colocate at 148.9 GiB (does not fit), and those colocate "
+    "configurations of that sweep did fail (their error messages were lost to a second kit bug, also fixed). colo_kit.bench now records torch's peak allocated and reserved "
+    "memory beside NVML's, which is the breakdown this row needs."
 )
 
 

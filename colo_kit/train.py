@@ -96,9 +96,13 @@ def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: in
         output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
         per_device_train_batch_size=per_device_batch, max_completion_length=max_completion_length,
         learning_rate=learning_rate, seed=seed, beta=beta, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=not gpu, bf16=gpu, gradient_checkpointing=False,
-        use_vllm=mode != "plain", disable_tqdm=False,
+        save_strategy="no", use_cpu=not gpu, bf16=gpu, use_vllm=mode != "plain", disable_tqdm=False,
     )
+    if not gpu:
+        # CPU: a tiny model has no memory to save and recomputing its forward only costs time. On a
+        # GPU the kit keeps TRL's default (on): the first H200 ping-pong sweep ran with it forced off,
+        # and 1.5B colocate at batch 64 then needs ~149 GiB (colo_kit.planner), more than an H200 has.
+        kwargs["gradient_checkpointing"] = False
     if mode == "colocate":
         kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                       vllm_enable_sleep_mode=sleep)
@@ -179,6 +183,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
                        learning_rate=learning_rate, seed=seed,
                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep,
                        server_url=server_url, **config_overrides)
+    settings["gradient_checkpointing"] = args.gradient_checkpointing
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
     if mode == "server":
         from colo_kit.server import use_http_weight_sync

@@ -23,6 +23,7 @@ def test_grpo_colocate_learns_the_length_reward(tmp_path):
     assert len(run.steps) == 30
     assert all(s["completions/max_length"] <= 32 for s in run.steps)
     assert run.settings["layerwise_reload_patch"] is True
+    assert run.settings["gradient_checkpointing"] is False  # CPU; a GPU keeps TRL's default (True)
     first, last = sum(run.rewards[:5]) / 5, sum(run.rewards[-5:]) / 5
     assert last > first + 30, f"reward did not rise: first five {run.rewards[:5]}, last five {run.rewards[-5:]}"
     # vLLM samples from the trainer's current weights: their log-probs agree (a stale engine drifts to ~2 nats)
@@ -38,3 +39,11 @@ def test_config_validation_names_the_bad_value(tmp_path):
         grpo_config("async", output_dir=tmp_path)
     with pytest.raises(ValueError, match="server_url"):
         grpo_config("server", output_dir=tmp_path)
+
+
+def test_cpu_config_turns_checkpointing_off_and_an_override_wins(tmp_path):
+    from trl import GRPOConfig
+
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing is True  # TRL's default
+    assert grpo_config(output_dir=tmp_path).gradient_checkpointing is False
+    assert grpo_config(output_dir=tmp_path, gradient_checkpointing=True).gradient_checkpointing is True
