@@ -88,10 +88,40 @@ def build_all() -> list[Path]:
     return written
 
 
-def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html: bool = True) -> dict:
+class NotebookWallTimeout(TimeoutError):
+    pass
+
+
+def _execute_within(client, wall_s: float) -> None:
+    """`client.execute()` cancelled after `wall_s` seconds; nbclient's own cleanup then shuts the
+    kernel down (cancellation reaches its `async with` kernel context)."""
+    import asyncio
+
+    from jupyter_core.utils import run_sync
+
+    async def bounded():
+        task = asyncio.ensure_future(client.async_execute())
+        done, _ = await asyncio.wait({task}, timeout=wall_s)
+        if task in done:
+            return task.result()  # a cell error propagates as nbclient raised it
+        task.cancel()  # nbclient turns the cancellation into DeadKernelError on its way out
+        try:
+            await task
+        except BaseException:
+            pass
+        raise NotebookWallTimeout(f"the notebook ran past its wall limit of {wall_s:.0f} s")
+
+    run_sync(bounded)()
+
+
+def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html: bool = True,
+            wall_s: float | None = None) -> dict:
     """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy
     (and an HTML one) under `out_dir`, and return where they are and how long it took.
-    Raises `nbclient.exceptions.CellExecutionError` with the failing cell's traceback."""
+    Raises `nbclient.exceptions.CellExecutionError` with the failing cell's traceback.
+
+    `timeout_s` bounds each cell; `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S)
+    bounds the whole notebook, for the hangs no cell timeout catches (below)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -119,20 +149,22 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
         from nbclient.exceptions import CellTimeoutError
 
         pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
+        wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
         for attempt in (1, 2):
             client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
                                     resources={"metadata": {"path": str(path.parent)}})
             try:
-                client.execute()
+                _execute_within(client, wall_s)
                 break
-            except CellTimeoutError:
-                # Seen on the 2-core CI machine under load: the kernel finished its cell and sat idle
-                # while the client waited on, apparently, a lost message (py-spy: both sides idle).
+            except (CellTimeoutError, NotebookWallTimeout) as exc:
+                # Seen on the 2-core CI machine: the kernel finished a cell and sat idle while the
+                # client waited (py-spy: both sides idle). Once it was a cell timeout; once no timeout
+                # fired at all for 8 minutes, so the whole notebook has a wall limit too. A new client
+                # connecting to the stuck kernel got answers at once (ipykernel#1554's lost wake-up).
                 # A real cell error is never retried; a timeout is, once, in a new kernel.
                 if attempt == 2:
                     raise
-                print(f"[colo_kit] {path.name}: a cell ran past {timeout_s} s; retrying once in a new kernel",
-                      flush=True)
+                print(f"[colo_kit] {path.name}: {exc}; retrying once in a new kernel", flush=True)
                 nb = nbformat.from_dict(json.loads(json.dumps(pristine)))
             finally:
                 executed = out_dir / path.name
