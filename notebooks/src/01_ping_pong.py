@@ -101,6 +101,32 @@ gantt(timeline_of(mine, f"server-b{b}"), f"server mode, batch {b}: trainer + vLL
 gantt(timeline_of(mine, f"colocate-b{b}"), f"colocate mode, batch {b}: one device", skip_steps=1).show()
 
 # %% [markdown]
+# ### The same charts from two H200s (committed)
+#
+# Real GPUs, real TRL 1.16, random-weight Qwen2.5-1.5B, 256-token completions, G=8: GPU 0 trains, GPU 1 runs the
+# vLLM server. Watch GPU 0 wait (grey) through every generation and GPU 1 wait through every training step.
+# If only the partial first sweep is committed, its notes say what it lacks.
+
+# %%
+h200 = bench.load_result("pingpong_gpu") or bench.load_result("pingpong_gpu_partial")
+if h200 is None:
+    print("no H200 ping-pong run committed yet: `bash scripts/gpu/pingpong.sh` on a 2-GPU node writes it")
+else:
+    if bench.load_result("pingpong_gpu") is None:
+        display(Markdown(
+            "**Partial sweep** (`results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a record. "
+            "That run had gradient checkpointing forced off (a kit bug, since fixed: GPU runs keep TRL's default), "
+            "and colocate at batch 64 then needs ~149 GiB per GPU (the planner, notebook 04), more than an H200 has; "
+            "its colocate batch-32 and -64 configurations failed and the worker dropped their error records (also fixed)."))
+    for mode in ("server", "colocate"):
+        runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
+        if runs:
+            rec = max(runs, key=lambda r: r["per_device_batch"])
+            idle = ", ".join(f"{d} {v:.0%}" for d, v in rec["idle_fraction"].items())
+            gantt(Timeline.from_dict(rec["timeline"]), f"H200 {rec['label']}: {rec['tokens_per_s']} tok/s; idle {idle}",
+                  skip_steps=rec.get("warmup_steps", 1)).show()
+
+# %% [markdown]
 # ## 3 · Throughput and the post's normalisation
 #
 # Raw: colocate's tokens/s on all N devices over server mode's on the same N devices (N−k train, k serve).
