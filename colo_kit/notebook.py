@@ -92,6 +92,45 @@ class NotebookWallTimeout(TimeoutError):
     pass
 
 
+POLL_SLICE_S = 1.0
+
+
+def _sliced(get_msg):
+    """A channel's `get_msg(timeout)` as a loop of short polls. Each new zmq.asyncio poll reads the
+    socket's real state first, so a message whose edge-triggered wake-up was missed is picked up
+    within one slice instead of at the end of the whole timeout (or never, for timeout=None)."""
+    from queue import Empty
+    from time import monotonic
+
+    async def get(timeout: float | None = None):
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            left = POLL_SLICE_S if deadline is None else max(0.0, min(POLL_SLICE_S, deadline - monotonic()))
+            try:
+                return await get_msg(timeout=left)
+            except Empty:
+                if deadline is not None and monotonic() >= deadline:
+                    raise
+
+    return get
+
+
+def _client_class():
+    from nbclient import NotebookClient
+
+    class SlicedPollClient(NotebookClient):
+        # Seen on the 2-core CI machine: a cell's reply or its final "idle" status sat unread while
+        # the client waited, both processes idle (py-spy), until any later message arrived on the
+        # socket: another client's request to the same kernel released a notebook stuck for minutes.
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                channel.get_msg = _sliced(channel.get_msg)
+            return kc
+
+    return SlicedPollClient
+
+
 def _execute_within(client, wall_s: float) -> None:
     """`client.execute()` cancelled after `wall_s` seconds; nbclient's own cleanup then shuts the
     kernel down (cancellation reaches its `async with` kernel context)."""
@@ -123,7 +162,6 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     `timeout_s` bounds each cell; `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S)
     bounds the whole notebook, for the hangs no cell timeout catches (below)."""
     import nbformat
-    from nbclient import NotebookClient
 
     from colo_kit.env import has_cuda
 
@@ -151,16 +189,15 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
         pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
         wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
         for attempt in (1, 2):
-            client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                                    resources={"metadata": {"path": str(path.parent)}})
+            client = _client_class()(nb, timeout=timeout_s, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
             try:
                 _execute_within(client, wall_s)
                 break
             except (CellTimeoutError, NotebookWallTimeout) as exc:
                 # Seen on the 2-core CI machine: the kernel finished a cell and sat idle while the
-                # client waited (py-spy: both sides idle). Once it was a cell timeout; once no timeout
-                # fired at all for 8 minutes, so the whole notebook has a wall limit too. A new client
-                # connecting to the stuck kernel got answers at once (ipykernel#1554's lost wake-up).
+                # client waited (py-spy: both sides idle), for 300 s once and over 8 minutes once.
+                # The sliced polls above should make that a one-second hiccup; this is the backstop.
                 # A real cell error is never retried; a timeout is, once, in a new kernel.
                 if attempt == 2:
                     raise

@@ -66,3 +66,34 @@ def test_a_notebook_past_its_wall_limit_is_retried_once_then_fails_and_its_kerne
         time.sleep(0.2)
     else:
         pytest.fail(f"kernel {pid} still alive after the wall timeout")
+
+
+def test_sliced_polls_keep_asking_until_a_message_or_the_deadline(monkeypatch):
+    import asyncio
+    import time
+    from queue import Empty
+
+    from colo_kit import notebook
+
+    monkeypatch.setattr(notebook, "POLL_SLICE_S", 0.05)
+    asked = []
+
+    async def get_msg(timeout=None):  # stands in for a channel whose wake-up was lost twice
+        asked.append(timeout)
+        if len(asked) < 3:
+            await asyncio.sleep(timeout)
+            raise Empty
+        return {"msg_type": "status"}
+
+    get = notebook._sliced(get_msg)
+    assert asyncio.run(get(timeout=None)) == {"msg_type": "status"}
+    assert asked == [0.05, 0.05, 0.05]  # never one unbounded wait
+
+    async def never(timeout=None):
+        await asyncio.sleep(timeout)
+        raise Empty
+
+    t0 = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(notebook._sliced(never)(timeout=0.3))
+    assert 0.25 < time.monotonic() - t0 < 1.0
