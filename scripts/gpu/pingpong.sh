@@ -8,7 +8,8 @@
 #            (generation batched over 4 optimizer steps: same model, lengths and completions per step)
 # Random-init Qwen2.5-1.5B, up to 256-token completions, G=8, 4 steps per
 # config (the first discarded as warm-up). One vLLM engine start per stage and mode (engines are
-# reused across configs, colo_kit.bench.reuse_engines). Expected wall time ~8-9 min.
+# reused across configs, colo_kit.bench.reuse_engines). Expected wall time ~8-9 min, at most
+# ~575 s with the stage limits below: run it in a call of its own, after the stack is installed.
 #
 #   source .gpu/env.sh && PYTHONPATH=. bash scripts/gpu/pingpong.sh
 #
@@ -32,7 +33,7 @@ if [ "${1:-}" = "--smoke" ]; then
   S1=400; S2=300
 else
   MODEL=qwen2.5-1.5b; BATCHES=64,32,8; G=8; LEN=256; STEPS=4; PROBE=448,224,56; FINAL=results/pingpong_gpu.json
-  S1=300; S2=240  # the first H200 run: the server took 100 s to start, leaving too little of 190 s
+  S1=250; S2=210  # the first H200 run: the server took 100 s to start, leaving too little of 190 s
 fi
 # tokens/s counts the completion lengths TRL logs (random weights rarely emit EOS: ~LEN each)
 FIXED="--max-completion-length $LEN --num-generations $G --steps $STEPS --batches $BATCHES"
