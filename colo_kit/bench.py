@@ -167,7 +167,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
         # NVML counts everything on the GPU; these split it into what the trainer's tensors needed
         # (allocated) and what PyTorch's caching allocator held on to (reserved). The planner predicts
         # the first; a server-mode trainer GPU measured far above it by NVML is the second. In colocate
-        # mode the in-process engine's tensors count here too (unless sleep mode's allocator holds them).
+        # mode the in-process engine's tensors count here too, and with sleep mode on these counters
+        # keep memory vLLM has freed: read NVML's peak for those runs.
         "torch_peak_gib": _torch_peaks(),
         "mean_util_pct": sampler.mean_util_pct(),
         "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},

@@ -4,7 +4,7 @@
 # side by side. Each model: a colocate run, then a plain run, each in its own process under a
 # timeout, so one failure keeps the other parts. Whole script <= ~5 min.
 #
-#   source .gpu/env.sh && PYTHONPATH=. bash scripts/gpu/engine_bench.sh
+#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/engine_bench.sh
 #
 # Writes results/engine_bench.json (and copies it plus the log to $OUT/).
 # CPU check of the same code (writes results/runs/engine_bench_smoke.json, not evidence):

@@ -11,7 +11,7 @@
 # reused across configs, colo_kit.bench.reuse_engines). Expected wall time ~8-9 min, at most
 # ~575 s with the stage limits below: run it in a call of its own, after the stack is installed.
 #
-#   source .gpu/env.sh && PYTHONPATH=. bash scripts/gpu/pingpong.sh
+#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/pingpong.sh
 #
 # Writes results/pingpong_gpu.json (runs with per-step times and timelines, summary: raw and
 # normalised ratios per batch, kit-best vs TRL default, the model's validation and 8-GPU

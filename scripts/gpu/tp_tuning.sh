@@ -10,7 +10,7 @@
 # also checks the notebook path on GPUs. vLLM runs eager by default (TP_EAGER=1): an engine start
 # is ~20-40 s instead of 50-90 s with torch.compile + CUDA graphs. TP_EAGER=0 for compiled engines.
 #
-#   source .gpu/env.sh && PYTHONPATH=. bash scripts/gpu/tp_tuning.sh          (~5-6 min)
+#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/tp_tuning.sh          (~5-6 min)
 #
 # Writes results/tp_gpu.json and copies it and the log to $OUT/.
 # CPU check of the same code (tiny model, 2 gloo processes; writes results/runs/tp_smoke.json):
