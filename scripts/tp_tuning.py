@@ -103,6 +103,15 @@ def cmd_merge(a) -> int:
                                "(colo_kit.tp.grpo_sweep), random-weight Qwen2.5 architectures",
            "describe": describe(), "post_reference": tp.POST_REFERENCE, "generation": {}, "grpo": {},
            "errors": [], "script": "scripts/gpu/tp_tuning.sh"}
+    if a.base and Path(a.base).exists():
+        # A later run's parts laid over an earlier run's JSON (e.g. the GRPO parts a time limit cut):
+        # each TP 1 / TP 2 pair still comes from one run; both runs' machines are kept.
+        base = json.loads(Path(a.base).read_text())
+        for key in ("generation", "grpo"):
+            out[key] = base.get(key, {})
+        out["errors"] = [dict(e, run="base") for e in base.get("errors", [])
+                         if not (a.drop_base_errors_for and e.get("kind") == a.drop_base_errors_for)]
+        out["base_run"] = {"describe": base.get("describe"), "from": a.base}
     for p in a.parts:
         try:
             part = json.loads(Path(p).read_text())
@@ -161,6 +170,8 @@ def main(argv=None) -> int:
     m.add_argument("parts", nargs="*")
     m.add_argument("--out", required=True)
     m.add_argument("--smoke", action="store_true")
+    m.add_argument("--base", default=None, help="an earlier run's JSON to keep what these parts do not replace")
+    m.add_argument("--drop-base-errors-for", default=None, help="the kind ('grpo') these parts re-run")
     a = ap.parse_args(argv)
     if a.smoke and a.cmd == "gen":  # CPU: the tiny model and a short run, the same output structure
         a.num_prompts, a.max_tokens, a.repeats = 8, 16, 1

@@ -11,6 +11,7 @@
 # is ~20-40 s instead of 50-90 s with torch.compile + CUDA graphs. TP_EAGER=0 for compiled engines.
 #
 #   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/tp_tuning.sh          (~5-6 min)
+#   ... TP_PARTS=grpo TP_BUDGET_S=500 bash scripts/gpu/tp_tuning.sh   (GRPO parts only, over the committed JSON)
 #
 # Writes results/tp_gpu.json and copies it and the log to $OUT/.
 # CPU check of the same code (tiny model, 2 gloo processes; writes results/runs/tp_smoke.json):
@@ -49,11 +50,12 @@ else
   ( export CUDA_VISIBLE_DEVICES=0; part build_1.5b 120 build --model qwen2.5-1.5b ) &
   ( export CUDA_VISIBLE_DEVICES=1; part build_7b 150 build --model qwen2.5-7b ) &
   wait
+  case " ${TP_PARTS:-gen grpo} " in *" gen "*)
   for m in qwen2.5-1.5b qwen2.5-7b; do
     for t in 1 2; do
       part "gen_${m}_tp$t" 90 gen --model "$m" --tp "$t" --out "$PARTS/gen_${m}_tp$t.json"
     done
-  done
+  done ;; esac
   for m in qwen2.5-7b qwen2.5-1.5b; do
     for t in 1 2; do
       part "grpo_${m}_tp$t" 150 grpo --model "$m" --tp "$t" --out "$PARTS/grpo_${m}_tp$t.json"
@@ -64,6 +66,8 @@ fi
 RESULT=results/tp_gpu.json
 SMOKE_FLAG=""
 if [ "$SMOKE" = "--smoke" ]; then RESULT=results/runs/tp_smoke.json; SMOKE_FLAG=--smoke; mkdir -p results/runs; fi
-$PY scripts/tp_tuning.py merge "$PARTS"/*.json --out "$RESULT" $SMOKE_FLAG 2>&1 | tail -3 | tee -a "$LOG"
+BASE=""  # TP_PARTS=grpo: keep the committed generation results, replace the GRPO ones
+if [ "${TP_PARTS:-gen grpo}" = "grpo" ] && [ -z "$SMOKE" ]; then BASE="--base $RESULT --drop-base-errors-for grpo"; fi
+$PY scripts/tp_tuning.py merge "$PARTS"/*.json --out "$RESULT" $SMOKE_FLAG $BASE 2>&1 | tail -3 | tee -a "$LOG"
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$RESULT" "$LOG" "$OUT/"; fi
