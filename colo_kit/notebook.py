@@ -119,9 +119,9 @@ def _client_class():
     from nbclient import NotebookClient
 
     class SlicedPollClient(NotebookClient):
-        # Seen on the 2-core CI machine: a cell's reply or its final "idle" status sat unread while
-        # the client waited, both processes idle (py-spy), until any later message arrived on the
-        # socket: another client's request to the same kernel released a notebook stuck for minutes.
+        # Seen on the 2-core CI machine: a cell's reply sat unread while the client waited, both
+        # processes idle (py-spy); notebook 04 (5 s when clean) took 305 s: the cell's 300 s poll
+        # expired, and the reply that had been waiting was read at once.
         async def async_start_new_kernel_client(self):
             kc = await super().async_start_new_kernel_client()
             for channel in (kc.shell_channel, kc.iopub_channel):
