@@ -166,6 +166,9 @@ else:
 # ## 6 · Your turn: the control panel
 #
 # Pick a model, GPU count, ZeRO stage, sleep level and offload; the bars show the parts of each phase.
+# Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate at
+# per-device batch 64 and 256-token completions needs ~149 GiB per GPU instead of ~82, more than an H200 has.
+# The kit's first H200 ping-pong sweep ran with it forced off by mistake, and its batch-64 colocate runs failed.
 
 # %%
 model_w = widgets.Dropdown(options=[n for n in PRESETS if n != "tiny"], value="qwen2.5-7b", description="model")
@@ -176,6 +179,7 @@ offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU")
 util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vLLM util")
 tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP")
 mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU")
+ckpt_w = widgets.Checkbox(value=True, description="gradient checkpointing")
 out = widgets.Output()
 
 
@@ -186,7 +190,8 @@ def show(*_):
             r = plan_report(model=model_w.value, gpus=gpus_w.value, zero_stage=zero_w.value,
                             sleep_level=sleep_w.value, offload_optimizer=offload_w.value and zero_w.value > 0,
                             vllm_gpu_memory_utilization=util_w.value, vllm_tensor_parallel_size=tp_w.value,
-                            gpu_mem_gib=mem_w.value, per_device_batch=8, prompt_length=256, completion_length=512)
+                            gpu_mem_gib=mem_w.value, per_device_batch=8, prompt_length=256, completion_length=512,
+                            gradient_checkpointing=ckpt_w.value)
         except ValueError as exc:
             print(f"not a valid setting: {exc}")
             return
@@ -197,10 +202,10 @@ def show(*_):
             print("note:", note)
 
 
-for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w):
+for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w, ckpt_w):
     w.observe(show, names="value")
 display(widgets.VBox([widgets.HBox([model_w, gpus_w, zero_w]), widgets.HBox([sleep_w, offload_w, tp_w]),
-                      widgets.HBox([util_w, mem_w]), out]))
+                      widgets.HBox([util_w, mem_w, ckpt_w]), out]))
 show()
 
 # %% [markdown]
