@@ -2,7 +2,6 @@
 2 forked CPU processes over gloo, a real Jupyter kernel, real worker crashes."""
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -107,10 +106,12 @@ def test_an_unsafe_kernel_is_refused_with_the_fix_or_launched_fresh(tmp_path):
 
 
 _PARTIALSTATE_SCRIPT = textwrap.dedent("""
-    import sys
+    import os, sys
     from accelerate import PartialState
     s = PartialState(cpu=sys.argv[1] == "cpu")
-    print(f"STATE rank={s.process_index} world={s.num_processes} type={s.distributed_type}", flush=True)
+    # one file per torchrun worker: the two workers' prints on a shared stdout ran together
+    with open(os.path.join(sys.argv[2], f"{sys.argv[1]}_{os.environ['RANK']}.txt"), "w") as f:
+        f.write(f"STATE rank={s.process_index} world={s.num_processes} type={s.distributed_type}")
 """)
 
 
@@ -123,11 +124,11 @@ def test_partialstate_without_cpu_true_is_a_world_of_one(tmp_path, free_port):
     worlds = {}
     for i, mode in enumerate(("plain", "cpu")):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(free_port + i), str(script), mode],
+                               "--master_port", str(free_port + i), str(script), mode, str(tmp_path)],
                               capture_output=True, text=True, timeout=180, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert proc.returncode == 0, proc.stderr[-2000:]
-        # the two workers share torchrun's stdout, and their lines were seen to run together
-        worlds[mode] = sorted(re.findall(r"STATE rank=\d+ world=\d+ type=[\w.]+", proc.stdout))
+        worlds[mode] = sorted(p.read_text() for p in tmp_path.glob(f"{mode}_*.txt"))
+        assert len(worlds[mode]) == 2, worlds
     assert all("world=1" in line and "DistributedType.NO" in line for line in worlds["plain"]), worlds
     assert worlds["cpu"] == ["STATE rank=0 world=2 type=DistributedType.MULTI_CPU",
                              "STATE rank=1 world=2 type=DistributedType.MULTI_CPU"]
