@@ -203,15 +203,13 @@ def _free_rendezvous_port() -> None:
     """A single process (notebook, CPU bench) still builds a torch.distributed group for vLLM's
     external_launcher; a MASTER_PORT left at 29500 collides with any other run on the host
     (seen: EADDRINUSE while another job trained). Under a launcher the launcher's port stands."""
-    import socket
-
     import torch.distributed as dist
+
+    from colo_kit.launch import free_port
 
     if "LOCAL_RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ["MASTER_PORT"] = str(free_port())
 
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
@@ -258,11 +256,9 @@ def variants(records: list[dict]) -> list[dict]:
     by = {r["label"]: r for r in records if r.get("tokens_per_s")}
     out = []
     for r in records:
-        if r["mode"] != "colocate" or r["label"].startswith("colocate-b") or "error" in r:
+        if r["mode"] != "colocate" or r["label"].startswith("colocate-b") or not r.get("tokens_per_s"):
             continue
         base = by.get(f"colocate-b{r['per_device_batch']}")
-        if not r.get("tokens_per_s"):
-            continue
         out.append({"label": r["label"], "per_device_batch": r["per_device_batch"], "tokens_per_s": r["tokens_per_s"],
                     "trl_default_tok_per_s": base and base["tokens_per_s"],
                     "vs_trl_default": round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None})

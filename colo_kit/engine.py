@@ -30,7 +30,6 @@ import atexit
 import gc
 import json
 import os
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any, Iterator, Sequence
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda
+from colo_kit.launch import free_port
 from colo_kit.vllm_compat import stdout_with_fd
 
 # vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
@@ -131,12 +131,6 @@ def model_max_len(model: str) -> int | None:
 # The process group: the trainer's, or one we make (and own) for a single process
 # ---------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_process_group() -> bool:
     """Make sure torch.distributed is initialised before vLLM is built; return True if we made it.
 
@@ -157,7 +151,7 @@ def ensure_process_group() -> bool:
             if int(os.environ["WORLD_SIZE"]) > 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the processes with torchrun "
                                    "or accelerate launch, which set it, or initialise torch.distributed first")
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         if has_cuda():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if has_cuda() else "gloo",
@@ -167,7 +161,7 @@ def ensure_process_group() -> bool:
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     return made
 
 

@@ -92,6 +92,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT"})
+
+
+def without_rank_vars(environ=None) -> dict:
+    """`environ` (default os.environ) for a process that starts its own group: no rank, world or
+    rendezvous variables, no torchrun/accelerate state. TRL's colocate mode and vLLM's
+    external_launcher write RANK/MASTER_PORT into the environment of the process that builds an
+    engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
+
+
 def kernel_problems() -> list[str]:
     """Why forking this process would break the workers; empty when it is safe.
 

@@ -21,10 +21,8 @@ job carries it instead of NCCL. TRL does the publishing; this module adds what s
 - `probe_adapters()`: asks each replica (`GET /v1/models` lists loaded adapters with their path)
   whether it really serves the adapter version it was told to load, and generates one token with
   it — behind a proxy, a load that reached one replica only is otherwise invisible.
-- `AdapterSync`: the publish/load cycle TRL's `_sync_weight_lora` runs, driven from outside the
-  trainer (pause, publish with TRL's own `save_lora_adapter`, load, resume, unload the version
-  that fell out of the window), for machines where the trainer itself cannot run (CPU, see
-  notebook 06).
+- `run_async_grpo()`: TRL's own AsyncGRPOTrainer with the post's rank-1 LoRA; TRL publishes each
+  adapter and loads it on the replicas. On a CPU `cpu_async_grpo_patches()` lets it run (notebook 06).
 """
 
 from __future__ import annotations
@@ -248,58 +246,6 @@ def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | Non
 # The publish/load cycle, driven from outside the trainer
 # ---------------------------------------------------------------------------------------------
 
-def publish_adapter(peft_model, output_dir: str | os.PathLike, version: int) -> Path:
-    """Save the adapter as TRL does (its `save_lora_adapter`: staged dot-folder, atomic rename)."""
-    from accelerate import Accelerator
-    from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
-
-    dest = adapter_dir(output_dir, version)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    save_lora_adapter(peft_model, Accelerator(cpu=True), peft_model.active_adapters[0], str(dest))
-    return dest
-
-
-class AdapterSync:
-    """TRL's `_sync_weight_lora`, step for step, against one server URL (the proxy):
-    pause -> publish vN -> load vN -> resume -> unload v(N - max_staleness - 1) -> delete the
-    files of the version before that (vLLM resolves `lora_path` lazily, so files outlive the
-    unload by one sync). Uses TRL's own `VLLMClient`."""
-
-    def __init__(self, server_url: str, output_dir: str | os.PathLike, max_staleness: int = 4):
-        from trl.experimental.async_grpo.vllm_client import VLLMClient
-
-        self.client = VLLMClient(server_url)
-        self.output_dir = Path(output_dir)
-        self.max_staleness = max_staleness
-        self.version = 0
-        self.history: list[dict] = []
-
-    def sync(self, peft_model) -> dict:
-        import shutil
-
-        version = self.version + 1
-        t0 = time.perf_counter()
-        self.client.pause()
-        t_pause = time.perf_counter()
-        path = publish_adapter(peft_model, self.output_dir, version)
-        t_publish = time.perf_counter()
-        self.client.load_lora_adapter(adapter_name(version), str(path))
-        self.client.resume()
-        t_load = time.perf_counter()
-        stale = version - (self.max_staleness + 1)
-        if stale > 0:
-            self.client.unload_lora_adapter(adapter_name(stale))
-        if stale > 1:
-            shutil.rmtree(adapter_dir(self.output_dir, stale - 1), ignore_errors=True)
-        self.version = version
-        size = sum(f.stat().st_size for f in path.iterdir())
-        rec = {"version": version, "name": adapter_name(version), "path": str(path), "adapter_bytes": size,
-               "pause_s": t_pause - t0, "publish_s": t_publish - t_pause, "load_resume_s": t_load - t_publish,
-               "total_s": time.perf_counter() - t0, "unloaded": adapter_name(stale) if stale > 0 else None}
-        self.history.append(rec)
-        return rec
-
-
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
     """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""
     rows = []
@@ -433,9 +379,11 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
+    from colo_kit.env import has_cuda
+
     tok = AutoTokenizer.from_pretrained(model)
     patched = cpu_async_grpo_patches(tok)
-    cpu = not __import__("torch").cuda.is_available()
+    cpu = not has_cuda()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
     args = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
                            per_device_train_batch_size=per_device_train_batch_size,

@@ -22,8 +22,6 @@ from colo_kit.paths import REPO_ROOT, runs_dir
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 SOURCES = NOTEBOOKS / "src"
-_DIST_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-              "MASTER_ADDR", "MASTER_PORT"}
 _CELL = re.compile(r"^# %%(?P<md> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
 
 
@@ -176,12 +174,11 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
                                "results shown below stand in for it.\n" + "\n".join("# " + ln for ln in cell.source.splitlines()))
     env_before = dict(os.environ)
     os.environ.setdefault("COLO_KIT_HEADLESS", "1")  # notebooks may shorten runs when executed by CI
-    # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address from
-    # the process that starts it (TRL's colocate mode and external_launcher write RANK/MASTER_PORT
-    # into os.environ; a kernel that inherits them binds a port its parent still holds).
-    for var in list(os.environ):
-        if var in _DIST_VARS or var.startswith(("TORCHELASTIC_", "ACCELERATE_")):
-            del os.environ[var]
+    # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address.
+    from colo_kit.launch import without_rank_vars
+
+    for var in set(os.environ) - set(without_rank_vars()):
+        del os.environ[var]
     t0 = time.time()
     try:
         from nbclient.exceptions import CellTimeoutError

@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from colo_kit.launch import free_port  # noqa: F401  (notebook 06 imports it from here)
 from colo_kit.lora import ReplicaLaunch
 
 
@@ -31,14 +32,6 @@ def _die_with_parent():
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_async(coro):

@@ -404,7 +404,6 @@ def grpo_figure(sweeps: list[dict], title: str):
 
 def why_figure(rows: list[dict] | None = None):
     """Two panels: KV-cache tokens per GPU (room) and all-reduce bytes per token (communication)."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     rows = rows or kv_room()

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -36,15 +35,10 @@ import colo_kit  # noqa: E402,F401
 
 os.environ["COLO_KIT_BENCH_TOKEN"] = "bench-token"  # the stand-ins' and replicas' API key
 from colo_kit.env import describe  # noqa: E402
+from colo_kit.launch import free_port  # noqa: E402
 from colo_kit.paths import results_dir  # noqa: E402
 from colo_kit.proxy import percentile  # noqa: E402
 from colo_kit.replicas import start_stub  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, timeout_s: float = 30):
@@ -184,7 +178,7 @@ def vllm_cpu_hit_rates(a) -> dict:
 
     model = resolve_model("tiny")
     block = 32  # vLLM's CPU attention needs a multiple of 32 (16 fails: "No common block size")
-    launches = [replica_launch(model, port=_port(), api_key_env="COLO_KIT_BENCH_TOKEN", block_size=block,
+    launches = [replica_launch(model, port=free_port(), api_key_env="COLO_KIT_BENCH_TOKEN", block_size=block,
                                max_model_len=1024, max_staleness=4) for _ in range(2)]
     with launch_replicas(launches, tempfile.mkdtemp(prefix="colo_kit_replicas_")) as reps:
         res = compare_routing(reps.urls, model, token_env="COLO_KIT_BENCH_TOKEN", block_size=block,
@@ -199,9 +193,9 @@ def vllm_cpu_hit_rates(a) -> dict:
 def loopback(a) -> dict:
 
     env_name = "COLO_KIT_BENCH_TOKEN"
-    ports = [_port(), _port()]
+    ports = [free_port(), free_port()]
     stubs = [start_stub(p, f"r{i}", token_env=env_name) for i, p in enumerate(ports)]
-    proxy_port = _port()
+    proxy_port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--port", str(proxy_port),
                               "--token-env", env_name, *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])])
     def cpu_s(pid):  # utime + stime of a process, from /proc (Linux)

@@ -58,23 +58,20 @@ def _restore_environ():
     gc.collect()
 
 
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def clean_env() -> dict:
-    """os.environ without the rank/rendezvous variables, for a child process that starts its own
-    group. Module-scoped engine fixtures are set up before `_restore_environ` takes its snapshot, so
-    the MASTER_PORT they write stays in pytest's environment while this process still holds that port."""
-    return {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    """os.environ for a child process that starts its own group (colo_kit.launch.without_rank_vars).
+    Module-scoped engine fixtures are set up before `_restore_environ` takes its snapshot, so the
+    MASTER_PORT they write stays in pytest's environment while this process still holds that port."""
+    from colo_kit.launch import without_rank_vars
+
+    return without_rank_vars()
 
 
 @pytest.fixture
 def free_port() -> int:
-    import socket
+    from colo_kit.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

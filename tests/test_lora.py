@@ -2,14 +2,13 @@
 against a real vLLM-CPU replica behind the proxy."""
 
 import json
-import socket
 import types
-from pathlib import Path
 
 import httpx
 import pytest
 
-from colo_kit.lora import (AdapterMismatch, AdapterSync, adapter_dir, check_sleep_level, check_slots,
+from colo_kit.launch import free_port
+from colo_kit.lora import (AdapterMismatch, adapter_dir, adapter_name, check_sleep_level, check_slots,
                            max_lora_rank_for, max_loras_for, probe_adapters, published_versions, replica_launch,
                            staleness_table, vllm_lora_ranks)
 
@@ -74,50 +73,55 @@ def test_adapter_paths_follow_trl(tmp_path):
     assert published_versions(tmp_path) == [2]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_publish_load_cycle_through_the_proxy_on_a_real_replica(tiny_model_path, tmp_path, monkeypatch):
-    """The cycle TRL's `_sync_weight_lora` runs, against vLLM-CPU started from the kit's recipe,
-    through the proxy; TRL's own `select_adapter_sync` accepts the replica's /server_info."""
+def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_replica(tiny_model_path, tmp_path,
+                                                                                    monkeypatch):
+    """TRL's AsyncGRPOTrainer with a rank-1 LoRA (`run_async_grpo`, CPU patches applied) against
+    vLLM-CPU started from the kit's recipe, through the proxy: TRL's own `select_adapter_sync`
+    accepts the replica's /server_info, adapters land in the shared directory, the replica serves
+    the newest and has unloaded the ones that left the staleness window."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
 
+    from colo_kit.data import load_tldr
+    from colo_kit.lora import run_async_grpo
     from colo_kit.proxy import ProxyConfig, RoutingProxy
     from colo_kit.replicas import launch_replicas
 
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
-    staleness = 1
-    launch = replica_launch(tiny_model_path, port=_port(), max_staleness=staleness, lora_rank=1,
+    staleness, steps = 1, 4
+    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=staleness, lora_rank=1,
                             api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear",
-                                                  init_lora_weights=False))
     shared = tmp_path / "bucket"  # the shared directory standing in for the mounted bucket
     with launch_replicas([launch], tmp_path / "logs") as reps:
         proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
                                          block_size=32)).start_in_thread()
         try:
             info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+            peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                        LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
             assert select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness)) is True
             with pytest.raises(ValueError, match="--max-loras"):  # TRL refuses a staleness the slots cannot hold
                 select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness + 1))
 
-            sync = AdapterSync(proxy.url, shared, max_staleness=staleness)
-            recs = [sync.sync(peft_model) for _ in range(4)]
-            assert [r["name"] for r in recs] == [f"trl-policy-v{i}" for i in range(1, 5)]
-            assert recs[2]["unloaded"] == "trl-policy-v1" and recs[3]["unloaded"] == "trl-policy-v2"
-            cfg = json.loads((Path(recs[-1]["path"]) / "adapter_config.json").read_text())
+            prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
+            run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=steps,
+                                 num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
+                                 max_staleness=staleness)
+            assert run["adapter_only_sync"] is True
+            assert [h["step"] for h in run["log_history"] if "loss" in h] == list(range(1, steps + 1))
+            versions = published_versions(shared)
+            latest = max(versions)
+            assert latest >= steps  # one adapter per sync
+            cfg = json.loads((adapter_dir(shared, latest) / "adapter_config.json").read_text())
             assert cfg["r"] == 1 and cfg["lora_alpha"] == 2
-            assert published_versions(shared) == [2, 3, 4]  # v1's files go one sync after its unload
-            reports = probe_adapters(reps.urls, "trl-policy-v4", recs[-1]["path"], token="k-lora")
-            assert reports[0]["adapters"] == ["trl-policy-v3", "trl-policy-v4"]
+            reports = probe_adapters(reps.urls, adapter_name(latest), str(adapter_dir(shared, latest)),
+                                     token="k-lora")
+            loaded = reports[0]["adapters"]
+            assert loaded[-1] == adapter_name(latest) and len(loaded) <= staleness + 1
+            assert proxy.snapshot()["adapters"] == loaded
             with pytest.raises(AdapterMismatch, match="trl-policy-v1 not loaded"):
                 probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
         finally:

@@ -3,14 +3,13 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from colo_kit import planner
 from colo_kit.models import PRESETS, qwen2_config
 from colo_kit.paths import REPO_ROOT
-from colo_kit.planner import GIB, Plan, estimate, model_shape, plan_report, recommend
+from colo_kit.planner import GIB, Plan, estimate, model_shape, recommend
 from colo_kit.recipes import deepspeed_config, write_configs
 
 ISSUE_EXAMPLE = ["--model", "qwen2.5-1.5b", "--gpus", "2", "--gpu-mem-gib", "141", "--mode", "colocate",

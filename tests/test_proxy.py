@@ -9,12 +9,12 @@ with the tiny model.
 import asyncio
 import json
 import os
-import socket
 import time
 
 import httpx
 import pytest
 
+from colo_kit.launch import free_port
 from colo_kit.proxy import PrefixKeyer, ProxyConfig, RoutingProxy, choose_replica, rendezvous_order
 from colo_kit.replicas import start_stub
 
@@ -23,16 +23,10 @@ H = httpx.Client(timeout=60)  # the 2 cores are shared: generous timeouts, the a
 TOKEN = "s3cr3t-token-for-tests"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def stubs(tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    ports = [_port(), _port()]
+    ports = [free_port(), free_port()]
     procs = {p: start_stub(p, f"r{i}", token_env=TOKEN_ENV, log_path=tmp_path / f"stub{i}.log")
              for i, p in enumerate(ports)}
     yield ports, procs
@@ -327,7 +321,7 @@ def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypat
     from colo_kit.replicas import launch_replicas, prefix_hit_rate_experiment
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    launch = replica_launch(tiny_model_path, port=_port(), api_key_env=TOKEN_ENV, block_size=32, max_model_len=512,
+    launch = replica_launch(tiny_model_path, port=free_port(), api_key_env=TOKEN_ENV, block_size=32, max_model_len=512,
                             max_staleness=1)
     adapter = tmp_path / "adapter"
     _make_adapter(tiny_model_path, adapter)

@@ -55,7 +55,7 @@ def _logprobs(url, model, prompt):
 def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_path, tmp_path):
     """Load weights through /collective_rpc; the tied LM head must follow the embedding."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from colo_kit.server import use_http_weight_sync
     from trl.generation.vllm_client import VLLMClient
