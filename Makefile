@@ -27,8 +27,14 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not slow and not notebook"
 
+# JupyterLab on notebooks/. LAB_IP=0.0.0.0 to listen beyond this machine (then set LAB_TOKEN, or use the
+# printed one); as root (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
+LAB_IP ?= 127.0.0.1
+LAB_PORT ?= 8888
+LAB_ARGS = --ip=$(LAB_IP) --port=$(LAB_PORT) $(if $(LAB_TOKEN),--IdentityProvider.token=$(LAB_TOKEN)) \
+	$(if $(filter 0,$(shell id -u)),--allow-root)
 lab: venv
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
 data: venv
 	$(BIN)/python -m colo_kit data

@@ -296,11 +296,9 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
         return out
     plan = workdir / f"plan-{int(time.time() * 1000)}.json"
     plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))
-    env = os.environ.copy()
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpus
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    from colo_kit.launch import child_env
+
+    env = child_env(gpus)
     log = workdir / (plan.stem + ".log")
     with open(log, "w") as f:
         try:
@@ -349,6 +347,27 @@ def _worker_main(plan_path: str) -> int:
     return 0
 
 
+def live_settings(machine=None) -> dict:
+    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is.
+
+    Sized to take a few minutes: one batch, 3 steps (the first is warm-up) per mode."""
+    from colo_kit.env import Machine
+
+    m = machine or Machine.here()
+    if not m.gpus:
+        return dict(model="tiny", per_device_batch=8, num_generations=4, max_completion_length=32, steps=3,
+                    n_devices=None, plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
+                    "one trainer process on the same cores, colocate one process")
+    model = "qwen2.5-1.5b" if m.gpu_mem_gib >= 70 else "qwen2.5-0.5b"
+    if m.gpus == 1:
+        return dict(model=model, per_device_batch=16, num_generations=8, max_completion_length=128, steps=3,
+                    n_devices=1, plan=f"{model} on the one GPU; in server mode the vLLM server shares it with the "
+                    "trainer (0.3 of its memory each way), so the timeline shows the ping-pong but no idle GPU")
+    return dict(model=model, per_device_batch=32, num_generations=8, max_completion_length=256, steps=3,
+                n_devices=m.gpus, plan=f"{model}; server mode trains on {m.gpus - 1} GPU(s) and serves on 1 (the "
+                f"post's layout), colocate trains on all {m.gpus}")
+
+
 def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generations: int = 4,
           max_completion_length: int = 32, n_devices: int | None = None, server_gpus: str = "1",
           server_port: int = 8000, vllm_gpu_memory_utilization: float = 0.3, extra_colocate: dict | None = None,
@@ -357,8 +376,12 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
 
     GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on
-    the others; colocate trains on all `n_devices`. CPU: one trainer process and one server
-    process share the cores; "devices" are the two processes (N=2, k=1, as on the 2-GPU run).
+    the others; colocate trains on all `n_devices`. On one GPU the server *shares* it with the
+    trainer (N=1, k=0: the server gets `vllm_gpu_memory_utilization` of the GPU, as colocate's
+    engine does, and weights travel over HTTP because NCCL refuses two ranks on one device): the
+    timeline still shows who waits for whom, but a shared GPU is never idle hardware, so the
+    comparison says nothing about the post's 8-GPU speed-ups. CPU: one trainer process and one
+    server process share the cores; "devices" are the two processes (N=2, k=1).
     `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the
     kit's best config vs TRL's default). `gen_probe_batches`: generation-only timings on the server.
     `server`: a running `colo_kit.server.VLLMServer` to use instead of starting (and stopping) one.
@@ -368,21 +391,26 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     from colo_kit.models import resolve_model
     from colo_kit.server import start_server
 
+    for b in batches:
+        if b % num_generations:
+            raise ValueError(f"batch {b} is not a multiple of num_generations={num_generations}")
     gpu = has_cuda()
+    shared = False
     if gpu:
         from colo_kit.env import gpu_count
 
         n_devices = n_devices or gpu_count()
-        train_gpus = ",".join(str(i) for i in range(n_devices) if str(i) not in server_gpus.split(","))
-        all_gpus = ",".join(str(i) for i in range(n_devices))
+        shared = n_devices == 1
+        if shared:
+            server_gpus = train_gpus = all_gpus = "0"
+        else:
+            train_gpus = ",".join(str(i) for i in range(n_devices) if str(i) not in server_gpus.split(","))
+            all_gpus = ",".join(str(i) for i in range(n_devices))
     else:
         n_devices = 2
-    k = len(server_gpus.split(","))
+    k = 0 if shared else len(server_gpus.split(","))
     if n_devices <= k:
         raise ValueError(f"n_devices={n_devices} with {k} serving leaves no trainer; use more devices")
-    for b in batches:
-        if b % num_generations:
-            raise ValueError(f"batch {b} is not a multiple of num_generations={num_generations}")
     workdir = runs_dir() / f"bench-{int(time.time())}"
     base = dict(model=model, steps=steps, num_generations=num_generations,
                 max_completion_length=max_completion_length, **overrides)
@@ -398,11 +426,13 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
         try:
             with (nullcontext(server) if server is not None else
                   start_server(model, port=server_port, gpus=server_gpus, max_model_len=None if gpu else 512,
-                               log_path=workdir / "vllm-server.log")) as srv:
-                server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus}
+                               log_path=workdir / "vllm-server.log", http_weight_sync=shared or None,
+                               gpu_memory_utilization=vllm_gpu_memory_utilization if shared else 0.9)) as srv:
+                server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus,
+                               "shares_the_trainer_gpu": shared}
                 print(f"[bench] server up in {srv.startup_s} s", flush=True)
                 cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
-                             server_pid=srv.pid) for b in desc]
+                             server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
                 # small request that pays any first-request cost
                 if gen_probe_batches:
@@ -442,6 +472,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     result = {
         "env": describe(),
         "settings": dict(base, batches=list(batches), n_devices=n_devices, k_server=k, server_gpus=server_gpus,
+                         server_shares_the_trainer_gpu=shared,
                          vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                          extra_colocate=extra_colocate or {}),
         "server": server_info,

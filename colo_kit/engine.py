@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
-from colo_kit.env import has_cuda
+from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.launch import free_port
-from colo_kit.vllm_compat import stdout_with_fd
+from colo_kit.vllm_compat import fresh_cuda_graph_pool, stdout_with_fd
 
 # vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
 # profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
@@ -330,11 +330,12 @@ class ColocatedEngine:
             dtype=dtype,
             max_num_batched_tokens=max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_model_len),
             # CPU: torch.compile costs ~8 s at start-up and buys nothing for a tiny model.
-            enforce_eager=(not has_cuda()) if enforce_eager is None else enforce_eager,
+            enforce_eager=vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
             **s.llm_kwargs(),
         )
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
+        fresh_cuda_graph_pool()  # a second engine in this process must not capture into the first one's pool
         with stdout_with_fd():
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0

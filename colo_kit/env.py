@@ -8,6 +8,8 @@ Import `colo_kit` and these defaults are in place before torch or vLLM are impor
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: the engine runs in-process (6 s to start instead
   of 35-69 s, and no spawn, so notebook cells need no `__main__` guard).
 - `VLLM_USE_FLASHINFER_SAMPLER=0` when flashinfer is absent (the GPU stack does not carry it).
+- `PYTORCH_NVML_BASED_CUDA_CHECK=1` on a GPU machine: `torch.cuda.is_available()` then asks NVML
+  instead of initialising CUDA, so the process can still fork multi-GPU workers (`colo_kit.launch`).
 Anything the user already set wins.
 """
 
@@ -17,40 +19,103 @@ import os
 import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 
 
-def has_cuda() -> bool:
-    """True on a machine with an NVIDIA GPU, decided without initialising CUDA in this process
-    (a CUDA context made before accelerate's notebook_launcher forks breaks the launch)."""
-    if os.environ.get("COLO_KIT_FORCE_CPU"):
-        return False
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount() > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
-
-
-def gpu_count() -> int:
-    if not has_cuda():
-        return 0
+def _nvml_gpus() -> list[dict]:
+    """Every NVIDIA GPU NVML sees: index, name, memory (GiB). Read through NVML, never CUDA: a CUDA
+    context made in this process before accelerate's notebook_launcher forks breaks the launch."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        return pynvml.nvmlDeviceGetCount()
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                         "mem_gib": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1)})
+        return gpus
     finally:
         pynvml.nvmlShutdown()
 
 
+def visible_gpus() -> list[dict]:
+    """The GPUs this process may use: NVML's list, narrowed by `CUDA_VISIBLE_DEVICES` (indices)
+    when it is set, as CUDA would narrow it. Empty on a machine without an NVIDIA GPU, or with
+    `COLO_KIT_FORCE_CPU=1`."""
+    if os.environ.get("COLO_KIT_FORCE_CPU"):
+        return []
+    try:
+        gpus = _nvml_gpus()
+    except Exception:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return gpus
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(v.isdigit() for v in wanted):  # UUIDs or MIG names: trust the count, keep NVML's order
+        return gpus[:len([v for v in wanted if v != "-1"])]
+    by_index = {str(g["index"]): g for g in gpus}
+    return [by_index[v] for v in wanted if v in by_index]
+
+
+def has_cuda() -> bool:
+    """True on a machine with an NVIDIA GPU this process may use."""
+    return bool(visible_gpus())
+
+
+def gpu_count() -> int:
+    return len(visible_gpus())
+
+
 def tier() -> str:
     return "gpu" if has_cuda() else "cpu"
+
+
+def vllm_eager(default: bool) -> bool:
+    """Whether to build a vLLM engine with `enforce_eager` (no torch.compile, no CUDA graphs):
+    `COLO_KIT_VLLM_EAGER=1`/`0` when set, else the caller's `default`. A test suite on a GPU node
+    sets it: a tiny model's engine then starts in seconds instead of the 50-90 s that compiling and
+    capturing graphs take on an H200 (measured on the kit's H200 runs)."""
+    value = os.environ.get("COLO_KIT_VLLM_EAGER")
+    if value is None or value == "":
+        return default
+    return value.lower() not in ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a notebook adapts to: how many GPUs, and the memory of the smallest one.
+
+    `Machine.here()` reads this machine; notebooks and tests ask it what they can run live and
+    say in one line (`say`) what they do instead when the machine is smaller than a run needs."""
+
+    gpus: int
+    gpu_mem_gib: float | None = None  # the smallest visible GPU's memory
+    gpu_name: str | None = None
+
+    @classmethod
+    def here(cls) -> "Machine":
+        gpus = visible_gpus()
+        if not gpus:
+            return cls(0)
+        small = min(gpus, key=lambda g: g["mem_gib"])
+        return cls(len(gpus), small["mem_gib"], small["name"])
+
+    @property
+    def tier(self) -> str:
+        return "gpu" if self.gpus else "cpu"
+
+    def __str__(self) -> str:
+        if not self.gpus:
+            return f"CPU only ({os.cpu_count()} cores)"
+        return f"{self.gpus} x {self.gpu_name} ({self.gpu_mem_gib:g} GiB)"
+
+    def say(self, what: str) -> None:
+        """One line a learner reads before a cell's work: this machine, and what the cell does on it."""
+        print(f"[{self}] {what}", flush=True)
 
 
 def apply_defaults() -> None:
@@ -61,7 +126,13 @@ def apply_defaults() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
     os.environ.setdefault("WANDB_MODE", "disabled")
-    if not gpu:
+    if gpu:
+        # torch.cuda.is_available() initialises the CUDA driver unless this is set, and a process that
+        # has done so cannot fork workers that use CUDA ("Cannot re-initialize CUDA in forked
+        # subprocess"). torch's elastic LaunchConfig calls it in the launching process (the notebook
+        # kernel, under notebook_launcher): without this, the first multi-GPU cell of a GPU node fails.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -100,17 +171,13 @@ def describe() -> dict:
             info["host_mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
-    if has_cuda():
+    gpus = visible_gpus()
+    if gpus:
         import pynvml
 
+        info["gpus"] = gpus
         pynvml.nvmlInit()
         try:
-            info["gpus"] = []
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                name = pynvml.nvmlDeviceGetName(h)
-                info["gpus"].append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                                     "mem_gib": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1)})
             info["driver"] = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()

@@ -106,6 +106,22 @@ def without_rank_vars(environ=None) -> dict:
             if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
 
 
+def child_env(gpus: str | None = None, **extra: str) -> dict:
+    """The environment of a process the kit starts (a vLLM server or replica, a bench worker,
+    torchrun): this one's, without its rank and rendezvous variables (`without_rank_vars`), with a
+    PYTHONPATH that finds everything this process imports — the kit's checkout and every `sys.path`
+    entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends importable
+    functions by name) — and `CUDA_VISIBLE_DEVICES=gpus` when given."""
+    env = without_rank_vars()
+    paths = [str(Path(__file__).resolve().parent.parent), *env.get("PYTHONPATH", "").split(os.pathsep),
+             *(p or os.getcwd() for p in sys.path)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus)
+    env.update(extra)
+    return env
+
+
 def kernel_problems() -> list[str]:
     """Why forking this process would break the workers; empty when it is safe.
 
@@ -413,6 +429,11 @@ def _launch_forked(worker: _Worker, args: tuple, num_processes: int, port: int) 
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
+    # torch's LaunchConfig asks torch.cuda.is_available() in this process; without the NVML check
+    # that initialises the CUDA driver here, and every forked worker then fails with "Cannot
+    # re-initialize CUDA in forked subprocess" (seen on an H200 node: notebook 03's first cell).
+    nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
         if num_processes > 1:
             from accelerate import notebook_launcher
@@ -429,6 +450,10 @@ def _launch_forked(worker: _Worker, args: tuple, num_processes: int, port: int) 
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+        if nvml_check is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml_check
 
 
 def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool, run_dir: Path, port: int,
@@ -439,10 +464,7 @@ def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool
         cloudpickle.dump((function, args, cpu), f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "colo_kit.launch", str(run_dir)]
-    env = dict(os.environ)
-    # The fresh process must import what this one can: cloudpickle sends importable functions by name.
-    paths = [str(Path(__file__).resolve().parent.parent)] + [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env = child_env()
     # The launcher's own messages go to a file; the workers' lines reach the cell through the tail.
     with open(run_dir / "launcher.log", "wb") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from colo_kit.env import vllm_eager
+
 LORA_NAME = "trl-policy"  # TRL 1.16: AsyncGRPOTrainer._lora_name
 LORA_SUBDIR = ".vllm_lora"  # TRL 1.16: <output_dir>/.vllm_lora
 
@@ -156,7 +158,8 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
                    max_loras: int | None = None, api_key_env: str | None = None, block_size: int | None = None,
                    max_model_len: int | None = None, gpu: int | None = None, dtype: str | None = None,
                    gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
-                   python: str | None = None, extra_args: list[str] | None = None) -> ReplicaLaunch:
+                   enforce_eager: bool | None = None, python: str | None = None,
+                   extra_args: list[str] | None = None) -> ReplicaLaunch:
     """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters.
 
     `api_key_env` names the variable holding the key; the key itself goes into the replica's
@@ -186,6 +189,8 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if sleep_level:
         argv += ["--enable-sleep-mode"]
+    if enforce_eager or (enforce_eager is None and gpu is not None and vllm_eager(False)):
+        argv += ["--enforce-eager"]
     argv += list(extra_args or [])
     return ReplicaLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
@@ -303,7 +308,8 @@ class _TorchVarlenAttention:
             rep = qi.shape[1] // ki.shape[1]  # grouped-query attention: share each K/V head
             ki, vi = ki.repeat_interleave(rep, 1), vi.repeat_interleave(rep, 1)
             lq, lk = qi.shape[0], ki.shape[0]
-            mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+            pos_k, pos_q = torch.arange(lk, device=qi.device), torch.arange(lq, device=qi.device)
+            mask = pos_k[None, :] <= pos_q[:, None] + (lk - lq)
             o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
                                                attn_mask=mask, scale=softmax_scale)
             outs.append(o.transpose(0, 1))

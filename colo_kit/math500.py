@@ -460,9 +460,9 @@ class _Worker:
     """One checker process: JSON lines in on stdin, out on stdout."""
 
     def __init__(self):
-        root = str(Path(__file__).resolve().parent.parent)  # importable even when not pip-installed
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        from colo_kit.launch import child_env
+
+        env = child_env(OMP_NUM_THREADS="1")  # importable even when the kit is not pip-installed
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from colo_kit.math500 import _worker_main; _worker_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)

@@ -6,8 +6,9 @@ lines are `# `-commented). Sources review and diff like code; the .ipynb is what
 `colo-kit run-notebooks --build` regenerates them; a test fails if one is stale. Notebooks are
 stored without outputs: CI executes them.
 
-A cell tagged `gpu` (write `# %% tags=["gpu"]`) needs an NVIDIA GPU: on CPU it is skipped and
-replaced by a note, the way nbdev skips cells that need special hardware.
+Execution runs every cell as JupyterLab's Run All does, on whatever machine this is: a cell that
+needs hardware the machine lacks checks for it itself (`colo_kit.env.Machine`) and says in one line
+what it does instead. The runner rewrites nothing; what it adds against hangs is below.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def build_notebook(src: Path):
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+    # the kernelspec as JupyterLab writes it, so a notebook does not open as modified
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
                    "language_info": {"name": "python"},
                    "colo_kit": {"source": str(src.relative_to(REPO_ROOT))}}
     for i, c in enumerate(parse_source(src.read_text())):
@@ -161,17 +163,10 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     bounds the whole notebook, for the hangs no cell timeout catches (below)."""
     import nbformat
 
-    from colo_kit.env import has_cuda
-
     path = Path(path)
     out_dir = Path(out_dir or runs_dir() / "notebooks")
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(path, as_version=4)
-    if not has_cuda():
-        for cell in nb.cells:
-            if "gpu" in cell.get("metadata", {}).get("tags", []):
-                cell.source = ("# skipped: this cell needs an NVIDIA GPU (tagged 'gpu'); the committed GPU "
-                               "results shown below stand in for it.\n" + "\n".join("# " + ln for ln in cell.source.splitlines()))
     env_before = dict(os.environ)
     os.environ.setdefault("COLO_KIT_HEADLESS", "1")  # notebooks may shorten runs when executed by CI
     # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address.

@@ -1,8 +1,9 @@
 """vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment.
 
 `launch_replicas()` starts N vLLM OpenAI servers from `colo_kit.lora.replica_launch` recipes in
-parallel (each takes ~20-60 s on CPU, ~75-105 s on a GPU), waits for `/health`, and stops them
-all on exit, even on error. `prefix_cache_counters()` reads a replica's
+parallel (each takes ~20-60 s on CPU, ~75-105 s on a GPU; replicas sharing a GPU one after
+another), waits for `/health`, and stops them all on exit, even on error. `placement()` says
+where N replicas go on this machine. `prefix_cache_counters()` reads a replica's
 `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (vLLM v1 counts both in
 tokens). `prefix_hit_rate_experiment()` sends GRPO-shaped traffic — groups of G requests that
 share one prompt, the G of a group at once, as TRL's rollout worker does — through a proxy, and
@@ -69,41 +70,51 @@ class ReplicaSet:
         self.startup_s: list[float] = []
 
     def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
-        import httpx
-
+        """Start every replica and wait for `/health`. Replicas on different devices start in
+        parallel; replicas that share a GPU start one after another, because vLLM sizes its KV
+        cache from the memory it sees free while it profiles, and two engines profiling one GPU
+        at once each count the other's growth as their own."""
         import atexit
+
+        from colo_kit.launch import child_env
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)  # a failed notebook cell or test must not leave servers behind
         t0 = time.perf_counter()
-        for i, l in enumerate(self.launches):
-            log = open(self.log_dir / f"replica{i}.log", "w")
-            env = {**os.environ, **l.env}
-            # own process group: stop() ends the server and the engine process it spawns
-            self.procs.append(subprocess.Popen(l.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True, preexec_fn=_die_with_parent))
-        pending = dict(enumerate(self.urls))
         self.startup_s = [0.0] * len(self.urls)
         try:
-            while pending:
-                for i, url in list(pending.items()):
-                    if self.procs[i].poll() is not None:
-                        tail = (self.log_dir / f"replica{i}.log").read_text()[-3000:]
-                        raise RuntimeError(f"replica {url} exited with {self.procs[i].returncode}; log tail:\n{tail}")
-                    try:
-                        if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                            self.startup_s[i] = round(time.perf_counter() - t0, 1)
-                            del pending[i]
-                    except httpx.HTTPError:
-                        pass
-                if time.perf_counter() - t0 > timeout_s:
-                    raise TimeoutError(f"replicas {list(pending.values())} not healthy after {timeout_s} s; "
-                                       f"logs in {self.log_dir}")
-                time.sleep(0.5)
+            for wave in _start_waves(self.launches):
+                for i in wave:
+                    launch = self.launches[i]
+                    log = open(self.log_dir / f"replica{i}.log", "w")
+                    # own process group: stop() ends the server and the engine process it spawns
+                    self.procs.append(subprocess.Popen(launch.argv, env=child_env(**launch.env), stdout=log,
+                                                       stderr=subprocess.STDOUT, start_new_session=True,
+                                                       preexec_fn=_die_with_parent))
+                self._wait_healthy({i: self.urls[i] for i in wave}, t0, timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_healthy(self, pending: dict, t0: float, timeout_s: float) -> None:
+        import httpx
+
+        while pending:
+            for i, url in list(pending.items()):
+                if self.procs[i].poll() is not None:
+                    tail = (self.log_dir / f"replica{i}.log").read_text()[-3000:]
+                    raise RuntimeError(f"replica {url} exited with {self.procs[i].returncode}; log tail:\n{tail}")
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        self.startup_s[i] = round(time.perf_counter() - t0, 1)
+                        del pending[i]
+                except httpx.HTTPError:
+                    pass
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"replicas {list(pending.values())} not healthy after {timeout_s} s; "
+                                   f"logs in {self.log_dir}")
+            time.sleep(0.5)
 
     def stop(self):
         for p in self.procs:
@@ -125,6 +136,39 @@ class ReplicaSet:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
+    """Indices of the replicas to start together: all at once, unless two share a GPU; then each
+    wave holds at most one replica per GPU."""
+    waves: list[list[int]] = []
+    for i, launch in enumerate(launches):
+        gpu = launch.env.get("CUDA_VISIBLE_DEVICES")
+        for wave in waves:
+            if gpu is None or all(launches[j].env.get("CUDA_VISIBLE_DEVICES") != gpu for j in wave):
+                wave.append(i)
+                break
+        else:
+            waves.append([i])
+    return waves
+
+
+def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
+    """Where `n` replicas go on this machine: `{"gpu": index or None, "gpu_memory_utilization": u}`
+    each. No GPU: all on the CPU. At least n GPUs: one each (the post's layout). Fewer GPUs: they
+    share, round-robin. `share_gib` caps what each replica takes of its GPU (a small model beside a
+    trainer on the same GPU); without it a replica takes 0.85 of a GPU of its own, or an equal part
+    of 0.9 of a shared one. vLLM refuses to start when the share it asks for is not free."""
+    from colo_kit.env import Machine
+
+    machine = machine or Machine.here()
+    if not machine.gpus:
+        return [{"gpu": None, "gpu_memory_utilization": None} for _ in range(n)]
+    per_gpu = -(-n // machine.gpus)
+    u = 0.85 if per_gpu == 1 else 0.9 / per_gpu
+    if share_gib is not None:
+        u = min(u, share_gib / machine.gpu_mem_gib)
+    return [{"gpu": i % machine.gpus, "gpu_memory_utilization": round(u, 3)} for i in range(n)]
 
 
 def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = None,

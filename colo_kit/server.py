@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_kit.env import has_cuda, vllm_version
+from colo_kit.env import has_cuda, vllm_eager, vllm_version
 from colo_kit.paths import runs_dir
 
 WORKER_EXTENSION = "colo_kit.server.HttpWeightSync"
@@ -42,13 +42,12 @@ class HttpWeightSync:
     def load_weights_from_file(self, path: str) -> int:
         from safetensors import safe_open
 
-        from colo_kit.vllm_compat import _refresh_tied_lm_head
+        from colo_kit.vllm_compat import load_into_runner
 
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
             tensors = [(name, f.get_tensor(name)) for name in names]
-        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        _refresh_tied_lm_head(self.model_runner.get_model())
+        load_into_runner(self.model_runner, tensors)
         return len(names)
 
 
@@ -113,21 +112,23 @@ class VLLMServer:
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_memory_utilization: float = 0.9,
                    max_model_len: int | None = None, enforce_eager: bool = False, cpu: bool | None = None,
-                   extra_args: list[str] | None = None) -> list[str]:
-    """TRL's `vllm serve` command line; on CPU launched through this module, without the NCCL
-    weight-transfer engine, with the kit's worker extension."""
+                   http_weight_sync: bool | None = None, extra_args: list[str] | None = None) -> list[str]:
+    """TRL's `vllm serve` command line. With `http_weight_sync` (always on CPU) without the NCCL
+    weight-transfer engine and with the kit's worker extension; on CPU launched through this module."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     cpu = (not has_cuda()) if cpu is None else cpu
+    http_weight_sync = cpu if http_weight_sync is None else http_weight_sync
     args = ScriptArguments(model=str(model_path), host=host, port=port, gpu_memory_utilization=gpu_memory_utilization,
                            max_model_len=max_model_len, enforce_eager=enforce_eager)
     cmd = build_command(args, extra_args)
-    if not cpu:
-        return cmd
-    i = cmd.index("--weight-transfer-config")
-    del cmd[i:i + 2]
-    cmd[1:3] = ["-m", "colo_kit.server"]
-    return cmd + ["--worker-extension-cls", WORKER_EXTENSION]
+    if http_weight_sync:
+        i = cmd.index("--weight-transfer-config")
+        del cmd[i:i + 2]
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if cpu:
+        cmd[1:3] = ["-m", "colo_kit.server"]
+    return cmd
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0, log_path=None) -> float:
@@ -151,13 +152,16 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
-                 extra_args: list[str] | None = None, wait: bool = True) -> VLLMServer:
+                 http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
+                 wait: bool = True) -> VLLMServer:
     """Start a vLLM server for TRL's server mode and wait until it answers `/health`
     (`wait=False`: return at once and call `server.wait()` later, e.g. after other work).
 
     `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
     on CPU. The log goes to `log_path` (default under results/runs/). `enforce_eager` defaults to
-    True on CPU (faster start) and to vLLM's default (CUDA graphs) on GPU.
+    True on CPU (faster start) and to vLLM's default (CUDA graphs) on GPU. `http_weight_sync`
+    (default: on CPU only) makes the server load weights from files (see the module docstring):
+    the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks on one device.
     """
     from colo_kit.models import resolve_model
 
@@ -167,16 +171,15 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
         raise ValueError(f"port={port}; use a free TCP port in 1..65535")
     cpu = not has_cuda()
     if enforce_eager is None:  # CPU: skip torch.compile at start-up (measured 66 s vs 88 s to healthy here)
-        enforce_eager = cpu
+        enforce_eager = vllm_eager(cpu)
     model_path = resolve_model(model)
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
-                         max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu, extra_args=extra_args)
-    env = os.environ.copy()
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache, weight transfer: dev endpoints
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if gpus is not None and not cpu:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpus)
+                         max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
+                         http_weight_sync=http_weight_sync, extra_args=extra_args)
+    from colo_kit.launch import child_env
+
+    # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
+    env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")
     log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
@@ -187,43 +190,57 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     return server.wait(timeout_s) if wait else server
 
 
-# --- the CPU weight sync ---------------------------------------------------------------------------
+# --- the weight sync over HTTP (CPU, or a server sharing the trainer's GPU) ---------------------------
 
-def _cpu_init_communicator(self, device=0):
-    """No NCCL group on CPU: check instead that the server can load weights from a file."""
+def _http_init_communicator(self, device=0):
+    """No NCCL group: check instead that the server can load weights from a file."""
     info = self.get_server_info()
     ext = (info.get("parallel_config") or {}).get("worker_extension_cls")
     if ext != WORKER_EXTENSION:
         raise RuntimeError(f"The vLLM server at {self.base_url} cannot load weights over HTTP (worker extension "
-                           f"{ext!r}); start it with colo_kit.server.start_server on CPU.")
+                           f"{ext!r}); start it with colo_kit.server.start_server(..., http_weight_sync=True).")
     self.communicator = None
 
 
-def _cpu_update_named_params(self, metadata, named_params):
-    """Save the tensors to one safetensors file and have the server load it (see module docstring)."""
+def _http_update_named_params(self, metadata, named_params):
+    """Save the tensors to one safetensors file and have the server load it (see module docstring).
+    From a GPU they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
     import requests
+    import torch
     from safetensors.torch import save_file
 
-    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR", runs_dir() / "weight-sync"))
+    shm = Path("/dev/shm")
+    default = shm / "colo_kit-weight-sync" if shm.is_dir() and has_cuda() else runs_dir() / "weight-sync"
+    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR", default))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"sync-{os.getpid()}.safetensors"
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_params}
-    save_file(tensors, str(path))
-    r = requests.post(f"{self.base_url}/collective_rpc", timeout=600,
-                      json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
+
+    def host(t):
+        t = t.detach()
+        if t.is_cuda and t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        return t.to("cpu").contiguous().clone()
+
+    save_file({name: host(t) for name, t in named_params}, str(path))
+    try:
+        r = requests.post(f"{self.base_url}/collective_rpc", timeout=600,
+                          json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
+    finally:
+        path.unlink(missing_ok=True)
     if r.status_code != 200:
         raise RuntimeError(f"weight sync over HTTP failed: {r.status_code} {r.text[:500]}")
 
 
-def use_http_weight_sync() -> bool:
-    """On CPU, make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of
-    NCCL. Process-wide and idempotent; a no-op on a CUDA machine. Returns True when applied."""
-    if has_cuda():
+def use_http_weight_sync(force: bool = False) -> bool:
+    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on
+    CPU (no NCCL), or with `force=True` when the server shares the trainer's GPU (NCCL refuses two
+    ranks on one device). Process-wide and idempotent. Returns True when applied."""
+    if has_cuda() and not force:
         return False
     from trl.generation.vllm_client import VLLMClient
 
-    VLLMClient.init_communicator = _cpu_init_communicator
-    VLLMClient.update_named_params = _cpu_update_named_params
+    VLLMClient.init_communicator = _http_init_communicator
+    VLLMClient.update_named_params = _http_update_named_params
     VLLMClient.close_communicator = lambda self: None
     return True
 

@@ -62,6 +62,29 @@ _PREIMPORT = ("vllm", "vllm.entrypoints.llm", "colo_kit.engine") if not has_cuda
 CPU_LABEL = "functional demo on CPU (tiny model, gloo): proves the code path, not a speed result"
 
 
+def live_plan(machine=None) -> dict:
+    """What notebook 03 runs live on this machine, and (`plan`) one line that says so."""
+    from colo_kit.env import Machine
+
+    m = machine or Machine.here()
+    if not m.gpus:
+        return {"models": ["tiny"], "generation_tp": (1, 2), "grpo_models": ["tiny"], "grpo_tp": (2,), "num_processes": 2,
+                "plan": f"2 CPU processes over gloo, the tiny model: TP 1 and 2 for generation, TP 2 for GRPO — "
+                        f"{CPU_LABEL}"}
+    big = m.gpu_mem_gib >= 70  # 7B in bf16 beside a 0.3 engine needs an 80 GB-class GPU or more
+    if m.gpus == 1:
+        return {"models": ["qwen2.5-1.5b"], "generation_tp": (1,), "grpo_models": ["qwen2.5-1.5b"], "grpo_tp": (1,),
+                "num_processes": 1,
+                "plan": "one GPU: TP 1 live for Qwen2.5-1.5B (generation and GRPO); TP 2 needs two GPUs, so its "
+                        "numbers come from the committed 2xH200 run (results/tp_gpu.json)"}
+    models = ["qwen2.5-1.5b", "qwen2.5-7b"] if big else ["qwen2.5-1.5b"]
+    n = m.gpus - m.gpus % 2  # TP 2 needs an even number of ranks
+    return {"models": models, "generation_tp": (1, 2), "grpo_models": ["qwen2.5-1.5b"], "grpo_tp": (1, 2),
+            "num_processes": n,
+            "plan": f"{n} of {m.gpus} GPUs: TP 1 vs TP 2 live for {', '.join(models)} (generation) and Qwen2.5-1.5B "
+                    f"(GRPO); at TP 2 they form {n // 2} engine(s) of 2"}
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -246,16 +269,10 @@ def grpo_worker(model: str, tp: int, max_steps: int, per_device_batch: int, num_
     from colo_kit.train import run_grpo
 
     unique_cpu_shm_names()
-    if enforce_eager:
-        import functools
-
-        import trl.generation.vllm_generation as vllm_generation
-
-        vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
     run = run_grpo(model, "colocate", max_steps=max_steps, per_device_batch=per_device_batch,
                    num_generations=num_generations, max_completion_length=max_completion_length,
                    vllm_gpu_memory_utilization=gpu_memory_utilization, vllm_tensor_parallel_size=tp,
-                   **overrides)
+                   vllm_enforce_eager=enforce_eager or None, **overrides)
     gen = getattr(run.trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
     kv = _kv_capacity(llm) if llm is not None else {}

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import time
 import types
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from colo_kit.env import has_cuda
+from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.paths import runs_dir
 
 MODES = ("colocate", "server", "plain")
@@ -73,6 +74,25 @@ def use_layerwise_reload(trainer) -> bool:
 
     gen.sync_weights = types.MethodType(sync_weights, gen)
     return True
+
+
+@contextmanager
+def trl_llm_kwargs(**kwargs):
+    """While this block runs, TRL's colocated `LLM(...)` gets `kwargs` too (e.g. `enforce_eager`,
+    which `GRPOConfig` does not expose); TRL's own `LLM` is put back on the way out."""
+    if not kwargs:
+        yield
+        return
+    import functools
+
+    from trl.generation import vllm_generation
+
+    current = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(current, **kwargs)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = current
 
 
 def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: int = 20,
@@ -155,19 +175,25 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              max_completion_length: int = 32, learning_rate: float = 1e-3, seed: int = 0,
              target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3, sleep: bool = False,
              server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
-             on_step=None, on_trainer=None, **config_overrides) -> GRPORun:
+             on_step=None, on_trainer=None, http_weight_sync: bool = False,
+             vllm_enforce_eager: bool | None = None, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
     `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
     to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
     notebook uses it to update a live chart). `on_trainer(trainer)` is called once the trainer is
     built, before training (colo_kit.timeline hooks in there).
+
+    `http_weight_sync` (server mode): sync weights through a file instead of NCCL, for a server
+    that shares the trainer's GPU (`colo_kit.server`). `vllm_enforce_eager` (colocate mode): build
+    TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
+    then starts in seconds instead of 50-90 s, at some decode speed (tests use it).
     """
     from trl import GRPOTrainer
 
     from colo_kit.data import load_tldr
     from colo_kit.models import resolve_model
-    from colo_kit.vllm_compat import stdout_with_fd
+    from colo_kit.vllm_compat import fresh_cuda_graph_pool, stdout_with_fd
 
     model_path = resolve_model(model)
     if dataset is None:
@@ -178,6 +204,8 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
                     per_device_batch=per_device_batch, max_completion_length=max_completion_length,
                     learning_rate=learning_rate, seed=seed, target_length=target_length,
                     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep, **config_overrides)
+    if vllm_enforce_eager is not None:
+        settings["vllm_enforce_eager"] = vllm_enforce_eager
     args = grpo_config(mode, output_dir=output_dir, max_steps=max_steps, num_generations=num_generations,
                        per_device_batch=per_device_batch, max_completion_length=max_completion_length,
                        learning_rate=learning_rate, seed=seed,
@@ -188,8 +216,15 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     if mode == "server":
         from colo_kit.server import use_http_weight_sync
 
-        settings["http_weight_sync"] = use_http_weight_sync()  # CPU: no NCCL; see colo_kit.server
-    with stdout_with_fd():  # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
+        # CPU (no NCCL) or a server on the trainer's own GPU: weights travel as a file; see colo_kit.server
+        settings["http_weight_sync"] = use_http_weight_sync(force=http_weight_sync)
+    if mode == "colocate":
+        fresh_cuda_graph_pool()  # TRL builds an engine: it must not capture into an earlier engine's pool
+    if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
+        vllm_enforce_eager = settings["vllm_enforce_eager"] = True
+    extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
+    # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
+    with stdout_with_fd(), trl_llm_kwargs(**extra_llm_kwargs):
         trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
                               train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
     settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)

@@ -32,17 +32,22 @@ def model_runner(llm):
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load `(name, tensor)` pairs (Hugging Face names) into the engine's model, then reset the
     prefix cache (cached KV blocks were computed with the old weights)."""
+    load_into_runner(model_runner(llm), named_tensors)
+    llm.reset_prefix_cache()
+
+
+def load_into_runner(runner, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The load itself, on a vLLM worker's model runner (in-process, or a server's worker through
+    `colo_kit.server.HttpWeightSync`)."""
     from vllm.platforms import current_platform
 
-    runner = model_runner(llm)
     if current_platform.is_cpu() and hasattr(runner, "reload_weights"):
         runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         _refresh_tied_lm_head(runner.get_model())
     else:
         # GPU: vLLM's per-layer loaders stay in place, so a plain load works; one call for all
         # tensors instead of one per tensor.
-        runner.model.load_weights(list(named_tensors))
-    llm.reset_prefix_cache()
+        runner.get_model().load_weights(list(named_tensors))
 
 
 def _refresh_tied_lm_head(model) -> None:
@@ -55,6 +60,25 @@ def _refresh_tied_lm_head(model) -> None:
     method = getattr(lm_head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(lm_head)
+
+
+def fresh_cuda_graph_pool() -> bool:
+    """Give the next engine of this process its own CUDA-graph memory pool. Returns True if one was
+    dropped.
+
+    vLLM captures every engine's CUDA graphs into one process-wide pool handle
+    (`Platform._global_graph_pool`, made once). When an earlier engine is gone, PyTorch's allocator
+    has released that pool (use count 0) but still lists it until its blocks are freed, and the next
+    capture into the same handle fails: `it->second->use_count > 0 INTERNAL ASSERT FAILED at
+    CUDACachingAllocator.cpp` (seen on an H200 with vLLM 0.26: a second engine built in one
+    process, as a notebook cell run twice or a test suite does). A new handle makes a new pool."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if not current_platform.is_cuda_alike() or getattr(cls, "_global_graph_pool", None) is None:
+        return False
+    cls._global_graph_pool = None
+    return True
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 import colo_kit  # noqa: F401  (applies env defaults)
-from colo_kit.env import has_cuda
+from colo_kit.env import gpu_count
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +23,14 @@ def pytest_collection_modifyitems(config, items):
     # notebook_launcher). Tests that start vLLM or a TRL trainer in-process leave a process group and
     # rank variables behind, after which the launcher rightly refuses to fork; so those run first.
     items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_launch.py") else 1)
-    if has_cuda():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; the GPU evidence is committed under results/")
+    gpus = gpu_count()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpus:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU; the GPU evidence is committed under results/"))
+        wanted = item.get_closest_marker("devices")
+        if wanted and gpus and gpus < wanted.args[0]:
+            # on a CPU "devices" are processes and any number runs; on a GPU node each needs a GPU
+            item.add_marker(pytest.mark.skip(reason=f"needs {wanted.args[0]} GPUs, this machine has {gpus}"))
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -74,5 +76,9 @@ def free_port() -> int:
     return free_port()
 
 
+if gpu_count():
+    # GPU node: the suite's engines hold the tiny model, whose torch.compile + CUDA graphs would cost
+    # 50-90 s per engine start for nothing (the one test that needs graphs turns this off in its script).
+    os.environ.setdefault("COLO_KIT_VLLM_EAGER", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

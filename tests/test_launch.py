@@ -200,3 +200,44 @@ def test_cuda_initialised_in_the_kernel_is_detected_and_launched_fresh():
         launch(_who, "x", fresh_process=False)
     res = launch(_who, "gpu")
     assert res.how == "torchrun (fresh process)" and [r["rank"] for r in res.results] == list(range(len(res)))
+
+
+_FORK_ON_GPU_SCRIPT = textwrap.dedent("""
+    # Notebook 03's first cells on a GPU node: the kit, vLLM and TRL imported, the machine read,
+    # then a forked launch that uses CUDA in every worker.
+    import colo_kit, torch, vllm, trl
+    from colo_kit.env import Machine
+    from colo_kit.launch import kernel_problems, launch
+    print("MACHINE", Machine.here(), "PROBLEMS", kernel_problems(), flush=True)
+
+    def cuda_sum():
+        import torch, torch.distributed as dist
+        t = torch.ones(1, device="cuda")
+        dist.all_reduce(t)
+        return (dist.get_rank(), t.item(), torch.cuda.current_device())
+
+    res = launch(cuda_sum, echo=False)
+    print("LAUNCHED", res.how, res.results, flush=True)
+""")
+
+
+@pytest.mark.gpu
+def test_a_gpu_node_forks_workers_that_use_cuda(tmp_path):
+    # Seen on an H200 node before the fix: torch's LaunchConfig asked torch.cuda.is_available() in the
+    # launching process, which initialised CUDA there, and every worker died with "Cannot re-initialize
+    # CUDA in forked subprocess" although kernel_problems() had found nothing.
+    from conftest import clean_env
+
+    script = tmp_path / "fork_on_gpu.py"
+    script.write_text(_FORK_ON_GPU_SCRIPT)
+    env = {k: v for k, v in clean_env().items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}  # as a fresh kernel has it
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "PROBLEMS []" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCHED"))
+    assert "notebook_launcher (fork)" in line
+    from colo_kit.env import gpu_count
+
+    n = gpu_count()
+    assert line.endswith(str([(r, float(n), r) for r in range(n)])), line

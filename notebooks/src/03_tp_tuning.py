@@ -25,14 +25,13 @@ from IPython.display import Markdown, display
 
 import colo_kit  # noqa: F401  (runtime defaults)
 from colo_kit import tp
-from colo_kit.env import gpu_count, tier
+from colo_kit.env import Machine
 from colo_kit.launch import kernel_problems, launch
 
-TIER = tier()
-HEADLESS = os.environ.get("COLO_KIT_HEADLESS") == "1"
-MODELS = ["qwen2.5-1.5b", "qwen2.5-7b"] if TIER == "gpu" else ["tiny"]
-print(f"tier: {TIER}; GPUs: {gpu_count()}; models for the live runs: {MODELS}"
-      + ("" if TIER == "gpu" else f"  <- {tp.CPU_LABEL}"))
+MACHINE = Machine.here()
+TIER = MACHINE.tier
+LIVE = tp.live_plan(MACHINE)
+MACHINE.say(LIVE["plan"])
 
 # %% [markdown]
 # ## 1 · Multi-process cells that cannot kill the kernel
@@ -79,16 +78,16 @@ print(f"ports: {first.port} then {second.port}; launched by {first.how}")
 from colo_kit.launch import WorkerError
 
 
-def fails_on_rank_one():
+def fails_on_the_last_rank():
     import torch.distributed as dist
 
-    if dist.get_rank() == 1:
-        raise ValueError("rank 1 found a bad value")
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise ValueError(f"rank {dist.get_rank()} found a bad value")
     return "ok"
 
 
 try:
-    launch(fails_on_rank_one, echo=False)
+    launch(fails_on_the_last_rank, echo=False)
 except WorkerError as exc:
     print(f"WorkerError from rank {exc.rank}:", str(exc).splitlines()[0])
 print("the kernel is still here")
@@ -145,12 +144,14 @@ display(widgets.HBox([model_w, tp_w]), panel)
 # all generated tokens over the slowest rank's time. (On GPU: 256 prompts × 256 tokens; on CPU: 8 × 16.)
 
 # %%
-gen_sweeps = [tp.generation_sweep(m, (1, 2)) for m in MODELS]
+gen_sweeps = [tp.generation_sweep(m, LIVE["generation_tp"], num_processes=LIVE["num_processes"])
+              for m in LIVE["models"]]
 for sw in gen_sweeps:
     for t, s in sw["tp"].items():
         print(f"{sw['model']} TP {t}: {s['tok_per_s']:,.0f} tok/s, seeds {[r['seed'] for r in s['ranks']]}, "
               f"KV cache {s['kv_tokens_per_engine']:,} tokens per engine, engine start {s['startup_s']} s")
-    print(f"{sw['model']}: TP 2 / TP 1 = {tp.tp_ratio(sw, 'tok_per_s')}")
+    if len(sw["tp"]) > 1:
+        print(f"{sw['model']}: TP 2 / TP 1 = {tp.tp_ratio(sw, 'tok_per_s')}")
 title = "generation throughput, this machine" + ("" if TIER == "gpu" else " — CPU functional demo, not a speed result")
 tp.throughput_figure(gen_sweeps, title).show()
 
@@ -163,14 +164,14 @@ tp.throughput_figure(gen_sweeps, title).show()
 #
 # The same comparison inside training: TRL's `GRPOTrainer`, `vllm_mode="colocate"`, on every GPU of the node,
 # with `vllm_tensor_parallel_size` 1 and 2 (TRL makes the TP subgroups and gathers the prompts itself). The
-# step time is the median after the first step. On a CPU headless run only TP 2 runs, for two steps: it shows
-# that TRL's colocate TP works over gloo on 2 processes.
+# step time is the median after the first step. On a CPU only TP 2 runs, for two steps: it shows that TRL's
+# colocate TP works over gloo on 2 processes. On one GPU only TP 1 can run; section 5 has TP 2 from 2×H200.
 
 # %%
-grpo_tps = (2,) if (TIER == "cpu" and HEADLESS) else (1, 2)
 grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4,
                                                               max_completion_length=8)
-grpo_sweeps = [tp.grpo_sweep(m, grpo_tps, **grpo_kwargs) for m in MODELS]
+grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], **grpo_kwargs)
+               for m in LIVE["grpo_models"]]
 for sw in grpo_sweeps:
     for t, s in sw["tp"].items():
         print(f"{sw['model']} vllm_tensor_parallel_size={t}: TRL's TP group = {s['vllm_tp_group_size']} ranks, "
@@ -269,6 +270,6 @@ for row in tp.ratios_table(GPU_RESULTS):
                  + (f" (up to {ref['max_speedup']}× on 8 GPUs)" if ref["max_speedup"] else "")
                  + (" — **same direction**." if agrees else " — **not the post's direction** on this setup."))
 display(Markdown("\n".join(lines) + "\n\nOn this machine: "
-                 + ("the live runs above are H200 measurements of this session." if TIER == "gpu"
+                 + (f"the live runs above were measured on {MACHINE}." if TIER == "gpu"
                     else "the CPU runs above show the code path (2 processes, TP groups, one seed per group, "
                          "TRL colocate with TP 2); their times say nothing about GPUs.")))

@@ -28,15 +28,20 @@ import plotly.graph_objects as go
 from IPython.display import Markdown, display
 
 import colo_kit  # noqa: F401  (runtime defaults)
-from colo_kit.env import has_cuda
+from colo_kit.env import Machine
 from colo_kit.lora import (adapter_name, max_lora_rank_for, max_loras_for, probe_adapters, published_versions,
                            replica_launch, staleness_table)
 from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
 from colo_kit.proxy import ProxyConfig, RoutingProxy
-from colo_kit.replicas import compare_routing, free_port, launch_replicas
+from colo_kit.replicas import compare_routing, free_port, launch_replicas, placement
 
-HEADLESS = os.environ.get("COLO_KIT_HEADLESS") == "1"
+MACHINE = Machine.here()
+PLACES = placement(2, MACHINE, share_gib=12)
+MACHINE.say("two vLLM replicas of the tiny model " + (
+    "on the CPU" if not MACHINE.gpus else
+    "sharing GPU 0 (12 GiB each, started one after the other)" if MACHINE.gpus == 1 else
+    "on GPUs 0 and 1, one each") + "; the trainer runs in this kernel")
 
 # %% [markdown]
 # ## 1 · Staleness and slots
@@ -82,20 +87,22 @@ show_slots()
 # `/resume`), `--enable-lora --max-loras --max-lora-rank`, the API key through the environment. It refuses
 # level-2 sleep: level 2 discards the base weights, and adapter-only sync never sends them again.
 #
-# On CPU vLLM needs a KV block size that is a multiple of 32 (`--block-size 16` fails with "No common block
-# size"), so the replicas and the proxy use 32 here; on a GPU both use vLLM's 16. Both servers start in
-# parallel (about 20–60 s each on this 2-core machine).
+# vLLM's CPU attention needs a KV block size that is a multiple of 32 (`--block-size 16` fails with "No common
+# block size"), so on a CPU the replicas and the proxy use 32; on a GPU both use vLLM's default, 16. Replicas on
+# different devices start in parallel (about 20–60 s each on a 2-core machine); replicas that share a GPU start one
+# after the other, because vLLM sizes its KV cache from the memory it sees free while it starts.
 
 # %%
 os.environ.setdefault("COLO_KIT_REPLICA_KEY", "notebook-demo-key")  # the replicas' --api-key
 MODEL = resolve_model("tiny")
-BLOCK = 32
+BLOCK = 16 if MACHINE.gpus else 32
 MAX_STALENESS = 1  # small, so a few syncs already unload old versions
-gpu = {"gpu_memory_utilization": 0.3} if has_cuda() else {}  # one replica per GPU when there are GPUs
 launches = [replica_launch(MODEL, port=free_port(), max_staleness=MAX_STALENESS, lora_rank=1,
-                           api_key_env="COLO_KIT_REPLICA_KEY", block_size=BLOCK, max_model_len=512,
-                           gpu=i if has_cuda() else None, **gpu)
-            for i in range(2)]
+                           api_key_env="COLO_KIT_REPLICA_KEY", block_size=BLOCK, max_model_len=512, gpu=p["gpu"],
+                           gpu_memory_utilization=p["gpu_memory_utilization"],
+                           # a tiny model: CUDA graphs and torch.compile would cost a minute of start-up for nothing
+                           enforce_eager=bool(MACHINE.gpus) or None)
+            for p in PLACES]
 print(launches[0].shell().replace(os.environ["COLO_KIT_REPLICA_KEY"], "***"))
 t0 = time.time()
 replicas = launch_replicas(launches, tempfile.mkdtemp(prefix="colo_kit_nb06_"))

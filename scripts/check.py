@@ -1,0 +1,162 @@
+"""What a node can run: the whole test suite and every notebook as JupyterLab's Run All runs it, on
+this machine, recorded with hardware, versions and commit.
+
+    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [-- <pytest args>]
+    python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03] [--budget-s 560]
+
+Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
+item keeps the commit it ran at). Executed notebooks are kept as HTML beside the JSON
+(`results/gpu_check/NN_*.html`) for readers without the hardware. Without `--json` the record goes
+to results/runs/check.json. `scripts/gpu/check.sh` runs both parts on a GPU node; on a laptop the
+same command measures the CPU tier.
+
+Pytest results are written as each test ends (scripts/check_plugin.py), so a part cut off by its
+time budget keeps what it finished; `--budget-s` stops starting notebooks that would not finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 — a copy without git still gets checked
+        return ""
+
+
+def _commit() -> dict:
+    """The commit the items ran at: git's, or COLO_KIT_COMMIT on a machine given a copy without .git."""
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        return {"commit": os.environ.get("COLO_KIT_COMMIT") or None, "dirty": None}
+    return {"commit": head, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def run_tests(pytest_args: list[str], budget_s: float) -> dict:
+    """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}.jsonl"
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, COLO_KIT_CHECK_LOG=str(log),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args]
+    try:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=budget_s).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    tests = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    return {"returncode": rc, "seconds": round(time.time() - t0, 1), "counts": counts, "tests": tests,
+            "command": " ".join(cmd[2:])}
+
+
+def run_notebooks(names: list[str] | None, html_dir: Path, budget_s: float) -> dict:
+    """Every notebook (or `names`) executed top to bottom in a fresh kernel, as Run All does."""
+    from colo_kit.notebook import NOTEBOOKS
+
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if names:
+        paths = [p for p in paths if p.name[:2] in names]
+    html_dir.mkdir(parents=True, exist_ok=True)
+    t0, out = time.time(), []
+    for p in paths:
+        left = budget_s - (time.time() - t0)
+        if left < 60:
+            out.append({"notebook": p.stem, "status": "not run", "reason": f"time budget of {budget_s:.0f} s spent"})
+            continue
+        start = time.time()
+        cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(html_dir)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=left)
+            rc, tail = proc.returncode, (proc.stdout[-1500:] + proc.stderr[-3000:])
+        except subprocess.TimeoutExpired as exc:
+            rc, tail = "timeout", str(exc)[-500:]
+        rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
+               "seconds": round(time.time() - start, 1), **_commit()}
+        if rc != 0:
+            rec["error_tail"] = tail
+        (html_dir / p.name).unlink(missing_ok=True)  # the HTML copy is what readers open; keep the repo light
+        out.append(rec)
+        print(f"[check] {p.stem}: {rec['status']} in {rec['seconds']} s", flush=True)
+    return {"seconds": round(time.time() - t0, 1), "notebooks": out}
+
+
+def merge(path: Path, part: str, result: dict) -> dict:
+    """Put `result` into the record at `path`: items this run made replace the same items of an
+    earlier run; the others are kept with the commit they ran at."""
+    from colo_kit.env import describe
+
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.update({"what": "the test suite and every notebook, executed as JupyterLab's Run All runs them",
+                   "env": describe(), "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    result = {**result, **_commit()}
+    key = "tests" if part == "tests" else "notebooks"
+    old = record.get(part, {})
+    if old.get(key):
+        mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
+        kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]
+        for item in kept:
+            item.setdefault("commit", old.get("commit"))
+        result[key] = kept + result[key]
+    if part == "tests":
+        result["counts"] = {}
+        for t in result["tests"]:
+            result["counts"][t["outcome"]] = result["counts"].get(t["outcome"], 0) + 1
+    record[part] = result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=["tests", "notebooks"])
+    ap.add_argument("--json", default=None, help="the record to write (default results/runs/check.json)")
+    ap.add_argument("--notebooks", default="", help="comma-separated numbers, e.g. 00,03 (default: all)")
+    ap.add_argument("--budget-s", type=float, default=3600.0)
+    a = ap.parse_args(argv)
+    if a.budget_s != a.budget_s or a.budget_s <= 0:
+        ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")
+    from colo_kit.paths import runs_dir
+
+    path = Path(a.json) if a.json else runs_dir() / "check.json"
+    probe = path.parent
+    probe.mkdir(parents=True, exist_ok=True)
+    if not os.access(probe, os.W_OK):
+        ap.error(f"--json {path}: {probe} is not writable; pick a writable path")
+    if a.part == "tests":
+        result = run_tests(extra, a.budget_s)
+    else:
+        names = [n.strip() for n in a.notebooks.split(",") if n.strip()] or None
+        result = run_notebooks(names, path.with_suffix(""), a.budget_s)
+    record = merge(path, a.part, result)
+    part = record[a.part]
+    if a.part == "tests":
+        print(f"[check] tests: {part['counts']} in {result['seconds']} s -> {path}")
+        bad = part["counts"].get("failed", 0) + part["counts"].get("error", 0)
+    else:
+        bad = sum(n["status"] != "completed" for n in part["notebooks"])
+        print(f"[check] notebooks: {len(part['notebooks']) - bad} of {len(part['notebooks'])} completed -> {path}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

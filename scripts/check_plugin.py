@@ -1,0 +1,44 @@
+"""A pytest plugin for scripts/check.py: one JSON line per test as soon as it ends (outcome, seconds,
+the reason of a skip or an xfail), into the file named by COLO_KIT_CHECK_LOG. Lines survive a run
+that is cut off by its time budget, unlike a JUnit report written at the end."""
+
+import json
+import os
+
+
+def _reason(report) -> str | None:
+    if getattr(report, "wasxfail", None) is not None:
+        return report.wasxfail or None
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    if longrepr is not None and report.failed:
+        return str(longrepr)[-1500:]
+    return None
+
+
+def _write(record: dict) -> None:
+    path = os.environ.get("COLO_KIT_CHECK_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+    xfail = getattr(report, "wasxfail", None) is not None
+    if report.when == "call" or (report.when == "setup" and (report.skipped or report.failed)):
+        if xfail:
+            outcome = "xfailed" if report.skipped else "xpassed"
+        elif report.when == "setup" and report.failed:
+            outcome = "error"
+        else:
+            outcome = report.outcome
+        _write({"nodeid": report.nodeid, "outcome": outcome, "seconds": round(_seconds[report.nodeid], 2),
+                "reason": _reason(report)})
+    elif report.when == "teardown" and report.failed:
+        _write({"nodeid": report.nodeid, "outcome": "error", "seconds": round(_seconds[report.nodeid], 2),
+                "reason": "teardown: " + (_reason(report) or "")})

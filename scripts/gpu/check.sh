@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# A GPU node's check: the whole test suite and every notebook as JupyterLab's Run All runs them, on this
+# node's GPUs, recorded in results/gpu_check.json (hardware, versions, commit, each test's and notebook's
+# status and seconds) with the executed notebooks as HTML in results/gpu_check/.
+#
+#   bash scripts/gpu/check.sh                 # both parts, one after the other
+#   bash scripts/gpu/check.sh tests           # the suite only        (pytest args after --)
+#   bash scripts/gpu/check.sh notebooks 01,03 # some notebooks only
+#
+# On the lent one-H200 machine each part fits one 600 s call after staging (../shared/gpu/README.md):
+#   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh tests
+#   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh notebooks
+# A part re-run replaces only what it ran; every item keeps the commit it ran at. Copies the record
+# and the HTML to $OUT when that is set (the device tool brings them back).
+# With 2 GPUs: JSON=results/gpu_check_2gpu.json bash scripts/gpu/check.sh
+set -u
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+JSON=${JSON:-results/gpu_check.json}
+BUDGET=${BUDGET:-560}
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export COLO_KIT_CACHE=${COLO_KIT_CACHE:-$HOME/.cache/colo_kit}
+part=${1:-all}; shift || true
+rc=0
+if [ "$part" = all ] || [ "$part" = tests ]; then
+  $PY scripts/check.py tests --json "$JSON" --budget-s "$BUDGET" -- "$@" || rc=1
+fi
+if [ "$part" = all ] || [ "$part" = notebooks ]; then
+  $PY scripts/check.py notebooks --json "$JSON" --budget-s "$BUDGET" --notebooks "${1:-}" || rc=1
+fi
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/results"
+  cp -r "$JSON" "${JSON%.json}" "$OUT/results/" 2>/dev/null
+fi
+exit $rc
