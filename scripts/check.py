@@ -68,8 +68,12 @@ def run_notebooks(names: list[str] | None, html_dir: Path, budget_s: float) -> d
     from colo_kit.notebook import NOTEBOOKS
 
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    if names:
-        paths = [p for p in paths if p.name[:2] in names]
+    if names:  # in the order given
+        by_number = {p.name[:2]: p for p in paths}
+        unknown = [n for n in names if n not in by_number]
+        if unknown:
+            raise SystemExit(f"--notebooks {','.join(unknown)}: no such notebook; use numbers from {sorted(by_number)}")
+        paths = [by_number[n] for n in names]
     html_dir.mkdir(parents=True, exist_ok=True)
     t0, out = time.time(), []
     for p in paths:

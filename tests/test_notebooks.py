@@ -60,7 +60,7 @@ def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
     nbformat.write(nb, tmp_path / "tagged.ipynb")
     execute(tmp_path / "tagged.ipynb", tmp_path / "out", timeout_s=120, html=False)
     cell = json.loads((tmp_path / "out" / "tagged.ipynb").read_text())["cells"][0]
-    assert cell["source"] == "print('ran', 6 * 7)" and "ran 42" in cell["outputs"][0]["text"]
+    assert "".join(cell["source"]) == "print('ran', 6 * 7)" and "ran 42" in "".join(cell["outputs"][0]["text"])
 
 
 @pytest.mark.notebook

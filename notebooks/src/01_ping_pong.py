@@ -73,7 +73,8 @@ SETTINGS
 
 # %%
 common = dict(batches=(SETTINGS["per_device_batch"],), steps=SETTINGS["steps"], n_devices=SETTINGS["n_devices"],
-              num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"])
+              num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"],
+              vllm_enforce_eager=SETTINGS["vllm_enforce_eager"])
 colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
 server_res = bench.sweep(SETTINGS["model"], modes=("server",), server_port=free_port(), **common)
 mine = bench.merge_results([server_res, colocate_res])

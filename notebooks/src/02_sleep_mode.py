@@ -76,7 +76,7 @@ for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_
 # (`torchrun --nproc_per_node 2 -m colo_kit.engine --tp 2 --sampled` shows it).
 
 # %%
-engine = ColocatedEngine(model_w.value, settings)
+engine = ColocatedEngine(model_w.value, settings, enforce_eager=True)  # starts in seconds (notebook 00 says why)
 print(f"engine up in {engine.startup_s:.1f} s on {engine.device}; seed {engine.seed}, TP {engine.tp}")
 out = engine.generate(["Summarise: the cat sat on the mat.", "2 + 2 ="], n=2, max_tokens=12)
 pd.DataFrame({"prompt": [engine.tokenizer.decode(p) for p in out.prompt_ids], "completion": out.texts,

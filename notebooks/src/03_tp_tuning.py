@@ -141,10 +141,11 @@ display(widgets.HBox([model_w, tp_w]), panel)
 # over consecutive ranks, `seed = rank // tp`). Each rank brings its share of the prompts. At **TP 1** every
 # GPU is its own engine (data parallel); at **TP 2** the two GPUs form one engine: each holds half of every
 # weight matrix, the ranks all-gather their prompts, and both generate the same completions. Throughput is
-# all generated tokens over the slowest rank's time. (On GPU: 256 prompts × 256 tokens; on CPU: 8 × 16.)
+# all generated tokens over the slowest rank's time. (On GPU: 256 prompts × 256 tokens; on CPU: 8 × 16. Engines run eager,
+# without CUDA graphs, as in the committed H200 run: they start in seconds.)
 
 # %%
-gen_sweeps = [tp.generation_sweep(m, LIVE["generation_tp"], num_processes=LIVE["num_processes"])
+gen_sweeps = [tp.generation_sweep(m, LIVE["generation_tp"], num_processes=LIVE["num_processes"], enforce_eager=True)
               for m in LIVE["models"]]
 for sw in gen_sweeps:
     for t, s in sw["tp"].items():
@@ -170,8 +171,8 @@ tp.throughput_figure(gen_sweeps, title).show()
 # %%
 grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4,
                                                               max_completion_length=8)
-grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], **grpo_kwargs)
-               for m in LIVE["grpo_models"]]
+grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], enforce_eager=True,
+                             **grpo_kwargs) for m in LIVE["grpo_models"]]
 for sw in grpo_sweeps:
     for t, s in sw["tp"].items():
         print(f"{sw['model']} vllm_tensor_parallel_size={t}: TRL's TP group = {s['vllm_tp_group_size']} ranks, "

@@ -162,7 +162,7 @@ from colo_kit.lora import run_async_grpo  # noqa: E402
 
 bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")
 prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:32]]
-run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=3 if HEADLESS else 8,
+run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=4,
                      num_generations=4, per_device_train_batch_size=8, max_completion_length=16,
                      max_staleness=MAX_STALENESS)
 print("adapter-only sync:", run["adapter_only_sync"], "| patched:", run["patched"])
@@ -201,7 +201,7 @@ for r in probe_adapters(replicas.urls, adapter_name(LATEST), str(adapter_dir(buc
 
 # %%
 measured = compare_routing(replicas.urls, adapter_name(LATEST), token_env="COLO_KIT_REPLICA_KEY",
-                           block_size=BLOCK, groups=8 if HEADLESS else 24, group_size=8,
+                           block_size=BLOCK, groups=12, group_size=8,
                            prompt_tokens=8 * BLOCK + 1, max_tokens=8, concurrent_groups=2, vocab=1900)
 committed = {}
 for name, label in (("proxy_bench.json", "committed CPU run"), ("async_lora_gpu.json", "2×H200 run")):
