@@ -60,6 +60,12 @@ def _restore_environ():
     gc.collect()
 
 
+def gpu_share() -> dict:
+    """A tiny replica's `replica_launch` keywords: on a GPU a small share of GPU 0 (vLLM's default
+    0.9 would not start beside an engine this process still holds); nothing on a CPU."""
+    return {"gpu": 0, "gpu_memory_utilization": 0.15} if gpu_count() else {}
+
+
 def clean_env() -> dict:
     """os.environ for a child process that starts its own group (colo_kit.launch.without_rank_vars).
     Module-scoped engine fixtures are set up before `_restore_environ` takes its snapshot, so the

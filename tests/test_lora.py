@@ -6,6 +6,7 @@ import types
 
 import httpx
 import pytest
+from conftest import gpu_share
 
 from colo_kit.launch import free_port
 from colo_kit.lora import (AdapterMismatch, adapter_dir, adapter_name, check_sleep_level, check_slots,
@@ -93,7 +94,8 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
     staleness, steps = 1, 4
     launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=staleness, lora_rank=1,
-                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512)
+                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512,
+                            **gpu_share())
     shared = tmp_path / "bucket"  # the shared directory standing in for the mounted bucket
     with launch_replicas([launch], tmp_path / "logs") as reps:
         proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",

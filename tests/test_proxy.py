@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from conftest import gpu_share
 
 from colo_kit.launch import free_port
 from colo_kit.proxy import PrefixKeyer, ProxyConfig, RoutingProxy, choose_replica, rendezvous_order
@@ -322,7 +323,7 @@ def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypat
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     launch = replica_launch(tiny_model_path, port=free_port(), api_key_env=TOKEN_ENV, block_size=32, max_model_len=512,
-                            max_staleness=1)
+                            max_staleness=1, **gpu_share())
     adapter = tmp_path / "adapter"
     _make_adapter(tiny_model_path, adapter)
     with launch_replicas([launch], tmp_path / "logs", token=TOKEN) as reps:
