@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import weakref
 import json
 import os
 import time
@@ -39,7 +40,7 @@ from typing import Any, Iterator, Sequence
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.launch import free_port
-from colo_kit.vllm_compat import fresh_cuda_graph_pool, stdout_with_fd
+from colo_kit.vllm_compat import make_room_for_an_engine, stdout_with_fd
 
 # vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
 # profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
@@ -286,6 +287,31 @@ def iter_weight_batches(model, max_batch_bytes: int = 2 * 2**30) -> Iterator[lis
 # The engine
 # ---------------------------------------------------------------------------------------------
 
+_LIVE: "weakref.WeakSet[ColocatedEngine]" = weakref.WeakSet()
+
+
+def _close_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
+
+def close_earlier_engines() -> list[str]:
+    """One colocated engine per process, as in TRL's colocate mode (one per rank): close the kit's
+    engines still open in this process before another is built. A notebook cell that builds an
+    engine, run twice, would otherwise start the second while `engine` still names the first —
+    two engines' GPU shares, and vLLM's process-wide groups torn down under the first when either
+    closes. Returns the models of the engines it closed."""
+    closed = []
+    for old in list(_LIVE):
+        if old.llm is not None:
+            print(f"[colo_kit] closing the engine built earlier in this process ({Path(old.model_path).name}): "
+                  "one colocated engine per process", flush=True)
+            old.close()
+            closed.append(old.model_path)
+    return closed
+
+
 class ColocatedEngine:
     """One vLLM engine per training process, in the trainer's torch.distributed group.
 
@@ -308,6 +334,7 @@ class ColocatedEngine:
 
             raise SleepModeUnavailable.for_this_platform("enable_sleep_mode=True")
 
+        close_earlier_engines()
         self._owns_process_group = ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         s = self.settings.validate(self.world_size, model_max_len(self.model_path))
@@ -335,13 +362,15 @@ class ColocatedEngine:
         )
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
-        fresh_cuda_graph_pool()  # a second engine in this process must not capture into the first one's pool
+        make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
         with stdout_with_fd():
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         self.asleep: set[str] = set()  # tags whose memory is released; kept up to date by colo_kit.sleep
-        atexit.register(self.close)
+        _LIVE.add(self)
+        # a weak reference: an engine nobody holds must be collectable before exit, not kept by atexit
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- what the engine runs -----------------------------------------------------------------
 
@@ -495,10 +524,6 @@ class ColocatedEngine:
             except Exception:
                 pass
             dist.destroy_process_group()
-        try:
-            atexit.unregister(self.close)
-        except Exception:
-            pass
 
     def __enter__(self):
         return self

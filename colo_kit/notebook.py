@@ -202,6 +202,7 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
         os.environ.update(env_before)
     result = {"notebook": str(path), "executed": str(executed), "seconds": round(time.time() - t0, 1)}
     if html:
+        _find_nbconvert_templates()
         from nbconvert import HTMLExporter
 
         body, _ = HTMLExporter().from_notebook_node(nb)
@@ -209,6 +210,20 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
         html_path.write_text(body)
         result["html"] = str(html_path)
     return result
+
+
+def _find_nbconvert_templates() -> None:
+    """nbconvert's HTML templates are data files (`<prefix>/share/jupyter/nbconvert/templates`),
+    found through Jupyter's data path. A stack installed with `pip install --target DIR` (the lent
+    GPU machines carry one on PYTHONPATH) puts them in DIR/share/jupyter, where nobody looks: add it."""
+    import nbconvert
+
+    share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
+    if not (share / "nbconvert" / "templates").is_dir():
+        return
+    paths = [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    if str(share) not in paths:
+        os.environ["JUPYTER_PATH"] = os.pathsep.join([*paths, str(share)])
 
 
 def cli_main(argv: list[str]) -> int:

@@ -193,7 +193,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
     from colo_kit.data import load_tldr
     from colo_kit.models import resolve_model
-    from colo_kit.vllm_compat import fresh_cuda_graph_pool, stdout_with_fd
+    from colo_kit.vllm_compat import make_room_for_an_engine, stdout_with_fd
 
     model_path = resolve_model(model)
     if dataset is None:
@@ -219,7 +219,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         # CPU (no NCCL) or a server on the trainer's own GPU: weights travel as a file; see colo_kit.server
         settings["http_weight_sync"] = use_http_weight_sync(force=http_weight_sync)
     if mode == "colocate":
-        fresh_cuda_graph_pool()  # TRL builds an engine: it must not capture into an earlier engine's pool
+        make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
     if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
         vllm_enforce_eager = settings["vllm_enforce_eager"] = True
     extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}

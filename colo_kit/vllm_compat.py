@@ -62,6 +62,20 @@ def _refresh_tied_lm_head(model) -> None:
         method.process_weights_after_loading(lm_head)
 
 
+def make_room_for_an_engine() -> None:
+    """Before this process builds another vLLM engine: collect engines nobody references any more
+    and hand PyTorch's cached GPU blocks back to the driver (vLLM checks that its share of the GPU
+    is free at start-up, and the caching allocator keeps freed memory reserved, so a dropped
+    engine's 0.3 of an H200 still counts as used), then give the engine a CUDA-graph pool of its
+    own (`fresh_cuda_graph_pool`)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    fresh_cuda_graph_pool()
+
+
 def fresh_cuda_graph_pool() -> bool:
     """Give the next engine of this process its own CUDA-graph memory pool. Returns True if one was
     dropped.

@@ -2,7 +2,7 @@
 this machine, recorded with hardware, versions and commit.
 
     python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [-- <pytest args>]
-    python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03] [--budget-s 560]
+    python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
 
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
 item keeps the commit it ran at). Executed notebooks are kept as HTML beside the JSON
@@ -43,6 +43,21 @@ def _commit() -> dict:
     return {"commit": head, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
 
 
+def _run(cmd: list[str], timeout_s: float, **kwargs):
+    """`subprocess.run` in a session of its own, so a timeout ends the whole tree (a vLLM server a
+    test started, a notebook's kernel) instead of leaving it on the GPU for the next part."""
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return "timeout", out, err
+
+
 def run_tests(pytest_args: list[str], budget_s: float) -> dict:
     """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail."""
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}.jsonl"
@@ -51,10 +66,7 @@ def run_tests(pytest_args: list[str], budget_s: float) -> dict:
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
     t0 = time.time()
     cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args]
-    try:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=budget_s).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+    rc, _, _ = _run(cmd, budget_s, env=env)
     tests = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     counts: dict[str, int] = {}
     for t in tests:
@@ -63,38 +75,48 @@ def run_tests(pytest_args: list[str], budget_s: float) -> dict:
             "command": " ".join(cmd[2:])}
 
 
-def run_notebooks(names: list[str] | None, html_dir: Path, budget_s: float) -> dict:
-    """Every notebook (or `names`) executed top to bottom in a fresh kernel, as Run All does."""
+def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float) -> dict:
+    """Every notebook (or those named) executed top to bottom in a fresh kernel, as Run All does.
+    `lanes`: lists of notebook numbers; the lanes run at the same time, each one notebook after
+    another (a GPU with room for two notebooks' engines checks them in half the time; each record
+    says which lane it ran in and beside how many others)."""
+    import threading
+
     from colo_kit.notebook import NOTEBOOKS
 
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    if names:  # in the order given
-        by_number = {p.name[:2]: p for p in paths}
-        unknown = [n for n in names if n not in by_number]
-        if unknown:
-            raise SystemExit(f"--notebooks {','.join(unknown)}: no such notebook; use numbers from {sorted(by_number)}")
-        paths = [by_number[n] for n in names]
+    by_number = {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
+    lanes = lanes or [sorted(by_number)]
+    unknown = [n for lane in lanes for n in lane if n not in by_number]
+    if unknown:
+        raise SystemExit(f"--notebooks {','.join(unknown)}: no such notebook; use numbers from {sorted(by_number)}")
     html_dir.mkdir(parents=True, exist_ok=True)
     t0, out = time.time(), []
-    for p in paths:
-        left = budget_s - (time.time() - t0)
-        if left < 60:
-            out.append({"notebook": p.stem, "status": "not run", "reason": f"time budget of {budget_s:.0f} s spent"})
-            continue
-        start = time.time()
-        cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(html_dir)]
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=left)
-            rc, tail = proc.returncode, (proc.stdout[-1500:] + proc.stderr[-3000:])
-        except subprocess.TimeoutExpired as exc:
-            rc, tail = "timeout", str(exc)[-500:]
-        rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
-               "seconds": round(time.time() - start, 1), **_commit()}
-        if rc != 0:
-            rec["error_tail"] = tail
-        (html_dir / p.name).unlink(missing_ok=True)  # the HTML copy is what readers open; keep the repo light
-        out.append(rec)
-        print(f"[check] {p.stem}: {rec['status']} in {rec['seconds']} s", flush=True)
+
+    def run_lane(i: int, lane: list[str]) -> None:
+        for n in lane:
+            p = by_number[n]
+            left = budget_s - (time.time() - t0)
+            if left < 60:
+                out.append({"notebook": p.stem, "status": "not run", "reason": f"time budget of {budget_s:.0f} s spent"})
+                continue
+            start = time.time()
+            cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(html_dir)]
+            rc, stdout, stderr = _run(cmd, left, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            tail = (stdout or "")[-1500:] + (stderr or "")[-3000:]
+            rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
+                   "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **_commit()}
+            if rc != 0:
+                rec["error_tail"] = tail
+            if (html_dir / (p.stem + ".html")).exists():  # the HTML copy is what readers open; keep the repo light
+                (html_dir / p.name).unlink(missing_ok=True)
+            out.append(rec)
+            print(f"[check] {p.stem}: {rec['status']} in {rec['seconds']} s (lane {i})", flush=True)
+
+    threads = [threading.Thread(target=run_lane, args=(i, lane)) for i, lane in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return {"seconds": round(time.time() - t0, 1), "notebooks": out}
 
 
@@ -134,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["tests", "notebooks"])
     ap.add_argument("--json", default=None, help="the record to write (default results/runs/check.json)")
-    ap.add_argument("--notebooks", default="", help="comma-separated numbers, e.g. 00,03 (default: all)")
+    ap.add_argument("--notebooks", default="", help="numbers in order, e.g. 00,03 (default: all); '+' separates "
+                    "lanes that run at the same time, e.g. 01,03+05,00")
     ap.add_argument("--budget-s", type=float, default=3600.0)
     a = ap.parse_args(argv)
     if a.budget_s != a.budget_s or a.budget_s <= 0:
@@ -149,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.part == "tests":
         result = run_tests(extra, a.budget_s)
     else:
-        names = [n.strip() for n in a.notebooks.split(",") if n.strip()] or None
-        result = run_notebooks(names, path.with_suffix(""), a.budget_s)
+        lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
+        result = run_notebooks([lane for lane in lanes if lane] or None, path.with_suffix(""), a.budget_s)
     record = merge(path, a.part, result)
     part = record[a.part]
     if a.part == "tests":

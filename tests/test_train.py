@@ -10,7 +10,8 @@ from colo_kit.train import grpo_config, run_grpo
 def test_vllm_generates_from_the_tiny_model(tiny_model_path):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=tiny_model_path, max_model_len=256, seed=0, enforce_eager=True)
+    # a small share: on a GPU vLLM's default 0.9 must be free at start-up, beside whatever this process holds
+    llm = LLM(model=tiny_model_path, max_model_len=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.2)
     outs = llm.generate(["TL;DR:"] * 3, SamplingParams(n=2, max_tokens=16, temperature=1.0, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs) == 3 and all(len(o.outputs) == 2 for o in outs)
