@@ -202,14 +202,27 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
         os.environ.update(env_before)
     result = {"notebook": str(path), "executed": str(executed), "seconds": round(time.time() - t0, 1)}
     if html:
-        _find_nbconvert_templates()
-        from nbconvert import HTMLExporter
-
-        body, _ = HTMLExporter().from_notebook_node(nb)
-        html_path = out_dir / (path.stem + ".html")
-        html_path.write_text(body)
-        result["html"] = str(html_path)
+        result["html"] = str(save_html(nb, out_dir / (path.stem + ".html")))
     return result
+
+
+def save_html(nb, html_path: Path) -> Path:
+    """The HTML copy of an executed notebook, charts included: a plotly figure in a notebook is
+    a JSON output that only JupyterLab draws, so each one gets an HTML rendering beside it (plotly.js
+    from its CDN) before nbconvert writes the page."""
+    _find_nbconvert_templates()
+    import plotly.io as pio
+    from nbconvert import HTMLExporter
+
+    mime = "application/vnd.plotly.v1+json"
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if mime in data and "text/html" not in data:
+                data["text/html"] = pio.to_html(dict(data[mime]), include_plotlyjs="cdn", full_html=False)
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    Path(html_path).write_text(body)
+    return Path(html_path)
 
 
 def _find_nbconvert_templates() -> None:

@@ -20,19 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from colo_kit.launch import free_port  # noqa: F401  (notebook 06 imports it from here)
+from colo_kit.launch import die_with_parent, free_port  # noqa: F401  (notebook 06 imports free_port from here)
 from colo_kit.lora import ReplicaLaunch
-
-
-def _die_with_parent():
-    """Linux: SIGTERM the replica when the process that started it dies, even by SIGKILL (a
-    notebook kernel killed after a failed cell runs no atexit handler)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def run_async(coro):
@@ -90,7 +79,7 @@ class ReplicaSet:
                     # own process group: stop() ends the server and the engine process it spawns
                     self.procs.append(subprocess.Popen(launch.argv, env=child_env(**launch.env), stdout=log,
                                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                                       preexec_fn=_die_with_parent))
+                                                       preexec_fn=die_with_parent))
                 self._wait_healthy({i: self.urls[i] for i in wave}, t0, timeout_s)
         except BaseException:
             self.stop()

@@ -178,7 +178,7 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
                          http_weight_sync=http_weight_sync, extra_args=extra_args)
-    from colo_kit.launch import child_env
+    from colo_kit.launch import child_env, die_with_parent
 
     # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
     env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")
@@ -186,7 +186,8 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent)
     url = f"http://{host}:{port}"
     server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0})
     return server.wait(timeout_s) if wait else server

@@ -36,11 +36,13 @@ def _git(*args: str) -> str:
 
 
 def _commit() -> dict:
-    """The commit the items ran at: git's, or COLO_KIT_COMMIT on a machine given a copy without .git."""
+    """The commit the items ran at: COLO_KIT_COMMIT when set (a machine given a copy of the working
+    tree, whose .git, if any, is not the tree's: seen on the lent GPU machines), else git's."""
+    given = os.environ.get("COLO_KIT_COMMIT")
+    if given:
+        return {"commit": given, "dirty": None}
     head = _git("rev-parse", "HEAD")
-    if not head:
-        return {"commit": os.environ.get("COLO_KIT_COMMIT") or None, "dirty": None}
-    return {"commit": head, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    return {"commit": head or None, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if head else None}
 
 
 def _run(cmd: list[str], timeout_s: float, **kwargs):

@@ -241,3 +241,38 @@ def test_a_gpu_node_forks_workers_that_use_cuda(tmp_path):
 
     n = gpu_count()
     assert line.endswith(str([(r, float(n), r) for r in range(n)])), line
+
+
+_PARENT_SCRIPT = textwrap.dedent("""
+    import subprocess, sys, time
+    from colo_kit.launch import die_with_parent
+    # a server's way of starting: a session of its own (a killpg of the parent's group misses it)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
+                             preexec_fn=die_with_parent)
+    print(child.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_server_started_in_its_own_session_dies_with_the_process_that_started_it(tmp_path):
+    # Seen on an H200: a test run cut off by its time limit left its vLLM server holding 42 GiB of the
+    # GPU, and the next notebook ran out of memory.
+    import signal
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive while its parent lives
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived its parent")
