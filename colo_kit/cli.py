@@ -1,13 +1,18 @@
 """`colo-kit` (or `python -m colo_kit`): one entry point, one subcommand per module.
 
 Each subcommand lives in its module as `cli_main(argv) -> int` and is imported only when called,
-so `colo-kit plan` does not pay for importing vLLM.
+so `colo-kit plan` does not pay for importing vLLM. Bad input is one line and exit code 2: commands
+parse with `ArgumentParser` below and raise `UsageError`, before anything runs or is written.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
+import os
 import sys
+from pathlib import Path
 
 # name -> (module:function, one-line help)
 COMMANDS = {
@@ -20,8 +25,56 @@ COMMANDS = {
     "eval-math500": ("colo_kit.math500:cli_main", "evaluate a model on MATH-500 (or the offline set)"),
     "plan": ("colo_kit.planner:cli_main", "estimate per-GPU memory and recommend settings"),
     "bench": ("colo_kit.bench:cli_main", "server-vs-colocate throughput sweep"),
-    "proxy": ("colo_kit.proxy:cli_main", "prefix-affinity proxy in front of vLLM replicas"),
+    "proxy": ("colo_kit.proxy_cli:cli_main", "prefix-affinity proxy in front of vLLM replicas"),
 }
+
+
+class UsageError(ValueError):
+    """Bad input to a command: `main` prints it as one line naming the value and the fix, exit code 2,
+    before anything runs or is written."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (a UsageError) instead of usage text and SystemExit."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _typed(check, what: str):
+    def parse(text: str):
+        try:
+            value = check(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+positive_int = _typed(lambda t: int(t) if int(t) >= 1 else None, "a whole number of at least 1")
+nonneg_int = _typed(lambda t: int(t) if int(t) >= 0 else None, "a whole number of at least 0")
+positive_float = _typed(lambda t: float(t) if math.isfinite(float(t)) and float(t) > 0 else None,
+                        "a finite number above 0")
+fraction = _typed(lambda t: float(t) if 0 < float(t) <= 1 else None, "a fraction in (0, 1], e.g. 0.3")
+
+
+def writable_file(path: str | Path, flag: str) -> Path:
+    """`path` as a Path once it is sure a file can be written there (its folder is made if need be):
+    checked before a run, so a run's results are never lost to an unwritable output."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create {path.parent} ({exc.strerror}); choose a writable path") from None
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable; choose a writable path")
+    return path
 
 
 def _usage() -> str:
@@ -48,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError) as exc:
         print(f"colo-kit: {name!r} is not available in this checkout ({exc})", file=sys.stderr)
         return 2
-    return int(fn(rest) or 0)
+    try:
+        return int(fn(rest) or 0)
+    except UsageError as exc:
+        print(f"colo-kit {name}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -188,5 +188,8 @@ def describe() -> dict:
 def cli_main(argv: list[str]) -> int:
     import json
 
+    from colo_kit.cli import ArgumentParser
+
+    ArgumentParser(prog="colo-kit env", description="The tier, hardware and versions as JSON.").parse_args(argv)
     print(json.dumps(describe(), indent=1))
     return 0

@@ -149,16 +149,25 @@ class ReplicaLaunch:
     url: str = ""
 
     def shell(self) -> str:
+        """The command line as a shell would run it; the API key shows as `***`."""
         import shlex
 
-        return " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()) + " " + shlex.join(self.argv)
+        return " ".join(f"{k}={shlex.quote(_shown(k, v))}" for k, v in self.env.items()) + " " + shlex.join(self.argv)
+
+    def __repr__(self) -> str:
+        env = {k: _shown(k, v) for k, v in self.env.items()}
+        return f"ReplicaLaunch(argv={self.argv!r}, env={env!r}, url={self.url!r})"
+
+
+def _shown(name: str, value: str) -> str:
+    return "***" if "KEY" in name or "TOKEN" in name else value
 
 
 def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_staleness: int = 4, lora_rank: int = 1,
                    max_loras: int | None = None, api_key_env: str | None = None, block_size: int | None = None,
                    max_model_len: int | None = None, gpu: int | None = None, dtype: str | None = None,
                    gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
-                   enforce_eager: bool | None = None, python: str | None = None,
+                   enforce_eager: bool | None = None, max_logprobs: int = 100, python: str | None = None,
                    extra_args: list[str] | None = None) -> ReplicaLaunch:
     """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters.
 
@@ -178,7 +187,9 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
         env["VLLM_API_KEY"] = key
     argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", host, "--port", str(port), "--enable-lora", "--max-loras", str(max_loras),
-            "--max-lora-rank", str(max_lora_rank_for(lora_rank)), "--enable-prefix-caching"]
+            "--max-lora-rank", str(max_lora_rank_for(lora_rank)), "--enable-prefix-caching",
+            # TRL's VLLMClient.get_sequence_logprobs asks for top_logprobs=100; vLLM's default allows 20
+            "--max-logprobs", str(max_logprobs)]
     if block_size:
         argv += ["--block-size", str(block_size)]
     if max_model_len:

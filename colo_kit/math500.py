@@ -66,11 +66,16 @@ MAX_NESTING = 8               # parsing time grows exponentially with nesting (\
 MAX_FUNCTION_NESTING = 3      # simplify() of sin(sin(sin(sin(...)))) grows exponentially too
 MAX_DIGITS = 10_000           # 2^{2005} has 604 digits; 10^{10^{10}} would need 10^10
 MAX_NODES = 2_000             # sympy tree size above which simplify() may not finish
-DEFAULT_DEADLINE_S = 4.0      # per call, start-up wait included; the issue's bound is 5 s per input
+DEFAULT_DEADLINE_S = 4.0      # per comparison, once a worker is ready; the bound is 5 s per input
 
 
 class UnparseableGold(ValueError):
     """The gold answer itself cannot be read, so no completion can be judged against it."""
+
+
+class CheckerTimeout(TimeoutError):
+    """The comparison did not finish within the deadline: the checker knows nothing about the answer.
+    A reward function returns None for it (TRL ignores the entry), never 0.0."""
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Verdict:
     answer: str | None  # what was taken as the completion's final answer (None: nothing found)
     reason: str         # "equal-string", "math-verify", "no-answer", "refused: ...", "timeout", ...
     gold_ok: bool = True
+    timed_out: bool = False  # no verdict at all: `correct` is meaningless
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +505,10 @@ class Checker:
     `max_workers`), so one thread's slow input never makes another thread wait. Fork-safe: a child
     process that inherits a Checker starts its own workers. A call that overruns `deadline_s`
     (start-up wait included: call `warm_up()` first on a busy machine) is counted wrong; a worker
-    stuck in a comparison is killed and a fresh one starts in the background."""
+    stuck in a comparison is killed and a fresh one starts in the background. The deadline starts
+    once a worker is ready (a cold worker may take `start_timeout_s` to import on a busy machine:
+    that wait is not the input's fault), and a call that overruns it comes back `timed_out`, counted
+    in `timeouts`, never as a wrong answer."""
 
     def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
                  start_timeout_s: float = 120.0):
@@ -512,6 +521,7 @@ class Checker:
         self._idle: list[_Worker] = []
         self._busy = 0
         self.restarts = 0
+        self.timeouts = 0
 
     def _take(self) -> _Worker:
         with self._cond:
@@ -540,19 +550,24 @@ class Checker:
         if not isinstance(completion, str) or not isinstance(gold, str):
             raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
                             f"and {type(gold).__name__}")
-        end = time.monotonic() + self.deadline_s
         completion = completion[-MAX_COMPLETION_CHARS:]  # what `check` reads anyway; keeps the pipe short
         worker = self._take()
         try:
             if not worker.ready:
-                if worker.readline(max(0.0, end - time.monotonic())) is None:
-                    if worker.proc.poll() is not None:  # it died rather than being slow
-                        worker = None
+                # A cold worker imports sympy and math-verify first (seconds, more on a loaded machine);
+                # that wait is not the input's, so the deadline starts after it.
+                if worker.readline(self.start_timeout_s) is None:
+                    dead = worker.proc.poll() is not None
+                    worker.kill()
+                    worker = None
+                    if dead:
                         raise RuntimeError(f"the checker worker exited at start-up; run `{sys.executable} -c "
                                            "'import math_verify'` to see why")
-                    # Still importing (a loaded machine): keep it for the next call, count this one wrong.
-                    return Verdict(False, None, f"timeout: checker worker still starting after {self.deadline_s} s")
+                    self.timeouts += 1
+                    return Verdict(False, None, f"timeout: checker worker not started after {self.start_timeout_s} s",
+                                   timed_out=True)
                 worker.ready = True
+            end = time.monotonic() + self.deadline_s
             try:
                 worker.proc.stdin.write((json.dumps({"completion": completion, "gold": gold}) + "\n").encode())
                 worker.proc.stdin.flush()
@@ -563,9 +578,10 @@ class Checker:
                 worker.kill()
                 worker = None
                 self.restarts += 1
+                self.timeouts += 1
                 # A replacement starts in the background; the caller returns now.
                 threading.Thread(target=self._replace, daemon=True).start()
-                return Verdict(False, None, f"timeout after {self.deadline_s} s")
+                return Verdict(False, None, f"timeout after {self.deadline_s} s", timed_out=True)
             return Verdict(**json.loads(line))
         finally:
             self._give(worker)
@@ -619,9 +635,12 @@ def default_checker() -> Checker:
 
 def is_correct(completion: str, gold: str) -> bool:
     """True if the completion's final answer equals the gold answer (see the module docstring).
-    Safe in threads and processes; no call takes longer than the deadline (4 s), whatever the
-    input. Raises `UnparseableGold` if the gold answer cannot be read."""
+    Safe in threads and processes; no comparison takes longer than the deadline (4 s), whatever the
+    input. Raises `UnparseableGold` if the gold answer cannot be read, and `CheckerTimeout` if the
+    comparison ran out of time (it says nothing about the answer)."""
     verdict = default_checker().check(completion, gold)
+    if verdict.timed_out:
+        raise CheckerTimeout(f"the comparison took longer than {default_checker().deadline_s} s ({verdict.reason})")
     if not verdict.gold_ok:
         raise UnparseableGold(f"gold answer {gold!r} cannot be parsed (empty, over {MAX_ANSWER_CHARS} "
                               "characters, or not LaTeX math-verify reads); fix the dataset's `answer` column")
@@ -660,11 +679,13 @@ def score(problems, completions: list[str], checker: Checker | None = None) -> d
     for row, text in zip(rows, completions):
         v = checker.check(text, str(row["answer"]))
         samples.append({"unique_id": row.get("unique_id"), "subject": row.get("subject"), "level": row.get("level"),
-                        "gold": row["answer"], "answer": v.answer, "correct": v.correct if v.gold_ok else None,
-                        "reason": v.reason, "completion": text})
+                        "gold": row["answer"], "answer": v.answer,
+                        "correct": v.correct if v.gold_ok and not v.timed_out else None,
+                        "timed_out": v.timed_out, "reason": v.reason, "completion": text})
     scored = [s for s in samples if s["correct"] is not None]
     report = _summary([s["correct"] for s in scored])
-    report["unparseable_gold"] = len(samples) - len(scored)
+    report["checker_timeouts"] = sum(s["timed_out"] for s in samples)  # not scored: no verdict
+    report["unparseable_gold"] = len(samples) - len(scored) - report["checker_timeouts"]
     for key in ("subject", "level"):
         groups: dict = {}
         for s in scored:
@@ -735,6 +756,8 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
     rows = [dict(r) for r in problems]
     if limit is not None:
         rows = rows[:limit]
+    if not rows:
+        raise ValueError(f"no problems to evaluate in {dataset_name}")
 
     owned = None
     model_name = str(getattr(model, "model_path", None) or _engine_model_name(model) or model)
@@ -824,24 +847,33 @@ def _shutdown(llm) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    import argparse
-
+    from colo_kit.cli import ArgumentParser, UsageError, positive_int, writable_file
+    from colo_kit.models import resolve_model
     from colo_kit.paths import runs_dir
 
-    ap = argparse.ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
-                                 "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
+    ap = ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
+                        "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
     ap.add_argument("--model", default="tiny", help="preset (tiny, qwen2.5-1.5b...), hub id or folder")
-    ap.add_argument("--limit", type=int, default=None, help="first N problems only")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
     ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
-    ap.add_argument("--max-tokens", type=int, default=1024)
-    ap.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
+    ap.add_argument("--data", default=None, help="a JSONL file of your own problems (problem, answer) instead")
+    ap.add_argument("--max-tokens", type=positive_int, default=1024)
+    ap.add_argument("--tp", type=positive_int, default=1, help="vLLM tensor_parallel_size (GPUs)")
     ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        ap.error(f"--limit {args.limit}: give a number of problems >= 1, or leave it out for all")
+    out = writable_file(args.out, "--out")
+    try:
+        resolve_model(args.model, build=False)
+        problems = None
+        if args.data:
+            from colo_kit.data import load_problems
+
+            problems = load_problems(args.data)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     llm_kwargs = {"tensor_parallel_size": args.tp} if args.tp > 1 else None
-    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=args.out,
-                 llm_kwargs=llm_kwargs)
+    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=out,
+                 llm_kwargs=llm_kwargs, problems=problems)
     lo, hi = r["ci95"]
     print(f"{r['model']}: {r['correct']}/{r['n']} = {r['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {r['dataset']}")
     for subject, s in r["by_subject"].items():

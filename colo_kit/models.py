@@ -231,7 +231,7 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         raise ValueError(f"preset {preset.name!r} is a config only (about {preset.num_params() / 1e9:.0f}B "
                          "parameters, too big to build here); use it with colo_kit.planner, or pass its "
                          f"hub id {preset.hub_id!r} on a machine that can download it")
-    out = model_dir(preset.name)
+    out = model_dir(preset.name if seed == 0 else f"{preset.name}-seed{seed}")  # one folder per seed
     marker = out / "colo_kit.json"
     if marker.exists() and not force:
         return out
@@ -263,17 +263,26 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     return out
 
 
-def resolve_model(name_or_path: str = "tiny", **kwargs) -> str:
+def resolve_model(name_or_path: str = "tiny", *, build: bool = True, **kwargs) -> str:
     """Where the code that loads a model should look.
 
     - an existing local folder: returned as is;
-    - a preset name (`tiny`, `qwen2.5-1.5b`, ...): built offline and cached, its folder returned;
+    - a preset name (`tiny`, `qwen2.5-1.5b`, ...): built offline and cached, its folder returned
+      (`build=False`: only checked, for a command that validates its input before it runs);
     - a hub id (`Qwen/Qwen2.5-1.5B-Instruct`): returned unchanged, for transformers/vLLM to
       download — the real loading path for users who are online.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise ValueError(f"model={name_or_path!r}: give a preset ({sorted(PRESETS)}), a folder or a hub id")
+    name_or_path = str(name_or_path)
     if os.path.isdir(name_or_path):
         return str(name_or_path)
     if name_or_path.lower() in PRESETS:
+        if not build:
+            preset = get_preset(name_or_path)
+            if not preset.buildable:
+                build_model(name_or_path)  # raises the config-only error
+            return str(model_dir(preset.name))
         return str(build_model(name_or_path, **kwargs))
     if "/" in name_or_path:
         return name_or_path
@@ -289,12 +298,20 @@ def default_preset() -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    import argparse
+    from colo_kit.cli import ArgumentParser, UsageError, nonneg_int
+    from colo_kit.paths import cache_dir
 
-    ap = argparse.ArgumentParser(prog="colo-kit build-model", description=build_model.__doc__)
+    ap = ArgumentParser(prog="colo-kit build-model", description=build_model.__doc__)
     ap.add_argument("preset", nargs="?", default="tiny", choices=sorted(n for n, p in PRESETS.items() if p.buildable))
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="random weights from this seed (one cached folder per seed)")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = ap.parse_args(argv)
+    try:
+        cache = cache_dir()
+    except OSError as exc:
+        raise UsageError(f"cannot create the model cache ({exc.strerror}: {exc.filename}); set COLO_KIT_CACHE to a "
+                         "writable folder") from None
+    if not os.access(cache, os.W_OK):
+        raise UsageError(f"the model cache {cache} is not writable; set COLO_KIT_CACHE to a writable folder")
     print(build_model(args.preset, seed=args.seed, force=args.force))
     return 0

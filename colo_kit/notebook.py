@@ -240,9 +240,9 @@ def _find_nbconvert_templates() -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    import argparse
+    from colo_kit.cli import ArgumentParser, UsageError
 
-    ap = argparse.ArgumentParser(prog="colo-kit run-notebooks")
+    ap = ArgumentParser(prog="colo-kit run-notebooks")
     ap.add_argument("notebooks", nargs="*", help="paths (default: every notebooks/NN_*.ipynb)")
     ap.add_argument("--build", action="store_true", help="regenerate the .ipynb files from notebooks/src/ first")
     ap.add_argument("--build-only", action="store_true")
@@ -255,6 +255,15 @@ def cli_main(argv: list[str]) -> int:
             return 0
     paths = [Path(p) for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     for p in paths:
+        if not p.is_file():
+            raise UsageError(f"{p}: no such notebook; give .ipynb files, e.g. notebooks/00_quickstart.ipynb")
+        try:
+            import nbformat
+
+            nbformat.read(p, as_version=4)
+        except Exception as exc:  # nbformat raises several kinds for a file that is not a notebook
+            raise UsageError(f"{p}: not a Jupyter notebook ({type(exc).__name__}); give an .ipynb file") from None
+    for p in paths:
         r = execute(p, Path(args.out) if args.out else None)
         print(f"executed {r['notebook']} in {r['seconds']} s -> {r['executed']}" + (f" and {r['html']}" if "html" in r else ""))
     return 0
@@ -262,9 +271,9 @@ def cli_main(argv: list[str]) -> int:
 
 def cli_demo(argv: list[str]) -> int:
     """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
-    import argparse
+    from colo_kit.cli import ArgumentParser
 
-    ap = argparse.ArgumentParser(prog="colo-kit demo", description=cli_demo.__doc__)
+    ap = ArgumentParser(prog="colo-kit demo", description=cli_demo.__doc__)
     ap.add_argument("--out", default=str(runs_dir() / "demo"))
     args = ap.parse_args(argv)
     r = execute(NOTEBOOKS / "00_quickstart.ipynb", Path(args.out))

@@ -83,15 +83,30 @@ def model_shape(model) -> Preset:
         if not path.is_file():
             raise ValueError(f"model {text!r} is neither a preset ({sorted(PRESETS)}) nor an HF config.json "
                              "(file or folder); pass one of those")
-        cfg, name = json.loads(path.read_text()), path.parent.name
+        try:
+            cfg, name = json.loads(path.read_text()), path.parent.name
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model {text!r}: {path} is not a readable JSON config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config of {name!r} is a JSON {type(cfg).__name__}, not an object: pass a model's config.json")
     cfg = cfg.get("text_config", cfg)
     need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"config of {name!r} lacks {missing}: the planner needs a dense decoder's config.json")
+    for key in need + ["num_key_value_heads"]:
+        value = cfg.get(key, 1)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"config of {name!r}: {key}={value!r} is not a positive whole number")
     return Preset(str(name), None, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                   cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
                   cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)), buildable=False)
+
+
+def _finite_positive(value) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 # =================================================================================================
@@ -127,15 +142,19 @@ class Plan:
             bad("mode", self.mode, "use 'colocate' or 'server'")
         if not isinstance(self.gpus, int) or self.gpus < 1:
             bad("gpus", self.gpus, "use a whole number >= 1")
-        if not self.gpu_mem_gib > 0:
+        if not _finite_positive(self.gpu_mem_gib):
             bad("gpu_mem_gib", self.gpu_mem_gib, f"use the GPU's memory in GiB (H200: {H200_GIB})")
+        if self.host_mem_gib is not None and not _finite_positive(self.host_mem_gib):
+            bad("host_mem_gib", self.host_mem_gib, "use the CPU memory per node in GiB (the 8xH200 machine: 560)")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            bad("gpus_per_node", self.gpus_per_node, "use a whole number >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             bad("zero_stage", self.zero_stage, "use 0 (DDP), 1, 2 or 3")
         if self.offload_optimizer and self.zero_stage == 0:
             bad("offload_optimizer", True, "optimizer offload is a DeepSpeed ZeRO feature: set zero_stage >= 1")
         if self.offload_params and self.zero_stage != 3:
             bad("offload_params", True, "parameter offload needs zero_stage=3")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+        if not isinstance(self.vllm_gpu_memory_utilization, (int, float)) or not 0 < self.vllm_gpu_memory_utilization <= 1:
             bad("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "use a fraction in (0, 1], e.g. 0.3")
         tp = self.vllm_tensor_parallel_size
         if tp < 1 or (self.mode == "colocate" and self.gpus % tp):
@@ -590,9 +609,9 @@ def _format(report: dict) -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    import argparse
+    from colo_kit.cli import ArgumentParser, UsageError
 
-    ap = argparse.ArgumentParser(prog="colo-kit plan", description="Estimate per-GPU memory of a TRL GRPO step "
+    ap = ArgumentParser(prog="colo-kit plan", description="Estimate per-GPU memory of a TRL GRPO step "
                                  "(colocated vLLM or server mode) and recommend settings.")
     ap.add_argument("--model", default="qwen2.5-1.5b", help="preset name or path to an HF config.json / model folder")
     ap.add_argument("--gpus", type=int, default=1)
@@ -614,12 +633,17 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--host-mem-gib", type=float, default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--validate", action="store_true",
-                    help="compare with the measured peaks and write results/planner_validation.json")
+                    help="compare with the measured peaks and write the table to --out")
+    ap.add_argument("--out", default=None, help="--validate's JSON (default results/runs/planner_validation.json; "
+                    "the committed results/planner_validation.json changes only when named here)")
     ap.add_argument("--write-configs", action="store_true",
                     help="also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP yaml")
     args = ap.parse_args(argv)
     if args.validate:
-        path = write_validation()
+        from colo_kit.cli import writable_file
+        from colo_kit.paths import runs_dir
+
+        path = write_validation(writable_file(args.out or runs_dir() / "planner_validation.json", "--out"))
         table = json.loads(path.read_text())
         for r in table["rows"]:
             print(f"{r['row']:<44} measured {r['measured_gib']:6.1f}  predicted {r['predicted_gib']:6.1f} GiB  "
@@ -637,7 +661,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         report = plan_report(plan)
     except ValueError as exc:
-        ap.exit(2, f"colo-kit plan: error: {exc}\n")
+        raise UsageError(str(exc)) from None
     if args.write_configs:
         from colo_kit.recipes import write_configs
 

@@ -1,81 +1,56 @@
 """The routing proxy of the second post: several vLLM replicas that TRL sees as one server.
 
 TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`). In the post, two vLLM jobs
-serve the base model plus the latest LoRA adapters, and a proxy beside the trainer at
-127.0.0.1:8000 makes them look like one server. This module is that proxy, on aiohttp:
+serve the base model plus the latest LoRA adapters, and a proxy beside the trainer makes them look
+like one server. This module serves that proxy on aiohttp; what it decides is `colo_kit.routing`.
 
-- **Auth.** Every upstream request carries `Authorization: Bearer <token>`, read once from the
-  environment variable named by `--token-env` (the replicas' ports need it). The token is never
-  logged, printed or echoed in an error.
-- **Prefix affinity.** A completion / chat-completion request goes to the replica that most
-  likely already holds its prompt's KV prefix. vLLM caches prefix KV in blocks of `block_size`
-  tokens and keys each block by the chain of blocks before it *and the LoRA adapter name*. So the
-  routing key is a hash over the prompt's leading full blocks, salted with the requested `model`
-  (the adapter name, `trl-policy-v{N}`). The G requests of one GRPO group share a prompt, hence a
-  key, hence a replica: the first one prefills and the other G-1 hit the cache. Round-robin over
-  two replicas makes about half of them prefill again.
-- **Which tokens.** TRL's rollout worker sends `"prompt": [token ids]` (it tokenises with the
-  trainer's tokenizer), so for the requests that matter the proxy hashes exactly the ids vLLM
-  blocks. A text prompt is tokenised with the replica's own tokenizer when `--tokenizer` names
-  the model folder (the Rust `tokenizers` library, tens of microseconds); without it, and for
-  chat `messages` (rendering the chat template per request would cost a Jinja render), the
-  proxy uses a stable stand-in: the UTF-8 bytes in blocks of `4 * block_size` (about 4 bytes per
-  token). The stand-in keeps the two properties routing needs: the same prompt gives the same
-  key, and prompts that share their leading text share their leading blocks.
-- **Bounded load.** Replicas are ranked per key by rendezvous hashing (stable across proxy
-  restarts, and only the dead replica's keys move when one dies). The top-ranked replica is used
-  unless its in-flight count would exceed `ceil(imbalance * mean) + slack`; then the next one, and
-  past every bound the least-loaded one ("consistent hashing with bounded loads", Mirrokni et al.
-  2018). The bound places a *new* prefix; a request whose prefix is already in flight on a
-  replica follows it, up to `slack` requests (default 8 = one GRPO group), so a group is not
-  split by a momentary imbalance its own burst created, and one hot prefix still spreads.
-- **Broadcast.** State-changing requests (adapter load/unload, pause, resume, the weight-transfer
-  endpoints, cache resets, sleep/wake) go to every configured replica; the answer is a success
-  only if all succeeded, else 502 with the list of replicas that failed. Successful adapter loads
-  are remembered and replayed on a replica that comes back, so a policy name means the same thing
-  everywhere (the reason the post broadcasts at all).
-- **Streaming.** `"stream": true` responses are relayed chunk by chunk as they arrive (SSE is not
-  buffered). Non-streaming responses are read whole first, so a replica that dies mid-request is
-  retried on another one and the caller never sees the failure.
-- **Health.** Replicas are polled on `/health`; a failed request or poll takes a replica out of
-  rotation, its requests are re-routed, and it is taken back when `/health` answers again (after
-  its adapters are replayed). The proxy serves its own `/health` and `/metrics` (Prometheus text,
-  or JSON with `?format=json`): per-replica requests, in-flight, health, affinity hits,
-  fallbacks, retries, load imbalance and the proxy-added latency.
+- **Who may use it.** On loopback, any local process, as TRL's client sends no credentials. With
+  `client_token_env` every request must carry `Authorization: Bearer <that token>` (401 otherwise);
+  binding anything but loopback without it is refused at start. The client's header never travels
+  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none.
+- **What it forwards.** The routes of `routing.ROUTES` only (404 otherwise, without touching a
+  replica); paths are normalised first. Adapter loads need `adapter_root` and a path inside it.
+  Bodies over `max_body_mb` get 413 before they are read whole; prompts are parsed and hashed off
+  the event loop, so one huge prompt does not stall `/health` for everyone.
+- **Where it sends.** A completion goes to the replica that holds the longest known prefix of its
+  prompt (`routing.PrefixIndex`), within a bound on load; a broadcast goes to every healthy replica.
+- **Faults, bounded.** Broadcasts and health checks wait at most `upstream_timeout_s`. A replica that
+  misses one is taken out of rotation and reported in the answer; its in-flight requests fail over
+  at once; when `/health` answers again it is caught up (adapters, pause state) and taken back. A
+  replay that fails is logged and skipped: a replica is never locked out by one bad adapter.
+  A client that hangs up ends its upstream request and nothing more. Uniform answers of a
+  broadcast (every replica said 400, say) pass through as they are; 502 is for mixed results.
+- **What it tells.** `/health` (no secrets), `/metrics` (Prometheus text through
+  `prometheus_client`, or JSON with `?format=json`): per-replica requests, in-flight, health,
+  affinity hits, fallbacks, retries, load imbalance and the proxy's own handler time.
 
-`colo-kit proxy --replica URL [--replica URL ...] --port 8000 --token-env NAME --block-size 16`.
+`colo-kit proxy` (colo_kit.proxy_cli) starts it from a shell.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import ipaddress
 import json
 import logging
 import math
 import os
-import struct
 import threading
 import time
 from collections import deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from colo_kit.routing import (ADAPTER_NAME, ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, check_adapter_load,
+                              choose_replica, load_bound, normalise_path, route_kind)
+
 log = logging.getLogger("colo_kit.proxy")
 
-# Endpoints whose POST changes a replica's state. vLLM 0.31's server exposes them (grep
-# `@router.post` under vllm/entrypoints/serve/); TRL 1.16's AsyncGRPO client calls the first
-# eight (trl/experimental/async_grpo/vllm_client.py).
-BROADCAST_PATHS = frozenset({
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/pause", "/resume",
-    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-    "/update_weight_version", "/start_draft_weight_update",
-    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
-    "/sleep", "/wake_up", "/abort_requests",
-})
-ROUTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the ones aiohttp recomputes.
+INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (well under a millisecond)
+
+# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the ones aiohttp recomputes
+# and the client's credentials (replaced by the replicas' own upstream).
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
 
@@ -89,20 +64,25 @@ class ProxyConfig:
     replicas: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
-    token_env: str | None = None
-    block_size: int = 16
+    token_env: str | None = None  # the replicas' API key, sent upstream
+    client_token_env: str | None = None  # the key clients must send to the proxy
+    adapter_root: str | None = None  # the only directory adapter loads may point into
+    block_size: int | None = None  # None: ask the replicas (/server_info), else 16
     max_prefix_blocks: int = 64
+    prefix_index_size: int = 65536
     policy: str = "affinity"  # or "round_robin", the baseline the post compares against
     imbalance: float = 1.2
     slack: int = 8
     tokenizer: str | None = None
+    max_body_mb: float = 16.0
+    upstream_timeout_s: float = 30.0  # broadcasts and health checks
+    request_timeout_s: float = 600.0  # one generation (thousands of tokens take minutes)
     health_interval_s: float = 1.0
-    health_timeout_s: float = 5.0
     health_failures_to_drop: int = 2  # consecutive failed polls; a refused connection drops at once
-    request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
     token: str | None = field(default=None, repr=False)
+    client_token: str | None = field(default=None, repr=False)
 
     def validate(self) -> "ProxyConfig":
         """Check everything that can be checked before serving; raise ValueError naming the fix."""
@@ -110,7 +90,7 @@ class ProxyConfig:
             raise ValueError("no replicas: pass at least one --replica http://HOST:PORT (a vLLM OpenAI server)")
         clean = []
         for url in self.replicas:
-            parts = urlsplit(url)
+            parts = urlsplit(str(url))
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"bad replica URL {url!r}: expected http://HOST:PORT, e.g. http://10.0.0.5:8000")
             try:
@@ -124,112 +104,56 @@ class ProxyConfig:
         if len(set(clean)) != len(clean):
             raise ValueError(f"replica listed twice in {clean}: each --replica must be a different server")
         self.replicas = clean
-        if self.token_env:
-            token = os.environ.get(self.token_env, "")
-            if not token:
-                raise ValueError(f"--token-env {self.token_env}: the environment variable {self.token_env} is "
-                                 "missing or empty; export it (the replicas' --api-key) before starting the proxy")
-            self.token = token
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size}: use the replicas' KV block size (vLLM's --block-size, "
-                             "16 on GPU)")
-        if self.policy not in ("affinity", "round_robin"):
-            raise ValueError(f"policy={self.policy!r}: choose 'affinity' or 'round_robin'")
+        self.token = self._secret(self.token_env, "--token-env", "the replicas' --api-key")
+        self.client_token = self._secret(self.client_token_env, "--client-token-env", "the key clients must send")
+        if not self.client_token and not _is_loopback(self.host):
+            raise ValueError(f"--host {self.host}: listening beyond this machine lets anyone who reaches the port "
+                             "drive the replicas; give --client-token-env NAME (clients then send that token), "
+                             "or keep --host 127.0.0.1")
+        for name in ("imbalance", "max_body_mb", "upstream_timeout_s", "request_timeout_s", "health_interval_s",
+                     "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r}: give a finite number above 0")
         if self.imbalance < 1.0:
             raise ValueError(f"imbalance={self.imbalance}: the bound is max/mean in-flight load, >= 1.0 (e.g. 1.2)")
-        if not 0 < self.port < 65536 and self.port != 0:
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"block_size={self.block_size}: use the replicas' KV block size (vLLM's --block-size: "
+                             "16 on a GPU, 32 on vLLM-CPU), or leave it out to ask the replicas")
+        if self.policy not in ("affinity", "round_robin"):
+            raise ValueError(f"policy={self.policy!r}: choose 'affinity' or 'round_robin'")
+        if not (0 <= self.port < 65536):
             raise ValueError(f"port={self.port}: choose 1-65535 (0 picks a free one)")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts={self.max_attempts}: at least 1")
+        for name in ("max_attempts", "slack", "max_prefix_blocks", "prefix_index_size", "health_failures_to_drop"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "slack" else 1):
+                raise ValueError(f"{name}={value!r}: give a whole number of at least {0 if name == 'slack' else 1}")
         if self.tokenizer and not os.path.exists(os.path.join(self.tokenizer, "tokenizer.json")):
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there; pass the replicas' model "
                              "folder, or leave it out to route text prompts by a byte stand-in")
+        if self.adapter_root is not None and not os.path.isdir(self.adapter_root):
+            raise ValueError(f"--adapter-root {self.adapter_root}: not a directory; give the shared directory the "
+                             "trainer publishes adapters under")
         return self
 
-
-# ---------------------------------------------------------------------------------------------
-# Routing: the prefix key and the bounded-load choice (pure, unit-testable)
-# ---------------------------------------------------------------------------------------------
-
-def _blocks_digest(chunks, salt: bytes) -> bytes:
-    h = hashlib.blake2b(salt, digest_size=8)
-    for chunk in chunks:
-        h.update(chunk)
-    return h.digest()
-
-
-class PrefixKeyer:
-    """Turn a request body into the routing key: a hash of the prompt's leading full blocks."""
-
-    def __init__(self, block_size: int = 16, max_prefix_blocks: int = 64, tokenizer: str | None = None):
-        self.block_size = block_size
-        self.max_prefix_blocks = max_prefix_blocks
-        self._tok = None
-        if tokenizer:
-            from tokenizers import Tokenizer
-
-            self._tok = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
-
-    def _ids_key(self, ids: list[int], salt: bytes) -> bytes:
-        # Only full blocks are cached by vLLM; a prompt shorter than one block still keeps its
-        # group together (one key), it just has nothing to reuse.
-        n_full = min(len(ids) // self.block_size, self.max_prefix_blocks)
-        used = ids[: n_full * self.block_size] if n_full else ids
-        return _blocks_digest([struct.pack(f"<{len(used)}i", *used)], salt)
-
-    def _text_key(self, text: str, salt: bytes) -> bytes:
-        if self._tok is not None:
-            return self._ids_key(self._tok.encode(text, add_special_tokens=False).ids, salt)
-        data = text.encode("utf-8", "surrogatepass")
-        width = 4 * self.block_size
-        n_full = min(len(data) // width, self.max_prefix_blocks)
-        return _blocks_digest([data[: n_full * width] if n_full else data], salt)
-
-    def key(self, body: dict) -> bytes | None:
-        salt = str(body.get("model", "")).encode()
-        prompt = body.get("prompt")
-        if prompt is None and "messages" in body:
-            parts = []
-            for m in body.get("messages") or []:
-                content = m.get("content") if isinstance(m, dict) else m
-                if not isinstance(content, str):
-                    content = json.dumps(content, sort_keys=True)
-                parts.append(f"<{m.get('role', '') if isinstance(m, dict) else ''}>{content}")
-            prompt = "".join(parts)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]  # a batch of prompts: route by the first
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return self._ids_key(prompt, salt)
-        if isinstance(prompt, str):
-            return self._text_key(prompt, salt)
-        return None
+    @staticmethod
+    def _secret(env: str | None, flag: str, what: str) -> str | None:
+        if not env:
+            return None
+        value = os.environ.get(env, "")
+        if not value:
+            raise ValueError(f"{flag} {env}: the environment variable {env} is missing or empty; export it "
+                             f"({what}) before starting the proxy")
+        return value
 
 
-def rendezvous_order(key: bytes, replicas: list[str]) -> list[str]:
-    """Replicas ranked for `key` by highest random weight: stable, and removing one replica only
-    moves the keys that ranked it first."""
-    return sorted(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest(), reverse=True)
-
-
-def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, int], *,
-                   imbalance: float = 1.2, slack: int = 8) -> tuple[str, bool]:
-    """Pick the replica for one request; returns (replica, affinity_hit).
-
-    The preferred (top-ranked) replica takes the request unless that would push its in-flight
-    count past `imbalance * mean + slack`; then the next ranked one within the bound; past every
-    bound, the least-loaded one.
-    """
-    if not healthy:
-        raise LookupError("no healthy replica")
-    if key is None:
-        return min(healthy, key=lambda r: inflight.get(r, 0)), False
-    total = sum(inflight.get(r, 0) for r in healthy) + 1
-    bound = math.ceil(imbalance * total / len(healthy)) + slack
-    order = rendezvous_order(key, healthy)
-    for rank, replica in enumerate(order):
-        if inflight.get(replica, 0) + 1 <= bound:
-            return replica, rank == 0
-    return min(healthy, key=lambda r: inflight.get(r, 0)), False
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +164,8 @@ class _Replica:
     def __init__(self, url: str):
         self.url = url
         self.healthy = True  # optimistic until the first poll says otherwise
+        self.dead = asyncio.Event()  # set while out of rotation
+        self.waiting: set[asyncio.Task] = set()  # upstream calls in flight: cancelled when it is taken out
         self.inflight = 0
         self.requests = 0
         self.failures = 0
@@ -248,20 +174,27 @@ class _Replica:
         self.failed_polls = 0
 
 
+class _Retryable(Exception):
+    """The request never produced an answer on this replica: try another one."""
+
+
 class RoutingProxy:
     """The proxy as an object: `await start()`, `await stop()`; or `start_in_thread()` from sync
     code (notebooks, tests), which returns once it is serving."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config.validate()
-        self.keyer = PrefixKeyer(config.block_size, config.max_prefix_blocks, config.tokenizer)
-        self.replicas = {u: _Replica(u) for u in config.replicas}
+        self.keyer: PrefixKeyer | None = None  # made at start, once the block size is known
+        self.index = PrefixIndex(config.prefix_index_size)
+        self.replicas: dict[str, _Replica] = {}
         self._rr = 0
-        self._live: dict[bytes, list] = {}  # prefix key -> [replica url, requests in flight]
         self._adapters: dict[str, dict] = {}  # name -> load body, replayed on a recovered replica
+        self._loaded: dict[str, set[str]] = {}  # name -> replicas that hold it
+        self._partial: dict[str, tuple[dict, set[str]]] = {}  # name -> (load body, replicas that loaded it)
         self._paused = False
         self.counters = {"requests": 0, "routed": 0, "affinity_hits": 0, "fallbacks": 0, "retries": 0,
-                         "errors": 0, "broadcasts": 0, "broadcast_failures": 0, "recoveries": 0}
+                         "errors": 0, "refused": 0, "broadcasts": 0, "broadcast_failures": 0, "recoveries": 0,
+                         "replay_failures": 0, "client_hangups": 0}
         self._overhead_ms: deque[float] = deque(maxlen=8192)
         self._session = None
         self._runner = None
@@ -272,9 +205,7 @@ class RoutingProxy:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _upstream_headers(self, incoming=None) -> dict:
-        headers = {}
-        if incoming is not None:
-            headers = {k: v for k, v in incoming.items() if k.lower() not in HOP_HEADERS}
+        headers = {k: v for k, v in incoming.items() if k.lower() not in HOP_HEADERS} if incoming is not None else {}
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
         return headers
@@ -283,12 +214,14 @@ class RoutingProxy:
         import aiohttp
         from aiohttp import web
 
+        self.replicas = {u: _Replica(u) for u in self.config.replicas}
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_get("/health", self._own_health)
-        app.router.add_get("/metrics", self._own_metrics)
+        if self.config.block_size is None:
+            self.config.block_size = await self._ask_block_size()
+        self.keyer = PrefixKeyer(self.config.block_size, self.config.max_prefix_blocks, self.config.tokenizer)
+        app = web.Application(client_max_size=int(self.config.max_body_mb * 2**20))
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -302,9 +235,22 @@ class RoutingProxy:
         self.url = f"http://{self.config.host}:{port}"
         await self._poll_health()
         self._health_task = asyncio.create_task(self._health_loop())
-        log.info("proxy on %s -> %s (policy=%s, block_size=%d, auth=%s)", self.url, list(self.replicas),
-                 self.config.policy, self.config.block_size, "on" if self.config.token else "off")
+        log.info("proxy on %s -> %s (policy=%s, block_size=%d, replica auth=%s, client auth=%s)", self.url,
+                 list(self.replicas), self.config.policy, self.config.block_size,
+                 "on" if self.config.token else "off", "on" if self.config.client_token else "off")
         return self
+
+    async def _ask_block_size(self) -> int:
+        """The replicas' KV block size from `/server_info` (a dev-mode endpoint); 16 if none says."""
+        for url in self.config.replicas:
+            status, text = await self._send(url, "GET", "/server_info?config_format=json", b"",
+                                            self._upstream_headers(), self.config.upstream_timeout_s)
+            try:
+                return int(json.loads(text)["vllm_config"]["cache_config"]["block_size"])
+            except (TypeError, ValueError, KeyError):
+                continue
+        log.warning("no replica reported its block size: assuming 16 (vLLM's GPU default); pass --block-size")
+        return 16
 
     async def stop(self):
         if self._health_task:
@@ -349,9 +295,11 @@ class RoutingProxy:
     async def _probe(self, rep: _Replica) -> bool:
         import aiohttp
 
+        # no credentials: vLLM serves /health without them, and a process that took over a dead
+        # replica's port must not be handed the replicas' token
         try:
-            async with self._session.get(rep.url + "/health", headers=self._upstream_headers(),
-                                         timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
+            timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.upstream_timeout_s))
+            async with self._session.get(rep.url + "/health", timeout=timeout) as r:
                 await r.read()
                 if r.status == 200:
                     rep.failed_polls = 0
@@ -371,10 +319,11 @@ class RoutingProxy:
         results = await asyncio.gather(*(self._probe(r) for r in reps))
         for rep, ok in zip(reps, results):
             if ok and not rep.healthy:
-                if await self._resync(rep):
-                    rep.healthy = True
-                    self.counters["recoveries"] += 1
-                    log.warning("replica %s is back", rep.url)
+                await self._resync(rep)
+                rep.healthy = True
+                rep.dead.clear()
+                self.counters["recoveries"] += 1
+                log.warning("replica %s is back", rep.url)
             elif not ok and rep.healthy:
                 self._mark_dead(rep, rep.last_error or "health check failed")
 
@@ -386,29 +335,81 @@ class RoutingProxy:
             except Exception as exc:  # never let the health loop die
                 log.error("health poll failed: %s", exc)
 
-    async def _resync(self, rep: _Replica) -> bool:
-        """Replay the adapters (and pause state) a returning replica missed."""
+    async def _resync(self, rep: _Replica) -> None:
+        """Replay what a returning replica missed: the adapters, then the pause state. It may have
+        restarted with an empty cache, so the prefix index forgets it."""
+        self.index.forget(rep.url)
+        headers = {**self._upstream_headers(), "Content-Type": "application/json"}
         for name, body in list(self._adapters.items()):
-            status, text = await self._send_one(rep, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(),
-                                                {**self._upstream_headers(), "Content-Type": "application/json"})
-            if status != 200 and "already" not in text:
-                rep.last_error = f"adapter replay {name}: {status} {text[:200]}"
-                return False
+            if rep.url in self._loaded.get(name, set()):
+                continue
+            status, text = await self._send(rep.url, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(),
+                                            headers, self.config.upstream_timeout_s)
+            if status == 200 or (status == 400 and "already" in text):
+                self._loaded.setdefault(name, set()).add(rep.url)
+            else:  # logged and skipped: one bad adapter must not keep a replica out for good
+                self.counters["replay_failures"] += 1
+                log.warning("replaying adapter %s on %s failed (%s): skipped", name, rep.url, status)
         if self._paused:
-            await self._send_one(rep, "POST", "/pause?mode=keep", b"", self._upstream_headers())
-        return True
+            await self._send(rep.url, "POST", "/pause?mode=keep", b"", self._upstream_headers(),
+                             self.config.upstream_timeout_s)
 
     def _mark_dead(self, rep: _Replica, why: str):
-        if rep.healthy:
-            log.warning("replica %s out of rotation: %s", rep.url, why)
+        was_healthy = rep.healthy
         rep.healthy = False
+        rep.dead.set()
         rep.last_error = why
+        if was_healthy:
+            log.warning("replica %s out of rotation: %s", rep.url, why)
+            for task in list(rep.waiting):  # requests waiting on it fail over now, not at their timeout
+                task.colo_kit_dead = rep.url
+                task.cancel()
+        for names in self._loaded.values():  # it may come back without them
+            names.discard(rep.url)
 
-    # -- routing -----------------------------------------------------------------------------
-    def _pick(self, key: bytes | None, exclude: set[str]) -> tuple[_Replica, bool]:
-        live = self._live.get(key) if key is not None and self.config.policy == "affinity" else None
-        if live and live[1] < self.config.slack and live[0] not in exclude and self.replicas[live[0]].healthy:
-            return self.replicas[live[0]], True
+    # -- the front door ----------------------------------------------------------------------
+    async def _handle(self, request):
+        from aiohttp import web
+
+        t0 = time.perf_counter()
+        self.counters["requests"] += 1
+        if self.config.client_token and request.headers.get("Authorization") != f"Bearer {self.config.client_token}":
+            self.counters["refused"] += 1
+            return _error(401, "missing or wrong Authorization: Bearer token for this proxy", "unauthorized")
+        path = normalise_path(request.path)
+        kind = route_kind(request.method, path)
+        if kind is None:
+            self.counters["refused"] += 1
+            return _error(404, f"{request.method} {path} is not served by this proxy", "not_found")
+        length = request.content_length
+        if length is not None and length > self.config.max_body_mb * 2**20:
+            self.counters["refused"] += 1
+            return _error(413, f"body of {length} bytes is over the proxy's {self.config.max_body_mb:g} MB "
+                          "(--max-body-mb)", "too_large")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters["refused"] += 1
+            return _error(413, f"body over the proxy's {self.config.max_body_mb:g} MB (--max-body-mb)", "too_large")
+        if kind == OWN:
+            return await self._own(request, path)
+        if kind == BROADCAST:
+            return await self._broadcast(request, path, body)
+        if kind == ANY:
+            return await self._to_any(request, path, body)
+        return await self._route(request, path, body, t0)
+
+    # -- routed requests ---------------------------------------------------------------------
+    def _parse(self, body: bytes) -> tuple[list[bytes] | None, bool]:
+        """Prompt chain and stream flag; runs in a thread (a 16 MB prompt takes a while to hash)."""
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError):
+            return None, False  # the replica answers a malformed request with its own 400
+        stream = bool(payload.get("stream")) if isinstance(payload, dict) else False
+        return self.keyer.chain(payload), stream
+
+    def _pick(self, chain: list[bytes] | None, exclude: set[str]) -> tuple[_Replica, bool]:
         healthy = [u for u, r in self.replicas.items() if r.healthy and u not in exclude]
         if not healthy:  # everything looks dead: try the ones not yet tried rather than fail outright
             healthy = [u for u in self.replicas if u not in exclude]
@@ -417,112 +418,140 @@ class RoutingProxy:
         if self.config.policy == "round_robin":
             self._rr += 1
             return self.replicas[healthy[self._rr % len(healthy)]], False
-        url, hit = choose_replica(key, healthy, {u: self.replicas[u].inflight for u in healthy},
-                                  imbalance=self.config.imbalance, slack=self.config.slack)
-        return self.replicas[url], hit
+        inflight = {u: self.replicas[u].inflight for u in healthy}
+        if chain:
+            where, _ = self.index.longest(chain)
+            bound = load_bound(inflight, healthy, self.config.imbalance, self.config.slack)
+            if where in healthy and inflight[where] + 1 <= bound:
+                return self.replicas[where], True
+        url, _ = choose_replica(chain[0] if chain else None, healthy, inflight, imbalance=self.config.imbalance,
+                                slack=self.config.slack)
+        return self.replicas[url], False
 
-    async def _handle(self, request):
-        from aiohttp import web
-
-        t0 = time.perf_counter()
-        path = request.path
-        body = await request.read()
-        self.counters["requests"] += 1
-        if request.method == "POST" and path in BROADCAST_PATHS:
-            return await self._broadcast(request, path, body)
-        key, stream = None, False
-        if request.method == "POST" and path in ROUTED_PATHS:
-            try:
-                payload = json.loads(body)
-                key = self.keyer.key(payload)
-                stream = bool(payload.get("stream"))
-            except (ValueError, AttributeError):
-                pass  # let the replica answer the malformed request with its own 400
+    async def _route(self, request, path, body, t0):
+        if len(body) <= INLINE_PARSE_BYTES:  # TRL's requests: a thread hop would cost more than the parse
+            chain, stream = self._parse(body)
+        else:  # a long prompt is hashed (and maybe tokenised) off the event loop, which keeps serving others
+            chain, stream = await asyncio.get_running_loop().run_in_executor(None, self._parse, body)
         headers = self._upstream_headers(request.headers)
         tried: set[str] = set()
         last_error = "no replica"
         for attempt in range(self.config.max_attempts):
             try:
-                rep, hit = self._pick(key, tried)
+                rep, hit = self._pick(chain, tried)
             except LookupError:
                 break
             tried.add(rep.url)
             if attempt:
                 self.counters["retries"] += 1
+            if chain and self.config.policy == "affinity":
+                self.index.record(chain, rep.url)
             rep.inflight += 1
             rep.requests += 1
-            live = None
-            if key is not None:
-                live = self._live.get(key)
-                if live is None or live[0] != rep.url:
-                    live = self._live[key] = [rep.url, 0]
-                live[1] += 1
             try:
-                return await self._forward(request, rep, path, body, headers, stream, t0, hit, key)
+                return await self._forward(request, rep, path, body, headers, stream, t0, hit, chain)
             except _Retryable as exc:
                 last_error = f"{rep.url}: {exc}"
                 rep.failures += 1
                 self._mark_dead(rep, str(exc))
             finally:
                 rep.inflight -= 1
-                if live is not None:
-                    live[1] -= 1
-                    if live[1] <= 0 and self._live.get(key) is live:
-                        del self._live[key]
         self.counters["errors"] += 1
-        return web.json_response({"error": {"message": f"colo_kit proxy: no replica could serve {path} "
-                                            f"(tried {sorted(tried)}; last error: {last_error})",
-                                            "type": "proxy_upstream_error"}}, status=502)
+        return _error(502, f"no replica could serve {path} (tried {sorted(tried)}; last error: {last_error})",
+                      "proxy_upstream_error")
 
-    async def _forward(self, request, rep, path, body, headers, stream, t0, hit, key):
+    @asynccontextmanager
+    async def _waiting_on(self, rep: _Replica):
+        """While the block awaits `rep`, `_mark_dead(rep)` cancels it and the block raises _Retryable
+        instead: requests waiting on a replica taken out of rotation fail over at once, not at their
+        timeout. A cancellation from elsewhere (the server shutting down) propagates."""
+        me = asyncio.current_task()
+        rep.waiting.add(me)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if getattr(me, "colo_kit_dead", None) == rep.url:
+                me.colo_kit_dead = None
+                getattr(me, "uncancel", lambda: None)()  # Python 3.11+: the cancel was ours, and is spent
+                raise _Retryable("taken out of rotation while the request waited") from None
+            raise
+        finally:
+            rep.waiting.discard(me)
+
+    async def _forward(self, request, rep, path, body, headers, stream, t0, hit, chain):
         import aiohttp
         from aiohttp import web
 
         url = rep.url + path + (f"?{request.query_string}" if request.query_string else "")
         t_send = time.perf_counter()
+        upstream_cm = self._session.request(request.method, url, data=body, headers=headers)
         try:
-            upstream_cm = self._session.request(request.method, url, data=body, headers=headers)
-            up = await upstream_cm.__aenter__()
+            async with self._waiting_on(rep):
+                up = await upstream_cm.__aenter__()
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
             raise _Retryable(type(exc).__name__) from exc
         try:
             resp_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
             if stream and up.status == 200:
-                resp = web.StreamResponse(status=up.status, headers=resp_headers)
-                await resp.prepare(request)
-                first = True
-                try:
-                    async for chunk in up.content.iter_any():
-                        if first:
-                            self._record(rep, hit, key, t_send - t0)
-                            first = False
-                        await resp.write(chunk)
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                    # Bytes already went to the caller, so a retry would duplicate them: end the
-                    # stream with an error event the caller can see instead.
-                    self._mark_dead(rep, type(exc).__name__)
-                    self.counters["errors"] += 1
-                    msg = {"error": {"message": f"colo_kit proxy: replica {rep.url} failed mid-stream "
-                                                f"({type(exc).__name__}); retry the request",
-                                     "type": "proxy_upstream_error"}}
-                    await resp.write(f"data: {json.dumps(msg)}\n\n".encode())
-                await resp.write_eof()
-                return resp
+                return await self._relay_stream(request, rep, up, resp_headers, hit, chain, t_send - t0)
             try:
-                data = await up.read()
+                async with self._waiting_on(rep):
+                    data = await up.read()
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 raise _Retryable(f"died mid-response ({type(exc).__name__})") from exc
             t_done = time.perf_counter()
-            if up.status >= 500 and path in ROUTED_PATHS and up.status in (502, 503, 504):
+            if up.status in (502, 503, 504):
                 raise _Retryable(f"HTTP {up.status}")
-            self._record(rep, hit, key, (t_send - t0) + (time.perf_counter() - t_done))
+            self._record(rep, hit, chain, (t_send - t0) + (time.perf_counter() - t_done))
             return web.Response(status=up.status, body=data, headers=resp_headers)
         finally:
+            up.release()
             await upstream_cm.__aexit__(None, None, None)
 
-    def _record(self, rep, hit, key, own_s: float):
+    async def _relay_stream(self, request, rep, up, resp_headers, hit, chain, own_s):
+        """Server-sent events chunk by chunk. Bytes already went to the caller, so a replica that
+        fails mid-stream ends the stream with an error event (a retry would duplicate tokens); a
+        caller that hangs up ends the upstream request and leaves the replica in rotation."""
+        import aiohttp
+        from aiohttp import web
+
+        resp = web.StreamResponse(status=up.status, headers=resp_headers)
+        await resp.prepare(request)
+        first = True
+        while True:
+            try:
+                async with self._waiting_on(rep):
+                    chunk = await up.content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retryable) as exc:
+                self._mark_dead(rep, type(exc).__name__)
+                self.counters["errors"] += 1
+                msg = {"error": {"message": f"colo_kit proxy: replica {rep.url} failed mid-stream "
+                                            f"({type(exc).__name__}); retry the request", "type": "proxy_upstream_error"}}
+                try:
+                    await resp.write(f"data: {json.dumps(msg)}\n\n".encode())
+                except (ConnectionError, RuntimeError):
+                    pass
+                break
+            if not chunk:
+                break
+            if first:
+                self._record(rep, hit, chain, own_s)
+                first = False
+            try:
+                await resp.write(chunk)
+            except (ConnectionError, RuntimeError):  # the caller hung up: not the replica's fault
+                self.counters["client_hangups"] += 1
+                up.close()
+                return resp
+        try:
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            self.counters["client_hangups"] += 1
+        return resp
+
+    def _record(self, rep, hit, chain, own_s: float):
         self.counters["routed"] += 1
-        if key is not None:
+        if chain:
             if hit:
                 self.counters["affinity_hits"] += 1
                 rep.affinity_hits += 1
@@ -532,66 +561,129 @@ class RoutingProxy:
         # benchmark measures the full added latency from outside, direct vs through the proxy.
         self._overhead_ms.append(1e3 * own_s)
 
+    async def _to_any(self, request, path, body):
+        from aiohttp import web
+
+        query = f"?{request.query_string}" if request.query_string else ""
+        for rep in sorted(self.replicas.values(), key=lambda r: not r.healthy):
+            status, text = await self._send(rep.url, request.method, path + query, body,
+                                            self._upstream_headers(request.headers), self.config.upstream_timeout_s)
+            if status is not None:
+                return web.Response(status=status, text=text, content_type=_content_type(text))
+            self._mark_dead(rep, text)
+        return _error(502, f"no replica answered {path}", "proxy_upstream_error")
+
     # -- broadcast ---------------------------------------------------------------------------
-    async def _send_one(self, rep, method, path, body, headers):
+    async def _send(self, url, method, path, body, headers, timeout_s: float):
+        """One request with a deadline: (status, text), or (None, why) if it failed or timed out."""
         import aiohttp
 
         try:
-            async with self._session.request(method, rep.url + path, data=body, headers=headers) as r:
+            async with self._session.request(method, url + path, data=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, (await r.read()).decode("utf-8", "replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except asyncio.TimeoutError:
+            return None, f"no answer within {timeout_s:g} s (--upstream-timeout-s)"
+        except (aiohttp.ClientError, OSError) as exc:
             return None, f"{type(exc).__name__}: {exc}"[:300]
 
     async def _broadcast(self, request, path, body):
         from aiohttp import web
 
+        try:
+            payload = json.loads(body) if body else {}
+        except (ValueError, RecursionError):
+            payload = None
+        name = payload.get("lora_name") if isinstance(payload, dict) else None
+        if path == "/v1/load_lora_adapter":
+            why = check_adapter_load(payload, self.config.adapter_root)
+            if why:
+                self.counters["refused"] += 1
+                return _error(400, why, "invalid_adapter")
+        elif path == "/v1/unload_lora_adapter" and not (isinstance(name, str) and ADAPTER_NAME.fullmatch(name)):
+            self.counters["refused"] += 1
+            return _error(400, f"lora_name={name!r}: use letters, digits, '.', '_' and '-' only", "invalid_adapter")
         self.counters["broadcasts"] += 1
         query = f"?{request.query_string}" if request.query_string else ""
         headers = self._upstream_headers(request.headers)
-        reps = list(self.replicas.values())
-        results = await asyncio.gather(*(self._send_one(r, request.method, path + query, body, headers) for r in reps))
-        failed = [{"replica": r.url, "status": s, "error": t[:500]} for r, (s, t) in zip(reps, results)
-                  if s is None or s >= 300]
-        for r, (s, _) in zip(reps, results):
+        targets = [r for r in self.replicas.values() if r.healthy]
+        skipped = [r.url for r in self.replicas.values() if not r.healthy]
+        already: set[str] = set()
+        partial = self._partial.get(name) if path == "/v1/load_lora_adapter" else None
+        if partial and partial[0] == payload:  # a retry after a partial failure: only where it failed
+            already = partial[1]
+            targets = [r for r in targets if r.url not in already]
+        results = await asyncio.gather(*(self._send(r.url, request.method, path + query, body, headers,
+                                                    self.config.upstream_timeout_s) for r in targets))
+        answers = {r.url: (s, t) for r, (s, t) in zip(targets, results)}
+        for r, (s, t) in zip(targets, results):
             if s is None:
-                self._mark_dead(r, "broadcast failed to connect")
-        ok = [r.url for r, (s, _) in zip(reps, results) if s is not None and s < 300]
-        if path == "/v1/load_lora_adapter" and ok:
-            try:
-                payload = json.loads(body)
-                self._adapters[payload["lora_name"]] = payload
-            except (ValueError, KeyError):
-                pass
-        elif path == "/v1/unload_lora_adapter":
-            try:
-                self._adapters.pop(json.loads(body)["lora_name"], None)
-            except (ValueError, KeyError):
-                pass
+                self._mark_dead(r, t)  # caught up by replay when /health answers again
+        ok = sorted(already | {u for u, (s, _) in answers.items() if s is not None and s < 300})
+        missed = sorted({u for u, (s, _) in answers.items() if s is None} | set(skipped))
+        refused = {u: (s, t) for u, (s, t) in answers.items() if s is not None and s >= 300}
+        self._remember(path, name, payload, ok, refused)
+        if refused and not ok:
+            statuses = {s for s, _ in refused.values()}
+            if len(statuses) == 1:  # the same answer everywhere: the caller's problem, pass it through
+                s, t = next(iter(refused.values()))
+                return web.Response(status=s, text=t, content_type=_content_type(t))
+        if refused:
+            self.counters["broadcast_failures"] += 1
+            log.warning("broadcast %s: mixed answers (%s)", path, {u: s for u, (s, _) in refused.items()})
+            return web.json_response({"error": {"message": f"colo_kit proxy: {path} failed on {len(refused)} of "
+                                                f"{len(self.replicas)} replicas", "type": "proxy_broadcast_partial_failure"},
+                                      "failed": [{"replica": u, "status": s, "error": t[:500]} for u, (s, t) in refused.items()],
+                                      "succeeded": ok, "missed": missed}, status=502)
+        if not ok:
+            return _error(502, f"{path} reached no replica (missed: {missed})", "proxy_upstream_error")
+        first = next((answers[u] for u in ok if u in answers), (200, "{}"))
+        if missed:  # the healthy ones have it; the others get it by replay when they are back
+            return web.json_response({"status": "ok", "succeeded": ok, "missed": missed,
+                                      "note": "missed replicas are out of rotation and catch up when healthy"})
+        return web.Response(status=first[0], text=first[1], content_type=_content_type(first[1]))
+
+    def _remember(self, path, name, payload, ok, refused):
+        if path == "/v1/load_lora_adapter" and ok and not refused:
+            self._adapters[name] = payload  # loaded by every healthy replica: replay it to returning ones
+            self._loaded.setdefault(name, set()).update(ok)
+            self._partial.pop(name, None)
+        elif path == "/v1/load_lora_adapter" and ok:
+            self._partial[name] = (payload, set(ok))  # a retry goes only to the replicas that refused
+        elif path == "/v1/unload_lora_adapter" and ok:
+            self._adapters.pop(name, None)
+            self._loaded.pop(name, None)
         elif path == "/pause" and ok:
             self._paused = True
         elif path == "/resume" and ok:
             self._paused = False
-        if failed:
-            self.counters["broadcast_failures"] += 1
-            log.warning("broadcast %s failed on %s", path, [f["replica"] for f in failed])
-            return web.json_response({"error": {"message": f"colo_kit proxy: {path} failed on "
-                                                f"{len(failed)} of {len(reps)} replicas",
-                                                "type": "proxy_broadcast_partial_failure"},
-                                      "failed": failed, "succeeded": ok}, status=502)
-        status, text = results[0]
-        return web.Response(status=status, text=text, content_type="application/json"
-                            if text[:1] in "{[" else "text/plain")
 
     # -- own endpoints -----------------------------------------------------------------------
-    async def _own_health(self, request):
+    async def _own(self, request, path):
         from aiohttp import web
 
-        healthy = [u for u, r in self.replicas.items() if r.healthy]
-        return web.json_response({"healthy_replicas": healthy, "replicas": len(self.replicas)},
-                                 status=200 if healthy else 503)
+        if path == "/health":
+            healthy = [u for u, r in self.replicas.items() if r.healthy]
+            return web.json_response({"healthy_replicas": len(healthy), "replicas": len(self.replicas)},
+                                     status=200 if healthy else 503)
+        if path == "/get_world_size":
+            sizes = await asyncio.gather(*(self._send(r.url, "GET", "/get_world_size", b"", self._upstream_headers(),
+                                                      self.config.upstream_timeout_s)
+                                           for r in self.replicas.values() if r.healthy))
+            try:
+                total = sum(json.loads(t)["world_size"] for s, t in sizes if s == 200)
+            except (ValueError, KeyError, TypeError):
+                total = 0
+            if not total:
+                return _error(502, "no replica reported its world size", "proxy_upstream_error")
+            return web.json_response({"world_size": total})
+        snap = self.snapshot()
+        if request.query.get("format") == "json":
+            return web.json_response(snap)
+        return web.Response(body=_prometheus_text(snap), content_type="text/plain")
 
     def snapshot(self) -> dict:
-        """Counters as a dict: the same numbers /metrics serves."""
+        """Counters as a dict: the same numbers /metrics serves, and nothing secret."""
         reqs = [r.requests for r in self.replicas.values()]
         mean = sum(reqs) / len(reqs) if reqs else 0
         lat = sorted(self._overhead_ms)
@@ -599,103 +691,57 @@ class RoutingProxy:
         def q(p):
             return round(lat[min(len(lat) - 1, int(p * len(lat)))], 4) if lat else None
 
-        return {**self.counters, "policy": self.config.policy,
+        return {**self.counters, "policy": self.config.policy, "block_size": self.config.block_size,
                 "load_imbalance_max_over_mean": round(max(reqs) / mean, 4) if mean else None,
                 "affinity_hit_rate": round(self.counters["affinity_hits"] / self.counters["routed"], 4)
                 if self.counters["routed"] else None,
+                "prefix_index_entries": len(self.index),
                 "proxy_handler_ms": {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "n": len(lat)},
                 "adapters": sorted(self._adapters),
                 "replicas": {u: {"healthy": r.healthy, "requests": r.requests, "inflight": r.inflight,
                                  "failures": r.failures, "affinity_hits": r.affinity_hits, "last_error": r.last_error}
                              for u, r in self.replicas.items()}}
 
-    async def _own_metrics(self, request):
-        from aiohttp import web
 
-        snap = self.snapshot()
-        if request.query.get("format") == "json":
-            return web.json_response(snap)
-        lines = []
-        for name in ("requests", "routed", "affinity_hits", "fallbacks", "retries", "errors", "broadcasts",
-                     "broadcast_failures", "recoveries"):
-            lines += [f"# TYPE colo_proxy_{name}_total counter", f"colo_proxy_{name}_total {snap[name]}"]
-        for name in ("requests", "inflight", "failures", "affinity_hits", "healthy"):
-            lines.append(f"# TYPE colo_proxy_replica_{name} gauge")
-            for url, r in snap["replicas"].items():
-                lines.append(f'colo_proxy_replica_{name}{{replica="{url}"}} {int(r[name])}')
-        lines.append("# TYPE colo_proxy_load_imbalance gauge")
-        lines.append(f"colo_proxy_load_imbalance {snap['load_imbalance_max_over_mean'] or 0}")
-        lines.append("# TYPE colo_proxy_handler_latency_ms summary")
-        for p in ("p50", "p90", "p99"):
-            v = snap["proxy_handler_ms"][p]
-            lines.append(f'colo_proxy_handler_latency_ms{{quantile="0.{p[1:]}"}} {v if v is not None else "NaN"}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+def _content_type(text: str) -> str:
+    return "application/json" if text[:1] in "{[" else "text/plain"
 
 
-class _Retryable(Exception):
-    """The request never produced an answer on this replica: try another one."""
+def _error(status: int, message: str, kind: str):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": f"colo_kit proxy: {message}", "type": kind}}, status=status)
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
+def _prometheus_text(snap: dict) -> bytes:
+    """The snapshot in Prometheus' text format, written by prometheus_client."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-def cli_main(argv: list[str]) -> int:
-    import argparse
-    import sys
+    class Snapshot:
+        def collect(self):
+            for name in ("requests", "routed", "affinity_hits", "fallbacks", "retries", "errors", "refused",
+                         "broadcasts", "broadcast_failures", "recoveries", "replay_failures", "client_hangups"):
+                yield CounterMetricFamily(f"colo_proxy_{name}", f"proxy {name.replace('_', ' ')}", value=snap[name])
+            for name in ("requests", "inflight", "failures", "affinity_hits", "healthy"):
+                g = GaugeMetricFamily(f"colo_proxy_replica_{name}", f"per replica: {name}", labels=["replica"])
+                for url, r in snap["replicas"].items():
+                    g.add_metric([url], float(r[name]))
+                yield g
+            yield GaugeMetricFamily("colo_proxy_load_imbalance", "max over mean requests per replica",
+                                    value=snap["load_imbalance_max_over_mean"] or 0)
+            lat = snap["proxy_handler_ms"]
+            yield SummaryMetricFamily("colo_proxy_handler_latency_ms", "the proxy's own time per request",
+                                      count_value=lat["n"], sum_value=0.0)
+            q = GaugeMetricFamily("colo_proxy_handler_latency_ms_quantile", "handler time quantiles",
+                                  labels=["quantile"])
+            for p in ("p50", "p90", "p99"):
+                q.add_metric([f"0.{p[1:]}"], float(lat[p]) if lat[p] is not None else math.nan)
+            yield q
 
-    ap = argparse.ArgumentParser(prog="colo-kit proxy", description="Prefix-affinity proxy in front of vLLM replicas "
-                                 "(TRL's AsyncGRPOTrainer sees one server).")
-    ap.add_argument("--replica", action="append", default=[], metavar="URL", help="a vLLM server, repeat per replica")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--token-env", default=None, metavar="NAME",
-                    help="environment variable holding the replicas' API key (sent as Authorization: Bearer)")
-    ap.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size in tokens")
-    ap.add_argument("--max-prefix-blocks", type=int, default=64)
-    ap.add_argument("--policy", default="affinity", choices=["affinity", "round_robin"])
-    ap.add_argument("--imbalance", type=float, default=1.2, help="bound on max/mean in-flight load")
-    ap.add_argument("--slack", type=int, default=8, help="extra in-flight requests allowed above the bound")
-    ap.add_argument("--tokenizer", default=None, help="model folder whose tokenizer.json tokenises text prompts")
-    ap.add_argument("--health-interval", type=float, default=1.0, metavar="S")
-    ap.add_argument("--log-level", default="WARNING")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="[colo_kit.proxy] %(message)s")
-    cfg = ProxyConfig(replicas=args.replica, host=args.host, port=args.port, token_env=args.token_env,
-                      block_size=args.block_size, max_prefix_blocks=args.max_prefix_blocks, policy=args.policy,
-                      imbalance=args.imbalance, slack=args.slack, tokenizer=args.tokenizer,
-                      health_interval_s=args.health_interval)
-    try:
-        proxy = RoutingProxy(cfg)
-    except ValueError as exc:
-        print(f"colo-kit proxy: {exc}", file=sys.stderr)
-        return 2
-
-    async def main():
-        try:
-            import uvloop  # noqa: F401  (vLLM's server depends on it; ~2x less proxy overhead)
-        except ImportError:
-            pass
-        await proxy.start()
-        print(f"colo-kit proxy serving on {proxy.url} -> {', '.join(proxy.replicas)}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await proxy.stop()
-
-    try:
-        try:
-            import uvloop
-
-            uvloop.run(main())
-        except ImportError:
-            asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-    except OSError as exc:  # e.g. the port is taken
-        print(f"colo-kit proxy: cannot serve on {args.host}:{args.port}: {exc}; choose another --port", file=sys.stderr)
-        return 2
-    return 0
+    registry = CollectorRegistry()
+    registry.register(Snapshot())
+    return generate_latest(registry)
 
 
 def percentile(values, p: float) -> float:

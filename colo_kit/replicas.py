@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import subprocess
 import time
@@ -165,42 +164,49 @@ def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = 
     return ReplicaSet(launches, log_dir, token).start(timeout_s)
 
 
-_METRIC = re.compile(r"^vllm:(gpu_)?prefix_cache_(hits|queries)(?:_total)?\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
-
-
 def prefix_cache_counters(url: str, token: str | None = None) -> dict:
-    """{'hits': tokens, 'queries': tokens} summed over the replica's engines."""
+    """{'hits': tokens, 'queries': tokens} summed over the replica's engines, read from its
+    Prometheus `/metrics` with prometheus_client's parser."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
     # vLLM v1 names them vllm:prefix_cache_{hits,queries}; older releases also had a
     # vllm:gpu_prefix_cache_* pair (deprecated). Use the first family present, never both.
-    found = _METRIC.findall(text)
-    new = [f for f in found if not f[0]] or found
-    out = {"hits": 0.0, "queries": 0.0}
-    for _, kind, value in new:
-        out[kind] += float(value)
-    return out
+    found: dict[str, dict[str, float]] = {"": {}, "gpu_": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("vllm:").removesuffix("_total")
+            for prefix in found:
+                for kind in ("hits", "queries"):
+                    if name == f"{prefix}prefix_cache_{kind}":
+                        found[prefix][kind] = found[prefix].get(kind, 0.0) + sample.value
+    use = found[""] or found["gpu_"]
+    return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0)}
 
 
 def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: str, *, groups: int = 16,
-                               group_size: int = 8, prompt_tokens: int = 256, max_tokens: int = 4,
-                               concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
+                               group_size: int = 8, prompt_tokens: int = 256, shared_prefix_tokens: int = 0,
+                               max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
                                token: str | None = None, timeout_s: float = 600.0) -> dict:
     """Send `groups` GRPO groups through the proxy; return the replicas' prefix-cache hit rate.
 
     Each group is one random prompt of `prompt_tokens` token ids sent as `group_size` separate
-    requests at once (TRL's rollout worker sends n=1 requests with `"prompt": [ids]`). The
-    replicas' caches are reset first (a broadcast through the proxy), so the rate measures this
-    traffic only. Hit rate = cached prompt tokens / queried prompt tokens, summed over replicas.
+    requests at once (TRL's rollout worker sends n=1 requests with `"prompt": [ids]`). With
+    `shared_prefix_tokens`, every prompt starts with the same that many tokens (a system prompt, a
+    few-shot preamble) and differs after them. The replicas' caches are reset first (a broadcast
+    through the proxy), so the rate measures this traffic only. Hit rate = cached prompt tokens /
+    queried prompt tokens, summed over replicas.
     """
     import asyncio
 
     import aiohttp
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_tokens)] for _ in range(groups)]
+    shared = [rng.randrange(10, vocab) for _ in range(shared_prefix_tokens)]
+    prompts = [shared + [rng.randrange(10, vocab) for _ in range(prompt_tokens - shared_prefix_tokens)]
+               for _ in range(groups)]
     import httpx
 
     r = httpx.post(proxy_url + "/reset_prefix_cache", timeout=60)
@@ -242,6 +248,7 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
             "per_replica": per, "wall_s": round(wall_s, 3), "requests": groups * group_size,
             "latency_s": sorted(round(x, 4) for x in latencies),
             "settings": {"groups": groups, "group_size": group_size, "prompt_tokens": prompt_tokens,
+                         "shared_prefix_tokens": shared_prefix_tokens,
                          "max_tokens": max_tokens, "concurrent_groups": concurrent_groups, "model": model}}
 
 
@@ -269,134 +276,3 @@ def compare_routing(replica_urls: list[str], model: str, *, token_env: str | Non
     if "affinity" in out and "round_robin" in out and out["round_robin"]["hit_rate"]:
         out["affinity_over_round_robin"] = round(out["affinity"]["hit_rate"] / out["round_robin"]["hit_rate"], 4)
     return out
-
-# ---------------------------------------------------------------------------------------------
-# A stand-in upstream: an OpenAI-shaped HTTP server that answers at once, to measure the proxy
-# alone (its routing, broadcast and failure handling) without vLLM's own milliseconds.
-# `python -m colo_kit.replicas stub --port 9001 --name a [--token-env NAME]`
-# ---------------------------------------------------------------------------------------------
-
-def stub_app(name: str, token: str | None = None):
-    """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
-    `delay_ms` from the request body, if any); `"stream": true` sends `chunks` SSE events
-    `chunk_delay_ms` apart; broadcast endpoints are recorded; `/_stub/state` reports everything;
-    `/_stub/fail` makes a path answer 500 (to test partial broadcast failure)."""
-    import asyncio
-    import json as _json
-
-    from aiohttp import web
-
-    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": [], "unauthorized": 0}
-
-    @web.middleware
-    async def auth(request, handler):
-        if token and not request.path.startswith(("/health", "/_stub")) and \
-                request.headers.get("Authorization") != f"Bearer {token}":
-            state["unauthorized"] += 1
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-    async def health(request):
-        return web.Response(text="")
-
-    async def models(request):
-        data = [{"id": "base", "root": "base", "parent": None}]
-        data += [{"id": k, "root": v, "parent": "base"} for k, v in state["adapters"].items()]
-        return web.json_response({"object": "list", "data": data})
-
-    async def complete(request):
-        body = await request.json()
-        state["requests"] += 1
-        if body.get("delay_ms"):
-            await asyncio.sleep(body["delay_ms"] / 1000)
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i in range(int(body.get("chunks", 3))):
-                await resp.write(f"data: {_json.dumps({'replica': name, 'i': i, 't': time.time()})}\n\n".encode())
-                await asyncio.sleep(body.get("chunk_delay_ms", 0) / 1000)
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-        return web.json_response({"replica": name, "model": body.get("model"),
-                                  "choices": [{"index": 0, "text": "ok", "token_ids": [1]}]})
-
-    async def record(request):
-        body = await request.read()
-        state["calls"].append({"path": request.path, "query": request.query_string, "body": body.decode()})
-        if request.path in state["fail"]:
-            return web.json_response({"error": f"{name} told to fail {request.path}"}, status=500)
-        if request.path == "/v1/load_lora_adapter":
-            p = _json.loads(body)
-            state["adapters"][p["lora_name"]] = p["lora_path"]
-        elif request.path == "/v1/unload_lora_adapter":
-            state["adapters"].pop(_json.loads(body)["lora_name"], None)
-        return web.json_response({"status": "ok", "replica": name})
-
-    async def get_state(request):
-        return web.json_response(state)
-
-    async def set_fail(request):
-        state["fail"] = [p for p in request.query.get("paths", "").split(",") if p]
-        return web.json_response(state["fail"])
-
-    app = web.Application(middlewares=[auth])
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_post("/v1/chat/completions", complete)
-    app.router.add_get("/_stub/state", get_state)
-    app.router.add_post("/_stub/fail", set_fail)
-    app.router.add_post("/{tail:.*}", record)
-    return app
-
-
-def start_stub(port: int, name: str, token_env: str | None = None, log_path=None) -> subprocess.Popen:
-    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica)."""
-    import sys
-
-    import httpx
-
-    argv = [sys.executable, "-m", "colo_kit.replicas", "stub", "--port", str(port), "--name", name]
-    if token_env:
-        argv += ["--token-env", token_env]
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.05)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"stub upstream on port {port} did not start")
-
-
-def _cli(argv: list[str]) -> int:
-    import argparse
-
-    from aiohttp import web
-
-    ap = argparse.ArgumentParser(prog="python -m colo_kit.replicas")
-    ap.add_argument("what", choices=["stub"])
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--name", default="stub")
-    ap.add_argument("--token-env", default=None)
-    a = ap.parse_args(argv)
-    token = os.environ.get(a.token_env) if a.token_env else None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    kwargs = {"loop": loop_factory()} if loop_factory else {}
-    web.run_app(stub_app(a.name, token), host="127.0.0.1", port=a.port, access_log=None, print=None, **kwargs)
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_cli(sys.argv[1:]))

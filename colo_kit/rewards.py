@@ -9,8 +9,9 @@ completion back, or None where the reward does not apply (TRL then ignores that 
   characters. It needs no model quality at all, so even a random-weight model learns it within
   a few dozen steps: the reward curve visibly rises, which is what the quickstart shows.
 - `math500_reward`: 1.0 if the completion's final answer matches the gold `answer` column,
-  0.0 if not, None if the gold answer itself cannot be parsed (a broken label should not
-  punish the policy). The checking is `colo_kit.math500.is_correct`, built on math-verify.
+  0.0 if not, None if the gold answer is missing or cannot be parsed (a broken label should not
+  punish the policy) or if the checker ran out of time (it learned nothing about the answer).
+  The checking is `colo_kit.math500.is_correct`, built on math-verify.
 """
 
 from __future__ import annotations
@@ -24,18 +25,26 @@ def completion_text(completion) -> str:
         return completion
     if isinstance(completion, dict):
         return str(completion.get("content", ""))
-    if isinstance(completion, Sequence):
+    if isinstance(completion, Sequence) and not isinstance(completion, (bytes, bytearray)):
         # Chat form: a list of messages; the assistant's turn(s) are what was generated.
         return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     raise TypeError(f"cannot read a completion of type {type(completion).__name__}; "
                     "expected a string or a list of chat messages")
 
 
+def _completion_list(completions) -> list:
+    """TRL passes a list with one entry per completion; a bare string would be read letter by letter."""
+    if isinstance(completions, (str, bytes, bytearray)) or not isinstance(completions, Sequence):
+        raise TypeError(f"completions must be a list with one entry per completion (strings or chat messages), "
+                        f"not {type(completions).__name__}; wrap a single completion as [text]")
+    return list(completions)
+
+
 def length_reward(completions, target: int = 20, **kwargs) -> list[float]:
     """`-abs(target - len(text))`: 0 for exactly `target` characters, more negative further away."""
-    if not isinstance(target, int) or target < 0:
+    if not isinstance(target, int) or isinstance(target, bool) or target < 0:
         raise ValueError(f"target={target!r}: the target length is a number of characters, an int >= 0")
-    return [-float(abs(target - len(completion_text(c)))) for c in completions]
+    return [-float(abs(target - len(completion_text(c)))) for c in _completion_list(completions)]
 
 
 def make_length_reward(target: int = 20):
@@ -49,17 +58,23 @@ def make_length_reward(target: int = 20):
 
 def math500_reward(completions, answer, **kwargs) -> list[float | None]:
     """1.0 / 0.0 per completion against the gold `answer` column; None where gold is unparseable."""
-    from colo_kit.math500 import UnparseableGold, is_correct
+    from colo_kit.math500 import CheckerTimeout, UnparseableGold, is_correct
 
-    if isinstance(answer, str):
+    completions = _completion_list(completions)
+    if isinstance(answer, str) or answer is None:
         answer = [answer] * len(completions)
     if len(answer) != len(completions):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers; TRL passes one "
                          "`answer` per completion (the dataset needs an `answer` column)")
     rewards: list[float | None] = []
     for completion, gold in zip(completions, answer):
+        text = completion_text(completion)
+        if gold is None or not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
+            rewards.append(None)  # no usable label: TRL ignores the entry instead of punishing the policy
+            continue
         try:
-            rewards.append(1.0 if is_correct(completion_text(completion), str(gold)) else 0.0)
-        except UnparseableGold:
+            rewards.append(1.0 if is_correct(text, str(gold)) else 0.0)
+        except (UnparseableGold, CheckerTimeout):
+            # a checker that ran out of time knows nothing about the answer: None, never a 0.0 reward
             rewards.append(None)
     return rewards

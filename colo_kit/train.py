@@ -76,6 +76,25 @@ def use_layerwise_reload(trainer) -> bool:
     return True
 
 
+def check_settings(mode: str, *, max_steps: int, num_generations: int, per_device_batch: int,
+                   vllm_gpu_memory_utilization: float, server_url: str | None = None) -> None:
+    """Raise ValueError naming the bad value and the fix, before any model or trainer is built."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    for name, value, least in (("max_steps", max_steps, 1), ("num_generations", num_generations, 2),
+                               ("per_device_batch", per_device_batch, 1)):
+        if not isinstance(value, int) or value < least:
+            why = " (GRPO compares completions of one prompt with each other)" if name == "num_generations" else ""
+            raise ValueError(f"{name}={value!r}: give a whole number of at least {least}{why}")
+    if per_device_batch % num_generations:
+        raise ValueError(f"per_device_batch={per_device_batch} must be a multiple of num_generations="
+                         f"{num_generations}: GRPO compares the completions of one prompt with each other")
+    if not isinstance(vllm_gpu_memory_utilization, (int, float)) or not 0 < vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization}; it is a fraction in (0, 1]")
+    if mode == "server" and not server_url:
+        raise ValueError("mode='server' needs server_url (start a server with colo_kit.server)")
+
+
 @contextmanager
 def trl_llm_kwargs(**kwargs):
     """While this block runs, TRL's colocated `LLM(...)` gets `kwargs` too (e.g. `enforce_eager`,
@@ -102,15 +121,8 @@ def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: in
     """A `GRPOConfig` for one of the three modes, with settings that work on CPU and GPU."""
     from trl import GRPOConfig
 
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
-    if per_device_batch % num_generations:
-        raise ValueError(f"per_device_batch={per_device_batch} must be a multiple of num_generations="
-                         f"{num_generations}: GRPO compares the completions of one prompt with each other")
-    if not 0 < vllm_gpu_memory_utilization <= 1:
-        raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization}; it is a fraction in (0, 1]")
-    if mode == "server" and not server_url:
-        raise ValueError("mode='server' needs server_url (start a server with colo_kit.server)")
+    check_settings(mode, max_steps=max_steps, num_generations=num_generations, per_device_batch=per_device_batch,
+                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, server_url=server_url)
     gpu = has_cuda()
     kwargs = dict(
         output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
@@ -238,25 +250,35 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
 
 def cli_main(argv: list[str]) -> int:
-    import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="colo-kit train", description=run_grpo.__doc__)
-    ap.add_argument("--model", default="tiny")
+    from colo_kit.cli import ArgumentParser, UsageError, fraction, positive_float, positive_int, writable_file
+    from colo_kit.models import PRESETS, resolve_model
+
+    ap = ArgumentParser(prog="colo-kit train", description=run_grpo.__doc__)
+    ap.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}), a model folder or a hub id")
     ap.add_argument("--mode", default="colocate", choices=MODES)
     ap.add_argument("--reward", default="length", choices=["length", "math500"])
-    ap.add_argument("--max-steps", type=int, default=20)
-    ap.add_argument("--num-generations", type=int, default=4)
-    ap.add_argument("--per-device-batch", type=int, default=8)
-    ap.add_argument("--max-completion-length", type=int, default=32)
-    ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--max-steps", type=positive_int, default=20)
+    ap.add_argument("--num-generations", type=positive_int, default=4)
+    ap.add_argument("--per-device-batch", type=positive_int, default=8)
+    ap.add_argument("--max-completion-length", type=positive_int, default=32)
+    ap.add_argument("--learning-rate", type=positive_float, default=1e-3)
     ap.add_argument("--target-length", type=int, default=20)
-    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
     ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode between generations (GPU only)")
     ap.add_argument("--server-url", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the per-step log here")
+    ap.add_argument("--json", default=None, help="write the per-step log here (checked writable before training)")
     a = ap.parse_args(argv)
+    try:
+        check_settings(a.mode, max_steps=a.max_steps, num_generations=a.num_generations,
+                       per_device_batch=a.per_device_batch, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                       server_url=a.server_url)
+        resolve_model(a.model, build=False)
+    except (ValueError, LookupError) as exc:
+        raise UsageError(str(exc)) from None
+    out = writable_file(a.json, "--json") if a.json else None
     dataset = None
     if a.reward == "math500":
         from colo_kit.data import load_math, math_prompt
@@ -269,6 +291,6 @@ def cli_main(argv: list[str]) -> int:
                    sleep=a.sleep, server_url=a.server_url, seed=a.seed)
     rewards = run.rewards
     print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(run.to_dict(), indent=1))
+    if out:
+        out.write_text(json.dumps(run.to_dict(), indent=1))
     return 0

@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the stand-in replica lives there
 
 import colo_kit  # noqa: E402,F401
 
@@ -38,7 +39,7 @@ from colo_kit.env import describe  # noqa: E402
 from colo_kit.launch import free_port  # noqa: E402
 from colo_kit.paths import results_dir  # noqa: E402
 from colo_kit.proxy import percentile  # noqa: E402
-from colo_kit.replicas import start_stub  # noqa: E402
+from stub_replica import start_stub  # noqa: E402
 
 
 def _wait(url: str, timeout_s: float = 30):
@@ -197,7 +198,7 @@ def loopback(a) -> dict:
     stubs = [start_stub(p, f"r{i}", token_env=env_name) for i, p in enumerate(ports)]
     proxy_port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--port", str(proxy_port),
-                              "--token-env", env_name, *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])])
+                              "--token-env", env_name, "--block-size", "16", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])])
     def cpu_s(pid):  # utime + stime of a process, from /proc (Linux)
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -87,7 +87,7 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
     from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
 
     from colo_kit.data import load_tldr
-    from colo_kit.lora import run_async_grpo
+    from colo_kit.lora import LORA_SUBDIR, run_async_grpo
     from colo_kit.proxy import ProxyConfig, RoutingProxy
     from colo_kit.replicas import launch_replicas
 
@@ -97,9 +97,10 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
                             api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512,
                             **gpu_share())
     shared = tmp_path / "bucket"  # the shared directory standing in for the mounted bucket
+    (shared / LORA_SUBDIR).mkdir(parents=True)
     with launch_replicas([launch], tmp_path / "logs") as reps:
         proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
-                                         block_size=32)).start_in_thread()
+                                         adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
         try:
             info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
             peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),

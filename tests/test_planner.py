@@ -147,7 +147,7 @@ def test_committed_validation_table_is_what_the_planner_computes_now():
     now = planner.validation_table()
     assert [(r["row"], r["measured_gib"], r["predicted_gib"]) for r in now["rows"]] == \
            [(r["row"], r["measured_gib"], r["predicted_gib"]) for r in COMMITTED["rows"]], \
-        "stale: run `colo-kit plan --validate`"
+        "stale: run `colo-kit plan --validate --out results/planner_validation.json`"
 
 
 @pytest.mark.parametrize("row", [r for r in COMMITTED["rows"] if not r["row"].startswith("server")],

@@ -25,3 +25,23 @@ def test_bad_inputs_fail_clearly():
         length_reward(["a"], target=-1)
     with pytest.raises(TypeError, match="type int"):
         completion_text(5)
+
+
+@pytest.mark.parametrize("completions, words", [("a string", "not str"), (None, "not NoneType"),
+                                                (b"bytes", "not bytes"), (5, "not int")])
+def test_completions_that_are_not_a_list_are_refused_not_read_letter_by_letter(completions, words):
+    with pytest.raises(TypeError, match=words):
+        length_reward(completions)
+
+
+def test_a_bytes_completion_is_refused():
+    with pytest.raises(TypeError, match="type bytes"):
+        length_reward([b"twenty bytes of text"])
+
+
+def test_math500_reward_gives_none_without_a_usable_gold_answer():
+    from colo_kit.rewards import math500_reward
+
+    assert math500_reward([r"\boxed{2}", r"\boxed{2}", r"\boxed{3}"], answer=["2", None, "2"]) == [1.0, None, 0.0]
+    with pytest.raises(TypeError, match="not str"):
+        math500_reward(r"\boxed{2}", answer="2")

@@ -103,20 +103,25 @@ launches = [replica_launch(MODEL, port=free_port(), max_staleness=MAX_STALENESS,
                            # a tiny model: CUDA graphs and torch.compile would cost a minute of start-up for nothing
                            enforce_eager=bool(MACHINE.gpus) or None)
             for p in PLACES]
-print(launches[0].shell().replace(os.environ["COLO_KIT_REPLICA_KEY"], "***"))
+print(launches[0].shell())  # the key shows as ***
 t0 = time.time()
 replicas = launch_replicas(launches, tempfile.mkdtemp(prefix="colo_kit_nb06_"))
-print(f"both replicas healthy after {replicas.startup_s} s (started in parallel)")
+print(f"replicas healthy after {replicas.startup_s} s")
 
 # %% [markdown]
 # ## 3 · The proxy
 #
 # One address for TRL. `colo-kit proxy --replica URL --replica URL --token-env COLO_KIT_REPLICA_KEY
-# --block-size 32` does the same from a shell; here it runs in a thread of this kernel.
+# --adapter-root BUCKET/.vllm_lora` does the same from a shell; here it runs in a thread of this kernel. It asks
+# the replicas for their KV block size, takes adapter loads only from inside the shared directory, and forwards
+# only the routes TRL and an OpenAI client use (the README's "Security" section says what it trusts and refuses).
 
 # %%
+bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")  # stands in for the mounted bucket
+ADAPTERS = os.path.join(bucket, ".vllm_lora")  # where TRL publishes trl-policy-v{N}
+os.makedirs(ADAPTERS)
 proxy = RoutingProxy(ProxyConfig(replicas=replicas.urls, port=0, token_env="COLO_KIT_REPLICA_KEY",
-                                 block_size=BLOCK, tokenizer=MODEL)).start_in_thread()
+                                 adapter_root=ADAPTERS, tokenizer=MODEL)).start_in_thread()
 import httpx  # noqa: E402
 
 print(proxy.url, httpx.get(proxy.url + "/health").json())
@@ -160,7 +165,6 @@ except Exception as exc:
 from colo_kit.data import load_tldr  # noqa: E402
 from colo_kit.lora import run_async_grpo  # noqa: E402
 
-bucket = tempfile.mkdtemp(prefix="colo_kit_bucket_")
 prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:32]]
 run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=4,
                      num_generations=4, per_device_train_batch_size=8, max_completion_length=16,

@@ -57,7 +57,7 @@ else:
     kw.update(max_model_len=4096, gpu_memory_utilization=0.85, dtype="bfloat16")
 launches = [replica_launch(model, port=18201 + i, gpu=None if smoke else i, **kw) for i in range(n)]
 out["recipe"] = {"max_loras": max_loras_for(staleness), "max_lora_rank": max_lora_rank_for(1), "block_size": block,
-                 "launch": [l.shell().replace(os.environ["COLO_KIT_REPLICA_KEY"], "***") for l in launches]}
+                 "launch": [l.shell() for l in launches]}
 save()
 log_dir = tempfile.mkdtemp(prefix="colo_kit_async_lora_")
 try:
@@ -72,13 +72,14 @@ try:
             import torch, httpx
             from peft import LoraConfig, get_peft_model
             from transformers import AutoModelForCausalLM
-            from colo_kit.lora import adapter_dir, publish_adapter
+            from colo_kit.lora import adapter_dir
             m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
             pm = get_peft_model(m, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", init_lora_weights=False))
             shared = tempfile.mkdtemp(prefix="colo_kit_bucket_")
-            path = publish_adapter(pm, shared, 1)
+            path = adapter_dir(shared, 1)  # where TRL's AsyncGRPOTrainer publishes version 1
+            pm.save_pretrained(path)
             proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_REPLICA_KEY",
-                                             block_size=block)).start_in_thread()
+                                             block_size=block, adapter_root=str(path.parent))).start_in_thread()
             try:
                 t = time.time()
                 r = httpx.post(proxy.url + "/v1/load_lora_adapter", timeout=120,

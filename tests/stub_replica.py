@@ -1,0 +1,163 @@
+"""A stand-in vLLM replica for the proxy's tests and benchmark: an OpenAI-shaped HTTP server (real
+aiohttp, its own process, so a test can kill it like a crashed replica) that answers at once, to
+measure the proxy alone, its routing, broadcast and failure handling, without vLLM's own
+milliseconds. Not part of the kit.
+
+    python tests/stub_replica.py --port 9001 --name a [--token-env NAME]
+"""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+def stub_app(name: str, token: str | None = None):
+    """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
+    `delay_ms` from the request body, if any); `"stream": true` sends `chunks` SSE events
+    `chunk_delay_ms` apart; broadcast endpoints are recorded; `/_stub/state` reports everything;
+    `/_stub/fail` makes a path answer 500 (to test partial broadcast failure)."""
+    import asyncio
+    import json as _json
+
+    from aiohttp import web
+
+    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": [], "hang": [], "unauthorized": 0,
+             "health_auth_headers": 0}
+
+    @web.middleware
+    async def auth(request, handler):
+        if token and not request.path.startswith(("/health", "/_stub")) and \
+                request.headers.get("Authorization") != f"Bearer {token}":
+            state["unauthorized"] += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def hang_if_told(request):
+        if request.path in state["hang"]:  # accept the request and never answer
+            await asyncio.sleep(3600)
+
+    async def health(request):
+        if "Authorization" in request.headers:
+            state["health_auth_headers"] += 1
+        await hang_if_told(request)
+        return web.Response(text="")
+
+    async def world_size(request):
+        return web.json_response({"world_size": 1})
+
+    async def server_info(request):
+        return web.json_response({"vllm_config": {"cache_config": {"block_size": 32}, "lora_config": {"max_loras": 3}}})
+
+    async def models(request):
+        data = [{"id": "base", "root": "base", "parent": None}]
+        data += [{"id": k, "root": v, "parent": "base"} for k, v in state["adapters"].items()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def complete(request):
+        body = await request.json()
+        state["requests"] += 1
+        await hang_if_told(request)
+        if body.get("delay_ms"):
+            await asyncio.sleep(body["delay_ms"] / 1000)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(int(body.get("chunks", 3))):
+                await resp.write(f"data: {_json.dumps({'replica': name, 'i': i, 't': time.time()})}\n\n".encode())
+                await asyncio.sleep(body.get("chunk_delay_ms", 0) / 1000)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        return web.json_response({"replica": name, "model": body.get("model"),
+                                  "choices": [{"index": 0, "text": "ok", "token_ids": [1]}]})
+
+    async def record(request):
+        body = await request.read()
+        state["calls"].append({"path": request.path, "query": request.query_string, "body": body.decode()})
+        await hang_if_told(request)
+        if request.path in state["fail"]:
+            return web.json_response({"error": f"{name} told to fail {request.path}"}, status=500)
+        if request.path == "/v1/load_lora_adapter":  # vLLM's answers: 400 when loaded already
+            p = _json.loads(body)
+            if p["lora_name"] in state["adapters"]:
+                return web.json_response({"error": f"The lora adapter '{p['lora_name']}' has already been loaded."},
+                                         status=400)
+            state["adapters"][p["lora_name"]] = p["lora_path"]
+        elif request.path == "/v1/unload_lora_adapter":
+            if state["adapters"].pop(_json.loads(body)["lora_name"], None) is None:
+                return web.json_response({"error": "The lora adapter was not found."}, status=404)
+        return web.json_response({"status": "ok", "replica": name})
+
+    async def get_state(request):
+        return web.json_response(state)
+
+    async def set_fail(request):
+        state["fail"] = [p for p in request.query.get("paths", "").split(",") if p]
+        return web.json_response(state["fail"])
+
+    async def set_hang(request):
+        state["hang"] = [p for p in request.query.get("paths", "").split(",") if p]
+        return web.json_response(state["hang"])
+
+    app = web.Application(middlewares=[auth])
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_get("/get_world_size", world_size)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/_stub/state", get_state)
+    app.router.add_post("/_stub/fail", set_fail)
+    app.router.add_post("/_stub/hang", set_hang)
+    app.router.add_post("/{tail:.*}", record)
+    return app
+
+
+def start_stub(port: int, name: str, token_env: str | None = None, log_path=None) -> subprocess.Popen:
+    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica)."""
+    import sys
+
+    import httpx
+
+    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name]
+    if token_env:
+        argv += ["--token-env", token_env]
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    for _ in range(200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"stub upstream on port {port} did not start")
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from aiohttp import web
+
+    ap = argparse.ArgumentParser(prog="python tests/stub_replica.py")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--name", default="stub")
+    ap.add_argument("--token-env", default=None)
+    a = ap.parse_args(argv)
+    token = os.environ.get(a.token_env) if a.token_env else None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    kwargs = {"loop": loop_factory()} if loop_factory else {}
+    web.run_app(stub_app(a.name, token), host="127.0.0.1", port=a.port, access_log=None, print=None, **kwargs)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

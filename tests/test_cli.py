@@ -1,0 +1,122 @@
+"""Every `colo-kit` command answers bad input with one line naming the value and the fix, exit code 2,
+before anything runs or is written; committed results change only when named."""
+
+import json
+import os
+
+import pytest
+
+from colo_kit.cli import main
+from colo_kit.paths import REPO_ROOT
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "abc.json").write_text(json.dumps({"hidden_size": "abc", "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                   "intermediate_size": 8, "vocab_size": 10}))
+    (tmp_path / "bad.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2" "answer": 4}\n')
+    (tmp_path / "noanswer.jsonl").write_text('{"problem": "1+1"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "text.md").write_text("# not a notebook\n")
+    return tmp_path
+
+
+CASES = [
+    (["bench", "--modes", "bogus"], "--modes 'bogus'"),
+    (["bench", "--batches", "8,x"], "--batches '8,x'"),
+    (["bench", "--batches", "6", "--num-generations", "4"], "[6] not a multiple of --num-generations 4"),
+    (["bench", "--steps", "1"], "--steps 1"),
+    (["bench", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json"),
+    (["train", "--max-steps", "0"], "'0': give a whole number of at least 1"),
+    (["train", "--max-steps", "-1"], "'-1'"),
+    (["train", "--num-generations", "0"], "'0'"),
+    (["train", "--num-generations", "1"], "num_generations=1"),
+    (["train", "--model", "no-such-model"], "'no-such-model' is neither"),
+    (["train", "--per-device-batch", "6", "--num-generations", "4"], "per_device_batch=6"),
+    (["train", "--vllm-gpu-memory-utilization", "nan"], "'nan': give a fraction"),
+    (["train", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json"),
+    (["train", "--mode", "server"], "server_url"),
+    (["eval-math500", "--out", "/proc/nope/ev.json"], "--out /proc/nope/ev.json"),
+    (["eval-math500", "--limit", "0"], "'0'"),
+    (["eval-math500", "--data", "{files}/bad.jsonl"], "bad.jsonl line 3: not JSON"),
+    (["eval-math500", "--data", "{files}/noanswer.jsonl"], "line 1: needs a JSON object with problem, answer (missing answer)"),
+    (["eval-math500", "--data", "{files}/empty.jsonl"], "empty.jsonl: no rows"),
+    (["eval-math500", "--model", "nope"], "'nope' is neither"),
+    (["plan", "--model", "{files}/list.json"], "is a JSON list, not an object"),
+    (["plan", "--model", "{files}/abc.json"], "hidden_size='abc'"),
+    (["plan", "--host-mem-gib", "nan"], "host_mem_gib=nan"),
+    (["plan", "--gpus", "0"], "gpus=0"),
+    (["plan", "--model", "qwen2.5-72b", "--gpus", "8", "--tp", "3"], "vllm_tensor_parallel_size=3"),
+    (["plan", "--validate", "--out", "/proc/nope/v.json"], "--out /proc/nope/v.json"),
+    (["build-model", "--seed", "-3"], "'-3'"),
+    (["build-model", "nope"], "invalid choice: 'nope'"),
+    (["run-notebooks", "/no/such.ipynb"], "/no/such.ipynb: no such notebook"),
+    (["run-notebooks", "{files}/text.md"], "not a Jupyter notebook"),
+    (["env", "--bogus"], "unrecognized arguments: --bogus"),
+    (["proxy", "--replica", "http://127.0.0.1:1", "--upstream-timeout-s", "0"], "upstream_timeout_s=0"),
+]
+
+
+@pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, words, files, capsys):
+    argv = [a.replace("{files}", str(files)) for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"colo-kit {argv[0]}: ") and words.replace("{files}", str(files)) in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_a_failed_bench_leaves_the_committed_results_alone(capsys):
+    committed = REPO_ROOT / "results" / "pingpong_cpu.json"
+    before = committed.read_bytes(), committed.stat().st_mtime_ns
+    assert main(["bench", "--modes", "bogus"]) == 2
+    assert (committed.read_bytes(), committed.stat().st_mtime_ns) == before
+
+
+def test_bench_writes_under_runs_unless_a_path_is_named(monkeypatch, tmp_path):
+    from colo_kit import bench
+    from colo_kit.paths import runs_dir
+
+    written = []
+
+    def sweep(model, *, out, **kw):  # stands in for the minute-long sweep: only where it writes matters here
+        written.append(out)
+        return {"summary": [], "runs": []}
+
+    monkeypatch.setattr(bench, "sweep", sweep)
+    monkeypatch.setattr(bench, "write_plots", lambda res, path: path)
+    assert main(["bench", "--modes", "colocate"]) == 0
+    assert main(["bench", "--modes", "colocate", "--out", str(tmp_path / "named.json")]) == 0
+    assert written[0].parent == runs_dir() and written[1] == tmp_path / "named.json"
+
+
+def test_build_model_keeps_one_folder_per_seed(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    from colo_kit.models import build_model
+
+    monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))
+    zero, five = build_model("tiny"), build_model("tiny", seed=5)
+    assert zero != five and build_model("tiny", seed=5) == five
+    a, b = load_file(str(zero / "model.safetensors")), load_file(str(five / "model.safetensors"))
+    name = next(k for k in a if k.endswith("q_proj.weight"))
+    assert not torch.equal(a[name], b[name])  # seed 5 is other weights, not the cached seed 0
+
+
+def test_an_unwritable_model_cache_is_one_line(tmp_path, monkeypatch, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    monkeypatch.setenv("COLO_KIT_CACHE", str(locked / "cache"))
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: use a path that cannot be a folder
+            monkeypatch.setenv("COLO_KIT_CACHE", "/proc/colo-kit-cache")
+        assert main(["build-model"]) == 2
+    finally:
+        locked.chmod(0o700)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "COLO_KIT_CACHE" in err[0]
