@@ -10,6 +10,7 @@ Modules, one idea each:
 """
 
 from colo_kit.env import apply_defaults as _apply_defaults
+from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet())
 
 _apply_defaults()
 

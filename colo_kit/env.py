@@ -2,11 +2,12 @@
 description of the machine that every results JSON carries.
 
 Import `colo_kit` and these defaults are in place before torch or vLLM are imported:
-- `OMP_NUM_THREADS=1`: tiny models on 2 cores run 10-50x faster than with one thread per core
-  fighting over them (measured on the kit's CPU machines).
-- `VLLM_CPU_KVCACHE_SPACE=1` (GiB): vLLM's CPU engine otherwise reserves ~21 GiB for KV cache.
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: the engine runs in-process (6 s to start instead
-  of 35-69 s, and no spawn, so notebook cells need no `__main__` guard).
+- `OMP_NUM_THREADS=1`: on 2 cores a trainer and an engine each wanting a thread per core fight over
+  them; tiny models run many times faster with one thread each.
+- `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM's CPU engine otherwise reserves
+  a large share of the machine's memory for KV cache.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: the engine runs in-process (no engine process to spawn:
+  it starts several times faster, and notebook cells need no `__main__` guard).
 - `VLLM_USE_FLASHINFER_SAMPLER=0` when flashinfer is absent (the GPU stack does not carry it).
 - `PYTORCH_NVML_BASED_CUDA_CHECK=1` on a GPU machine: `torch.cuda.is_available()` then asks NVML
   instead of initialising CUDA, so the process can still fork multi-GPU workers (`colo_kit.launch`).
@@ -140,6 +141,25 @@ def apply_defaults() -> None:
         import flashinfer  # noqa: F401
     except Exception:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def quiet() -> None:
+    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach
+    something, not their start-up chatter. Call before torch or vLLM is imported (a notebook's
+    first cell); anything the user already set wins, and child processes inherit it.
+
+    Hidden, each seen in the notebooks' cells: vLLM's INFO/WARNING lines (Triton without a CPU
+    backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's unused-parameter
+    scan), TRL's "experimental API" notice, transformers' callback notices, and the FutureWarning
+    vLLM triggers with `torch.distributed.reduce_op`."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", message=r".*reduce_op.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is not able to be represented.*", category=UserWarning)
 
 
 def _version(dist: str) -> str | None:

@@ -667,6 +667,7 @@ def cli_main(argv: list[str]) -> int:
 
         offload = report["recommendation"].get("offload_optimizer", args.offload_optimizer) or args.offload_optimizer
         report["configs"] = {k: str(v) for k, v in write_configs(args.model, args.gpus, offload_optimizer=offload,
-                                                                 offload_params=args.offload_params).items()}
+                                                                 offload_params=args.offload_params,
+                                                                 gpus_per_node=args.gpus_per_node).items()}
     print(json.dumps(report, indent=1) if args.json else _format(report))
     return 0

@@ -226,24 +226,17 @@ class SleepManager:
 
 # Seen by the team on 2x H200 with vLLM 0.26.0 (shared/gpu/README.md), before the kit's own
 # benchmark ran; shown only until results/engine_bench.json exists.
-TEAM_SEEN_VLLM_0_26 = {
-    "source": "seen by the team, vLLM 0.26.0 (2x H200; not a kit benchmark)",
-    "model": "qwen2.5-1.5b",
-    "sleep_l2_s": 0.07, "sleep_l2_freed_gib": 41.7, "push_s": 0.07,
-    "plain_llm_tok_per_s_at_0.3": 37000,
-    "trl_colocate_switch_s": [0.15, 0.27],
-}
-
-
 def h200_reference() -> dict:
-    """The committed GPU benchmark (results/engine_bench.json) if present, else the numbers the
-    team saw, labelled as such."""
+    """The committed GPU benchmark (results/engine_bench.json), labelled measured with its vLLM; or,
+    where it is missing, only a note saying which script measures it."""
     path = results_dir() / "engine_bench.json"
     if path.exists():
         data = json.loads(path.read_text())
-        data.setdefault("source", f"results/engine_bench.json ({data.get('env', {}).get('versions', {}).get('vllm')})")
+        data.setdefault("source", f"measured, results/engine_bench.json (vLLM "
+                                  f"{data.get('env', {}).get('versions', {}).get('vllm')})")
         return data
-    return dict(TEAM_SEEN_VLLM_0_26)
+    return {"source": "not measured here: bash scripts/gpu/engine_bench.sh on a GPU node writes "
+                      "results/engine_bench.json"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,22 +271,14 @@ def switch_rows(reference: dict) -> list[dict]:
     return rows
 
 
-def switch_figure(reference: dict, goal_s: float = 0.05, trl_s: tuple = (0.15, 0.27)):
-    """Stacked parts of the switch per model and level, with the issue's goal and TRL's range."""
+def switch_figure(reference: dict, target_s: float = 0.05):
+    """Stacked parts of the switch per model and level (measured), with the kit's target per step."""
     import plotly.graph_objects as go
 
     rows = switch_rows(reference)
-    if rows:
-        x = [f"{r['model']} L{r['level']}" for r in rows]
-        bars = [go.Bar(x=x, y=[r[k] or 0 for r in rows], name=k.removesuffix("_s")) for k in SWITCH_PARTS]
-    else:  # only the numbers the team saw: sleep and push, vLLM 0.26.0
-        x = ["qwen2.5-1.5b L2 (seen)"]
-        bars = [go.Bar(x=x, y=[reference.get("sleep_l2_s", 0)], name="sleep"),
-                go.Bar(x=x, y=[reference.get("push_s", 0)], name="push")]
-    fig = go.Figure(bars)
-    fig.add_hline(y=goal_s, line_dash="dash", annotation_text=f"goal {goal_s} s (1.5B)")
-    fig.add_hrect(y0=trl_s[0], y1=trl_s[1], opacity=0.12, line_width=0,
-                  annotation_text="TRL 1.16 colocate sleep, per step")
+    x = [f"{r['model']} L{r['level']}" for r in rows]
+    fig = go.Figure([go.Bar(x=x, y=[r[k] or 0 for r in rows], name=k.removesuffix("_s")) for k in SWITCH_PARTS])
+    fig.add_hline(y=target_s, line_dash="dash", annotation_text=f"target {target_s} s per step (1.5B)")
     fig.update_layout(barmode="stack", title=f"Switch cost per training step — {reference.get('source', '')}",
                       yaxis_title="seconds", height=400)
     return fig

@@ -109,6 +109,10 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
                    "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **_commit()}
             if rc != 0:
                 rec["error_tail"] = tail
+            if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
+                from colo_kit.lab import facts_of
+
+                rec["facts"] = facts_of(html_dir / p.name)
             if (html_dir / (p.stem + ".html")).exists():  # the HTML copy is what readers open; keep the repo light
                 (html_dir / p.name).unlink(missing_ok=True)
             out.append(rec)

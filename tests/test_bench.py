@@ -10,9 +10,10 @@ from colo_kit.env import has_cuda
 
 
 def test_cli_rejects_bad_batches(capsys):
-    with pytest.raises(SystemExit):
+    from colo_kit.cli import UsageError
+
+    with pytest.raises(UsageError, match="--batches '8,x'"):
         cli_main(["--batches", "8,x"])
-    assert "--batches '8,x'" in capsys.readouterr().err
 
 
 def test_batch_must_be_multiple_of_generations():

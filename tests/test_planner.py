@@ -196,7 +196,7 @@ def test_deepspeed_config_is_the_posts_recipe():
         deepspeed_config(2, offload_params=True)
 
 
-@pytest.mark.parametrize("model, gpus", [("qwen2.5-7b", 2), ("qwen2.5-72b", 8)])
+@pytest.mark.parametrize("model, gpus", [("qwen2.5-7b", 2), ("qwen2.5-72b", 16)])
 def test_committed_configs_are_what_the_generator_writes(tmp_path, model, gpus):
     paths = write_configs(model, gpus, out=tmp_path)
     for key, path in paths.items():
@@ -204,6 +204,21 @@ def test_committed_configs_are_what_the_generator_writes(tmp_path, model, gpus):
         assert committed.exists(), f"{committed} missing: run colo_kit.recipes.write_configs({model!r}, {gpus})"
         if key != "accelerate_zero3":  # that one names the JSON by path, which differs under tmp_path
             assert committed.read_text() == path.read_text()
+
+
+def test_the_72b_recipe_spans_the_nodes_the_planner_says_it_needs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from colo_kit.planner import what_fits
+
+    recipe = dict(vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
+                  vllm_gpu_memory_utilization=0.3)
+    rows = [r for r in what_fits("qwen2.5-math-72b", gpu_counts=(8, 16, 32), host_mem_gib=560, **recipe)
+            if r["setup"] == "colocate, sleep 2, offload"]
+    smallest = min(r["gpus"] for r in rows if r["fits"])
+    cfg = load_config_from_file(str(REPO_ROOT / f"configs/accelerate/zero3_qwen2.5-72b_{smallest}gpu.yaml"))
+    assert cfg.num_processes == smallest and cfg.num_machines == smallest // 8 > 1  # one 8-GPU node is too little host
+    assert not (REPO_ROOT / "configs/accelerate/zero3_qwen2.5-72b_8gpu.yaml").exists()
 
 
 def test_accelerate_reads_the_generated_zero3_yaml():

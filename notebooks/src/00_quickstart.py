@@ -1,13 +1,23 @@
 # %% [markdown]
 # # 00 · Quickstart: GRPO with vLLM colocated in the trainer
 #
-# **GRPO** (Group Relative Policy Optimization, from the DeepSeekMath paper) is *online* RL: at every
-# step the model writes several answers (a *group*) to each prompt, a reward function scores them, and
-# the model is pushed towards the answers that scored above their group's average. No value network,
-# no fixed dataset of answers — the model learns from what it just generated.
+# **You will**
+# - run TRL's `GRPOTrainer` with `use_vllm=True, vllm_mode="colocate"` on a model built offline;
+# - watch the first post's length reward rise, step by step;
+# - read the two numbers that prove the colocated engine follows the trainer's weights;
+# - generate with the engine that lives inside the trainer.
 #
-# That makes **generation the bottleneck**: every optimizer step waits for fresh completions. TRL
-# generates them with **vLLM**, in one of two ways:
+# **Time** (Run All, measured): CPU laptop (2 cores) ~1.2 min · 1×H200 ~1.2 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device, whatever the machine has.
+# **Before this:** Python and a first idea of reinforcement learning; nothing about vLLM or TRL.
+#
+# **GRPO** (Group Relative Policy Optimization, from the DeepSeekMath paper) is *online* RL: at every step the
+# model writes several answers (a *group*) to each prompt, a reward function scores them, and the model is
+# pushed towards the answers that scored above their group's average. No value network, no fixed dataset of
+# answers — the model learns from what it just generated.
+#
+# That makes **generation the bottleneck**: every optimizer step waits for fresh completions. TRL generates
+# them with **vLLM**, in one of two ways:
 #
 # | mode | where vLLM runs | what the GPUs do |
 # |---|---|---|
@@ -15,15 +25,15 @@
 # | `colocate` | inside every training process, on the same GPU | generation and training take turns on one device; nobody waits for another machine |
 #
 # Colocation (TRL PR #3394) starts vLLM with `distributed_executor_backend="external_launcher"`, so each
-# training rank owns an engine in the same `torch.distributed` group. In the first post it was up to
-# **1.43×** faster (1.5B) and **1.35×** (7B) than server mode on 8 GPUs, and ran a 72B model on 4 fewer GPUs.
-#
-# In the next few minutes you will: build a model offline, run TRL's `GRPOTrainer` with
-# `use_vllm=True, vllm_mode="colocate"` and the post's **length reward** (`-abs(20 - len(completion))`),
-# and watch the reward rise.
+# training rank owns an engine in the same `torch.distributed` group. The first post quotes it up to
+# **1.43×** faster (1.5B) and **1.35×** (7B) than server mode on 8 GPUs, and running a 72B model on 4 fewer GPUs
+# (quoted; notebook 01 shows what the kit measured and modelled).
 
 # %%
-import colo_kit  # sets OMP_NUM_THREADS=1 and vLLM's CPU defaults before torch/vLLM load
+import colo_kit
+
+colo_kit.quiet()  # the libraries' start-up chatter off; their errors stay
+from colo_kit import lab
 from colo_kit.env import Machine, describe
 from colo_kit.models import default_preset, get_preset
 
@@ -51,20 +61,37 @@ print(f"preset {preset.name}: {preset.num_hidden_layers} layers, hidden {preset.
 # ## Control panel
 #
 # Move the sliders, then run the cells below again. `num_generations` is the group size G: the batch must
-# hold whole groups, so the per-device batch is set to `2 × G` prompts' worth of completions.
-# The reward is highest (0) for completions of exactly `target` characters. A *compiled* engine (vLLM's
-# default: torch.compile and, on a GPU, CUDA graphs) decodes faster but takes 50–90 s longer to start on a GPU:
-# worth it for long runs, not for forty steps, so the quickstart starts vLLM eager.
+# hold whole groups, so the per-device batch is set to `2 × G` completions. The reward is highest (0) for
+# completions of exactly `target` characters. A *compiled* engine (vLLM's default: torch.compile and, on a GPU,
+# CUDA graphs) decodes faster but starts much later; for forty steps the quickstart starts vLLM eager.
 
 # %%
 import ipywidgets as widgets
 from IPython.display import display
 
-steps_w = widgets.IntSlider(value=40, min=5, max=200, step=5, description="steps")
-gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations")
-target_w = widgets.IntSlider(value=20, min=0, max=100, step=5, description="target chars")
-compiled_w = widgets.Checkbox(value=False, description="compiled engine (torch.compile + CUDA graphs)")
+wide = {"description_width": "initial"}
+steps_w = widgets.IntSlider(value=40, min=5, max=200, step=5, description="steps", style=wide)
+gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations (G)", style=wide)
+target_w = widgets.IntSlider(value=20, min=0, max=100, step=5, description="target characters", style=wide)
+compiled_w = widgets.Checkbox(value=False, description="compiled engine (torch.compile + CUDA graphs)", style=wide)
 display(widgets.VBox([steps_w, gen_w, target_w, compiled_w]))
+
+# %% [markdown]
+# ### Exercise 1 · Predict before you train
+#
+# With the panel's defaults (G = 8, per-device batch 2 × 8 = 16), how many *different prompts* does one optimizer
+# step train on? Replace the `...` and run the cell.
+
+# %%
+answer = ...  # a number
+lab.check("00.prompts_per_step", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **2.** Sixteen completions in groups of eight completions of one prompt: two prompts, each compared within its
+# own group — that comparison is GRPO's "advantage".
+# </details>
 
 # %% [markdown]
 # ## Train
@@ -94,45 +121,92 @@ fig = make_subplots(specs=[[{"secondary_y": True}]])
 fig.add_scatter(x=steps, y=run.rewards, name="mean reward", mode="lines+markers")
 fig.add_scatter(x=steps, y=run.series("completions/mean_length"), name="mean completion length (tokens)",
                 mode="lines", line=dict(dash="dot"), secondary_y=True)
-fig.update_layout(title=f"GRPO, colocated vLLM, length reward (target {target_w.value} chars)",
+fig.update_layout(title=f"GRPO, colocated vLLM, length reward (target {target_w.value} characters), this run",
                   xaxis_title="optimizer step", height=420)
 fig.update_yaxes(title_text="reward = -|target - len(text)|", secondary_y=False)
 fig.update_yaxes(title_text="tokens", secondary_y=True)
 fig.show()
+lab.see("00.reward", "the mean reward climbs towards 0 within the first few dozen steps (same seed, same model: "
+        "the same numbers on the same kind of machine)", steps=len(run.steps), first=run.rewards[0],
+        last=run.rewards[-1])
 
 # %% [markdown]
 # The reward climbs because the policy learns to stop early (the end-of-turn token) and to prefer short
 # tokens. Nothing here needs a good model: even random weights learn it, which is why the post uses it as a
 # smoke test. Two numbers TRL logs tell you the colocated engine really follows the trainer:
-# `sampling/sampling_logp_difference/mean` (vLLM's log-probs vs the trainer's for the same tokens) stays near 0,
-# and the importance-sampling ratio stays near 1. If weight sync were broken, the gap would grow every step.
+# `sampling/sampling_logp_difference/mean` (vLLM's log-probs vs the trainer's for the same tokens) and the
+# importance-sampling ratio (the trainer's probability of a sampled token over vLLM's).
+#
+# ### Exercise 2 · Break it in your head
+#
+# Suppose the weights stopped reaching vLLM after each optimizer step. What would the log-prob gap do over the
+# steps: grow, shrink, or stay near 0?
+
+# %%
+answer = ...  # "grow", "shrink" or "stay"
+lab.check("00.broken_sync", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **Grow.** vLLM would keep sampling from the old policy while the trainer moves on, so the two disagree more
+# every step and the importance ratios drift from 1. The kit hit exactly this on vLLM-CPU with tied embeddings
+# (the README's "What we found"): a gap of about 2 nats within 20 steps (from an exploratory run, not committed).
+# </details>
 
 # %%
 gap = run.series("sampling/sampling_logp_difference/mean")
 ratio = run.series("sampling/importance_sampling_ratio/mean")
 print(f"vLLM vs trainer log-prob gap: first {gap[0]:.4f}, last {gap[-1]:.4f} (nats)")
 print(f"importance-sampling ratio: first {ratio[0]:.3f}, last {ratio[-1]:.3f}")
+lab.see("00.sync", "the gap stays near 0 (well under 0.05 nats) and the ratio near 1: the engine samples from the "
+        "trainer's current weights", last_gap=gap[-1], last_ratio=ratio[-1])
 
 # %% [markdown]
 # ## What the trained policy writes now
 #
-# The engine inside the trainer is a normal vLLM `LLM`; generate with it directly.
+# The engine inside the trainer is a normal vLLM `LLM`; generate with it directly. Four samples of one prompt
+# (`n=4`), so they differ. The model has random weights: most ids it samples are the tokenizer's *filler*
+# tokens (`<fillNNN>`), which pad the kit's small byte-level vocabulary up to Qwen2's 151,936 entries. What it
+# learned is the length, not the words.
 
 # %%
 from vllm import SamplingParams
 
 llm = run.trainer.vllm_generation.llm
-prompts = ["SUBREDDIT: r/cooking\n\nTITLE: My roommate keeps eating my leftovers\n\nPOST: Every night the fridge is empty. How do I handle this?\n\nTL;DR:"] * 4
-for out in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=1), use_tqdm=False):
-    text = out.outputs[0].text
-    print(f"{len(text):>4} chars | {text!r}")
+prompt = ("SUBREDDIT: r/cooking\n\nTITLE: My roommate keeps eating my leftovers\n\nPOST: Every night the fridge "
+          "is empty. How do I handle this?\n\nTL;DR:")
+out = llm.generate([prompt], SamplingParams(n=4, max_tokens=32, temperature=1.0, seed=1), use_tqdm=False)[0]
+for sample in out.outputs:
+    print(f"{len(sample.text):>4} characters | {sample.text!r}")
 
 # %% [markdown]
-# ## The post's example, for reference
+# ### Exercise 3 · The reward by hand
 #
-# The first post's script trains `Qwen/Qwen2-0.5B-Instruct` on `trl-lib/tldr` with this reward,
-# `vllm_gpu_memory_utilization=0.3`, `num_generations=4`, `per_device_train_batch_size=4`, `max_steps=2`.
-# Ours is the same call with more steps (so you see learning) and a model that needs no download.
+# What does the length reward (target 20) give the completion `"Exactly twenty chars"`? Check with
+# `colo_kit.rewards.length_reward([...])` afterwards if you like.
+
+# %%
+answer = ...  # a number
+lab.check("00.reward_value", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
 #
-# **Next:** `01_ping_pong` (why server mode leaves GPUs idle), `02_sleep_mode`, `03_tp_tuning`,
+# **0.** The text has exactly 20 characters, spaces included: −|20 − 20| = 0, the best any completion scores.
+# </details>
+
+# %% [markdown]
+# ## Recap
+#
+# - GRPO learns from groups of its own completions, scored by a reward; generation is every step's first cost.
+# - Colocated, vLLM lives in the training process (`external_launcher`) and takes turns with training on the
+#   same device; TRL pushes the new weights into it before each generation.
+# - `sampling/sampling_logp_difference/mean` near 0 and importance ratios near 1 show the engine follows the
+#   trainer; a growing gap means a broken weight sync.
+# - The post's own example script: `Qwen/Qwen2-0.5B-Instruct` on `trl-lib/tldr`, this reward,
+#   `vllm_gpu_memory_utilization=0.3`, `num_generations=4`, `per_device_train_batch_size=4`, `max_steps=2`
+#   (quoted). This notebook is the same call with more steps and a model that needs no download.
+#
+# **Next:** `01_ping_pong` — why server mode leaves GPUs idle, measured. Then `02_sleep_mode`, `03_tp_tuning`,
 # `04_zero3_72b_recipe`, `05_rewards_and_math500`, `06_async_lora_proxy`.

@@ -1,6 +1,16 @@
 # %% [markdown]
 # # 01 · Ping-pong: server mode vs colocate mode
 #
+# **You will**
+# - run TRL's `GRPOTrainer` in server mode and in colocate mode on this machine and see each device's timeline;
+# - measure the idle time that server mode's ping-pong costs, and apply the post's N/(N−k) normalisation;
+# - predict, with the ping-pong model, when colocation wins — at 2 GPUs and at the post's 8;
+# - tell measured numbers from modelled and quoted ones.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~1.1 min · 1×H200 ~3.8 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Before this:** `00_quickstart` (a colocated GRPO run and what TRL logs).
+#
 # Post 1's core claim. In **server mode** (TRL before 0.18, `trl vllm-serve`) vLLM runs on its own device and the
 # trainers talk to it over HTTP. TRL's loop is synchronous: **while vLLM generates, the training devices wait; while
 # they train, the vLLM device waits** — ping-pong. In **colocate mode** (TRL PR #3394) every training process holds
@@ -12,7 +22,7 @@
 # 1. shows the two timelines side by side (who waits for whom, the idle fraction of each device);
 # 2. the batch sweep and the post's **normalisation** (server throughput × N/(N−k) when k of N devices serve);
 # 3. the **ping-pong model** (`colo_kit.pingpong`): step time from measured phase costs, checked against the runs,
-#    then projected to the post's 8-GPU experiments (7 train + 1 vLLM) beside its 1.43× and 1.35×;
+#    and — from GPU costs only — projected to the post's 8-GPU experiments (7 train + 1 vLLM);
 # 4. a control panel to explore the model.
 #
 # What runs live depends on the machine, and the first cell below says it in one line:
@@ -33,10 +43,10 @@ import ipywidgets as widgets
 import pandas as pd
 from IPython.display import Markdown, display
 
-import colo_kit  # noqa: F401  (runtime defaults)
+import colo_kit
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from colo_kit import bench, pingpong
+colo_kit.quiet()
+from colo_kit import bench, lab, pingpong
 from colo_kit.env import Machine, vllm_version
 from colo_kit.launch import free_port
 from colo_kit.models import PRESETS
@@ -50,8 +60,8 @@ print(f"vLLM {vllm_version()}")
 #
 # GRPO with the length reward on tl;dr prompts. `per_device_batch` completions per device per step, in groups of
 # `num_generations` per prompt. `colo_kit.bench.live_settings` picks them for this machine: on a CPU the kit's
-# `tiny` model (Qwen2 architecture, random weights); on a GPU random-weight Qwen2.5-1.5B (0.5B on GPUs under
-# 70 GiB) with G = 8.
+# `tiny` model (Qwen2 architecture, random weights); on a GPU random-weight Qwen2.5-1.5B (0.5B on smaller GPUs) with
+# G = 8.
 
 # %%
 SETTINGS = bench.live_settings(MACHINE)
@@ -80,6 +90,12 @@ server_res = bench.sweep(SETTINGS["model"], modes=("server",), server_port=free_
 mine = bench.merge_results([server_res, colocate_res])
 for r in mine["runs"]:
     print(r["label"], r.get("error") or f"{r['tokens_per_s']} tok/s, step {r['step_time_s']} s, idle {r['idle_fraction']}")
+by_label = {r["label"]: r for r in mine["runs"]}
+srv, col = by_label.get(f"server-b{SETTINGS['per_device_batch']}", {}), by_label.get(f"colocate-b{SETTINGS['per_device_batch']}", {})
+if srv.get("tokens_per_s") and col.get("tokens_per_s"):
+    lab.see("01.live", "in server mode each side waits while the other works (a large idle share on both rows of the "
+            "timeline); colocated, one device does both back to back", colocate_over_server_raw=round(
+                col["tokens_per_s"] / srv["tokens_per_s"], 2), server_idle_max=max(srv["idle_fraction"].values()))
 
 # %% [markdown]
 # Each bar is one phase of one device, from TRL's own timers: `generation` (vLLM), `waiting` (a trainer blocked on
@@ -98,7 +114,7 @@ gantt(timeline_of(mine, f"server-b{b}"), f"server mode, batch {b}: trainer + vLL
 gantt(timeline_of(mine, f"colocate-b{b}"), f"colocate mode, batch {b}: one device", skip_steps=1).show()
 
 # %% [markdown]
-# ### The same charts from two H200s (committed)
+# ### The same charts from two H200s (measured, committed)
 #
 # Real GPUs, real TRL 1.16, random-weight Qwen2.5-1.5B, 256-token completions, G=8: GPU 0 trains, GPU 1 runs the
 # vLLM server. Watch GPU 0 wait (grey) through every generation and GPU 1 wait through every training step.
@@ -111,10 +127,11 @@ if h200 is None:
 else:
     if bench.load_result("pingpong_gpu") is None:
         display(Markdown(
-            "**Partial sweep** (`results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a record. "
-            "That run had gradient checkpointing forced off (a kit bug, since fixed: GPU runs keep TRL's default), "
-            "and colocate at batch 64 then needs ~149 GiB per GPU (the planner, notebook 04), more than an H200 has; "
-            "its colocate batch-32 and -64 configurations failed and the worker dropped their error records (also fixed)."))
+            "**Partial sweep** (measured, `results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a "
+            "record. That run had gradient checkpointing forced off (a kit bug, since fixed: GPU runs keep TRL's "
+            "default), and colocate at batch 64 then needs ~149 GiB per GPU (modelled by the planner, notebook 04), "
+            "more than an H200 has; its colocate batch-32 and -64 configurations failed and the worker dropped their "
+            "error records (also fixed)."))
     for mode in ("server", "colocate"):
         runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
         if runs:
@@ -130,10 +147,11 @@ else:
 # Normalised (the post's "×8/7"): server throughput × N/(N−k), i.e. per *training* device — a fair comparison when
 # the question is "what does each GPU I train on give me".
 #
-# The sweep below is the committed one (`colo-kit bench`, `results/pingpong_cpu.json`), with the H200 sweep
-# (`scripts/gpu/pingpong.sh`, `results/pingpong_gpu.json`) beside it when present. **Read the CPU ratios as a
+# The sweep below is the committed one (`colo-kit bench`, measured in `results/pingpong_cpu.json`), with the H200
+# sweep (`scripts/gpu/pingpong.sh`, `results/pingpong_gpu.json`) beside it when present. **Read the CPU ratios as a
 # demonstration of the machinery, not as measurements of the post's effect**: the trainer and the server are two
-# processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps here moved by 2× and more.
+# processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps here moved by 2× and more
+# (measured, not committed as a series).
 
 # %%
 display(pd.DataFrame(mine["summary"]).assign(source="this notebook"))
@@ -152,13 +170,44 @@ for name, res in committed.items():
 # %% [markdown]
 # ### What two devices can and cannot show
 #
-# On 2×H200 (issue 4: TRL 1.16, random 1.5B, 256-token completions, G=8), colocate on both GPUs is **1.85–1.95×**
-# server mode with 1 train + 1 vLLM GPU **raw**, but **0.93–0.98× after the ×2 normalisation**. That is not a
-# contradiction of the post. With one trainer per server, the server generates exactly the batch one colocated GPU
-# generates: each mode spends gen(b) + train(b) per step per training GPU, so per GPU they tie (colocated vLLM is a
-# bit slower: less memory, shared device). The post's **1.43×** (1.5B) and **1.35×** (7B) come from **one vLLM GPU
-# serving seven trainers**: it must generate 7·b completions while all seven wait, and gen(7b) > gen(b). Two GPUs
-# cannot show that directly — the model below can, from costs measured on them.
+# With one trainer per server, the server generates exactly the batch one colocated GPU generates: each mode spends
+# gen(b) + train(b) per step per training GPU, so after the ×2 normalisation the modes should about tie (modelled
+# below; colocated vLLM is a bit slower: less memory, a shared device). The post's **1.43×** (1.5B) and **1.35×**
+# (7B), quoted, come from **one vLLM GPU serving seven trainers**: it must generate 7·b completions while all seven
+# wait, and gen(7b) > gen(b). Two GPUs cannot show that directly; the model below can, from costs measured on GPUs.
+#
+# ### Exercise 1 · Two GPUs
+#
+# Two GPUs, server mode = 1 trains + 1 serves. After the post's normalisation, is colocate clearly faster,
+# clearly slower, or about even? Write your prediction.
+
+# %%
+answer = ...  # "faster", "slower" or "about even"
+lab.check("01.two_gpus", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **About even.** Per training GPU both modes generate b completions and train on them each step; normalising by
+# N/(N−k) = 2 removes the one GPU that only serves. The raw ratio is about 2× (modelled) for the same reason: colocate
+# trains on both GPUs, server mode on one.
+# </details>
+#
+# ### Exercise 2 · Eight GPUs
+#
+# Eight GPUs, the post's layout: 7 train, 1 serves. Which mode gets more tokens per second per training GPU?
+
+# %%
+answer = ...  # "server" or "colocate"
+lab.check("01.eight_gpus", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **Colocate.** The single vLLM GPU generates 7 × b completions per step while the seven trainers wait, so a
+# server-mode step costs gen(7b) + train(b), a colocated one gen(b) + train(b). The post quotes up to 1.43× (1.5B);
+# section 4 models it from measured costs.
+# </details>
 
 # %% [markdown]
 # ## 4 · The ping-pong model
@@ -171,56 +220,66 @@ for name, res in committed.items():
 #
 # **Validation**, two ways that never re-add a run's own phases: `cross-mode` predicts each colocate run from costs
 # measured in server mode only (the model's claim: both modes spend gen(b) + train(b) per device); `leave-one-out`
-# predicts each run from the costs fitted on the other runs. The issue's bar is 10% on the H200 runs. On CPU the two
+# predicts each run from the costs fitted on the other runs; the model is held to 10% on GPU runs. On CPU the two
 # "devices" are two processes on the same cores: the server process slows the trainer down (training in server mode
-# measured 2–3× slower than the same training colocated), so the model's premise — independent devices — does not
-# hold there, and the CPU errors say so.
+# measured 2–3× slower than the same training colocated, `results/pingpong_cpu.json`), so the model's premise —
+# independent devices — does not hold there, and the CPU errors say so.
 
 # %%
 data = committed["pingpong_gpu"] or committed["pingpong_cpu"] or mine
 source = "pingpong_gpu" if committed["pingpong_gpu"] else ("pingpong_cpu" if committed["pingpong_cpu"] else "this notebook")
-display(Markdown(f"costs from **{source}**"))
+GPU_COSTS = source == "pingpong_gpu"
+display(Markdown(f"costs from **{source}**" + ("" if GPU_COSTS else
+                 " — CPU processes, a demonstration of the machinery: no projection to GPUs is made from them")))
 display(pd.DataFrame(pingpong.validate(data["runs"], data.get("gen_probe", []))))
 display(pd.DataFrame(pingpong.validate(mine["runs"], mine.get("gen_probe", []))).assign(source="this notebook"))
 costs = pingpong.fit_costs(data["runs"], data.get("gen_probe", []))
 pd.DataFrame(costs.gen_points, columns=["completions", "server generation s"])
 
 # %% [markdown]
-# **Projection to the post's 8-GPU experiments** (7 train + 1 vLLM), beside the post's numbers at its largest batch.
-# The 7B curve scales every measured cost by the parameter ratio — an assumption (compute and weight traffic both
-# grow with size), not a measurement.
+# **Projection to the post's 8-GPU experiments** (7 train + 1 vLLM, modelled), beside the post's quoted numbers at
+# its largest batch — made only from costs measured on GPUs. The 7B curve scales every measured cost by the
+# parameter ratio: an assumption (compute and weight traffic both grow with size), not a measurement. Without a
+# committed GPU sweep the cell shows the model's machinery on the CPU costs instead, labelled as such.
 
 # %%
 ratio_7b = PRESETS["qwen2.5-7b"].num_params() / PRESETS["qwen2.5-1.5b"].num_params()
 batches = [8, 16, 32, 64]
-proj_15 = pingpong.project_post(costs, batches)
-pingpong.projection_figure(proj_15, pingpong.POST_SPEEDUPS["qwen2.5-1.5b"],
-                           f"8 GPUs, 7 train + 1 vLLM: model from {source} costs vs post (1.5B)").show()
-proj_7 = pingpong.project_post(costs.scaled(ratio_7b, f"x{ratio_7b:.1f} (7B/1.5B params)"), batches)
-pingpong.projection_figure(proj_7, pingpong.POST_SPEEDUPS["qwen2.5-7b"],
-                           "same, every cost scaled to 7B by parameter count (assumption)").show()
+proj = pingpong.project_post(costs, batches)
+if GPU_COSTS:
+    pingpong.projection_figure(proj, pingpong.POST_SPEEDUPS["qwen2.5-1.5b"],
+                               "modelled from results/pingpong_gpu.json: 8 GPUs, 7 train + 1 vLLM, 1.5B").show()
+    proj_7 = pingpong.project_post(costs.scaled(ratio_7b, f"x{ratio_7b:.1f} (7B/1.5B params)"), batches)
+    pingpong.projection_figure(proj_7, pingpong.POST_SPEEDUPS["qwen2.5-7b"],
+                               "same, every cost scaled to 7B by parameter count (assumption)").show()
+else:
+    MACHINE.say("no GPU sweep committed (results/pingpong_gpu.json): the curve below is the model run on CPU "
+                "costs, a demonstration of the machinery, not a projection of the post's GPUs")
+    pingpong.projection_figure(proj, None, f"model machinery on CPU costs ({source}): not a GPU projection").show()
 two = pingpong.speedup(costs, 2, batches[-1])
 display(Markdown(
-    f"At batch {batches[-1]}: 2 devices (1+1) → raw **{two['raw']}×**, normalised **{two['normalised']}×**; "
-    f"8 devices (7+1) → normalised **{proj_15[-1]['normalised']}×** (post: 1.43× for 1.5B). In server mode on 8 "
-    f"devices the trainers idle {proj_15[-1]['server_trainer_idle']:.0%} of each step and the vLLM device "
-    f"{proj_15[-1]['server_vllm_idle']:.0%}."))
+    f"Modelled from {source} costs, at batch {batches[-1]}: 2 devices (1+1) → raw **{two['raw']}×**, normalised "
+    f"**{two['normalised']}×**; 8 devices (7+1) → normalised **{proj[-1]['normalised']}×** (the post quotes 1.43× "
+    f"for 1.5B). In server mode on 8 devices the trainers idle {proj[-1]['server_trainer_idle']:.0%} of each step "
+    f"and the vLLM device {proj[-1]['server_vllm_idle']:.0%}."))
 
 # %% [markdown]
 # ## 5 · Explore the model
 #
 # N devices, k of them serving, per-device batch, model size (costs scaled by parameter count from the measured
-# model). Raw and normalised speedup of colocate over server mode, and how long each side of the ping-pong idles.
+# model). Raw and normalised speedup of colocate over server mode, and how long each side of the ping-pong idles —
+# modelled, from the costs named above.
 
 # %%
 out = widgets.Output()
-w_n = widgets.IntSlider(value=8, min=2, max=64, description="N devices")
-w_k = widgets.IntSlider(value=1, min=1, max=8, description="k serving")
-w_b = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=64, description="batch/device")
+wide = {"description_width": "initial"}
+w_n = widgets.IntSlider(value=8, min=2, max=64, description="N devices", style=wide)
+w_k = widgets.IntSlider(value=1, min=1, max=8, description="k serving", style=wide)
+w_b = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=64, description="batch per device", style=wide)
 measured = data["settings"]["model"]
 sizes = [n for n, p in PRESETS.items() if n.startswith("qwen2.5")]
 w_m = widgets.Dropdown(options=sizes, value="qwen2.5-1.5b" if "qwen2.5-1.5b" in sizes else sizes[0],
-                       description="model")
+                       description="model", style=wide)
 
 
 def update(*_):
@@ -232,8 +291,8 @@ def update(*_):
         base = PRESETS[measured].num_params() if measured in PRESETS else None
         c = costs if base is None else costs.scaled(PRESETS[w_m.value].num_params() / base, "size")
         s = pingpong.speedup(c, w_n.value, w_b.value, w_k.value)
-        print(f"colocate / server: raw {s['raw']}×, normalised (×{w_n.value}/{w_n.value - w_k.value}) "
-              f"{s['normalised']}×")
+        print(f"modelled from {source} costs — colocate / server: raw {s['raw']}×, normalised "
+              f"(×{w_n.value}/{w_n.value - w_k.value}) {s['normalised']}×")
         print(f"server mode step {s['server_step_s']:.3g} s: trainers idle {s['server_trainer_idle']:.0%}, "
               f"vLLM idle {s['server_vllm_idle']:.0%}; colocate step {s['colocate_step_s']:.3g} s")
 
@@ -262,3 +321,14 @@ else:
                        extra_colocate={"colocate-kit-best": {"steps_per_generation": 4}})
     bench.throughput_figure(full, "this machine: 1.5B").show()
     display(pd.DataFrame(full["summary"]))
+
+# %% [markdown]
+# ## Recap
+#
+# - Server mode's synchronous loop makes each side wait for the other: the timelines show it as idle rows.
+# - The post's normalisation (server × N/(N−k)) asks what each *training* GPU gives; at N = 2 the modes about tie,
+#   and the gap opens when one vLLM GPU serves many trainers (the post's 7 + 1, up to 1.43× quoted).
+# - The ping-pong model turns measured phase costs into those predictions; it is checked on runs it was not fitted
+#   to, and projects to GPUs only from costs measured on GPUs.
+#
+# **Next:** `02_sleep_mode` — how a colocated engine gives its memory back while the trainer runs.

@@ -1,6 +1,16 @@
 # %% [markdown]
 # # 02 · The colocated engine and sleep mode
 #
+# **You will**
+# - build a colocated vLLM engine sized from training settings, and generate with it;
+# - push a trainer's weights into it and prove, with a greedy probe, that it holds them;
+# - put it to sleep at level 1 and level 2 and read what each frees (on a GPU; the measured H200 numbers otherwise);
+# - time the switch one training step pays, part by part.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~0.4 min · 1×H200 ~0.6 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device.
+# **Before this:** `00_quickstart`; `01_ping_pong` helps (why colocation at all).
+#
 # In colocate mode (post 1, TRL PR #3394) every training process holds its own vLLM engine, built with
 # `distributed_executor_backend="external_launcher"` inside the trainer's `torch.distributed` group. Training and
 # generation then take turns on the same GPU, so the engine must **give its memory back while the trainer runs**:
@@ -16,16 +26,15 @@
 # else and shows the H200 numbers committed under `results/`.
 
 # %%
-import json
-import os
 
 import ipywidgets as widgets
 import pandas as pd
 from IPython.display import Markdown, display
 
-import colo_kit  # noqa: F401  (runtime defaults)
+import colo_kit
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's start-up log out of the cells
+colo_kit.quiet()  # vLLM's start-up log out of the cells
+from colo_kit import lab
 from colo_kit.engine import ColocatedEngine, ColocateSettings
 from colo_kit.env import Machine, vllm_version
 from colo_kit.sleep import (SleepManager, SleepModeUnavailable, h200_reference, memory_figure, switch_figure,
@@ -44,13 +53,15 @@ MACHINE.say(f"vLLM {vllm_version()}; " + ("one engine on GPU 0, sleep levels 1 a
 # GPU the engine may take beside the trainer. Change the values and re-run the cells below.
 
 # %%
+wide = {"description_width": "initial"}
 model_w = widgets.Dropdown(options=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
                            value=("qwen2.5-1.5b" if MACHINE.gpu_mem_gib >= 70 else "qwen2.5-0.5b") if GPU else "tiny",
-                           description="model")
-batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per-device batch")
-util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.9, step=0.05, description="vLLM util")
-level_w = widgets.ToggleButtons(options=[1, 2], value=2, description="sleep level")
-steps_w = widgets.IntSlider(value=3, min=1, max=10, description="switch steps")
+                           description="model", style=wide)
+batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per-device batch", style=wide)
+util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.9, step=0.05, description="vllm_gpu_memory_utilization",
+                             style=wide)
+level_w = widgets.ToggleButtons(options=[1, 2], value=2, description="sleep level", style=wide)
+steps_w = widgets.IntSlider(value=3, min=1, max=10, description="switch steps", style=wide)
 display(widgets.VBox([model_w, batch_w, util_w, level_w, steps_w]))
 
 # %%
@@ -67,6 +78,23 @@ for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_
         print("ValueError:", err)
 
 # %% [markdown]
+# ### Exercise 1 · Size the engine
+#
+# `per_device_batch = 8`, `vllm_tensor_parallel_size = 2`, `gradient_accumulation_steps = 4`: what `max_num_seqs`
+# does the colocated engine get? (Try it: `ColocateSettings(...).max_num_seqs`.)
+
+# %%
+answer = ...  # a number
+lab.check("02.max_num_seqs", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **64** = 8 × 2 × 4. The engine of a TP group generates for every rank of the group, for all micro-batches of one
+# optimizer step at once — the post's `max_num_seqs = per_device_batch × tp × grad_accum`.
+# </details>
+
+# %% [markdown]
 # ## 2 · Build the engine and generate
 #
 # One process here, so the engine makes a one-rank process group (gloo on CPU, NCCL on GPU) before vLLM starts —
@@ -77,6 +105,8 @@ for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_
 
 # %%
 engine = ColocatedEngine(model_w.value, settings, enforce_eager=True)  # starts in seconds (notebook 00 says why)
+lab.see("02.engine", "an engine up within seconds (eager), and generation of token ids, text and log-probs",
+        startup_s=round(engine.startup_s, 1))
 print(f"engine up in {engine.startup_s:.1f} s on {engine.device}; seed {engine.seed}, TP {engine.tp}")
 out = engine.generate(["Summarise: the cat sat on the mat.", "2 + 2 ="], n=2, max_tokens=12)
 pd.DataFrame({"prompt": [engine.tokenizer.decode(p) for p in out.prompt_ids], "completion": out.texts,
@@ -111,8 +141,12 @@ engine.push_weights(trainer_model)
 changed = engine.probe()
 trainer_model.load_state_dict(original)
 engine.push_weights(trainer_model)
+restored = engine.probe()["token_ids"] == before["token_ids"]
 print(f"perturbed weights change the probe: {changed['token_ids'] != before['token_ids']}; "
-      f"pushing the originals back restores it: {engine.probe()['token_ids'] == before['token_ids']}")
+      f"pushing the originals back restores it: {restored}")
+lab.see("02.push", "True, True, True: the same weights keep the probe, other weights change it, the originals "
+        "bring it back", same=same["token_ids"] == before["token_ids"],
+        changed=changed["token_ids"] != before["token_ids"], restored=restored, push_ms=round(push_s * 1000, 1))
 
 # %% [markdown]
 # ## 4 · Sleep, wake, push: the switch of one training step
@@ -124,6 +158,25 @@ print(f"perturbed weights change the probe: {changed['token_ids'] != before['tok
 #
 # On a CPU this section stops at a clear error: vLLM's CPU engine has no sleep mode (it would log a warning and keep
 # all its memory), so the kit refuses rather than pretend.
+#
+# ### Exercise 2 · The post's buffer pitfall, today
+#
+# The post hit vLLM #16564: level-2 sleep lost the model's *buffers*, and `load_weights` brings back parameters
+# only, so generation after wake-up went wrong. With vLLM 0.26 (this kit's GPU tier), sleep at level 2, wake, push
+# the trainer's weights and do **not** restore buffers yourself: does the greedy self-check pass or fail? Read
+# `sleep()` and `wake_up()` in `vllm/v1/worker/gpu_worker.py` to decide.
+
+# %%
+answer = ...  # "pass" or "fail"
+lab.check("02.no_buffer_restore", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **Pass.** vLLM fixed it (PR #16889): before a level-2 sleep its GPU worker copies every `named_buffers()` tensor to
+# the CPU, and `wake_up()` copies them back. `SleepManager.restore_buffers` is the post's workaround, still there for
+# older vLLM; `SleepManager(...).self_check(model)` is how you would see it fail on one.
+# </details>
 
 # %%
 try:
@@ -155,31 +208,35 @@ else:
     memory_figure(mgr1.stages, f"{model_w.value}: level {mgr1.level} (this run)").show()
 
 # %% [markdown]
-# ## 5 · The H200 reference
+# ## 5 · The H200 reference (measured)
 #
 # `scripts/gpu/engine_bench.sh` ran on 2×H200 (vLLM 0.26.0): random-init Qwen2.5-1.5B and 7B, the kit's engine at
 # `gpu_memory_utilization=0.3` against a plain `vllm.LLM` at 0.9 (256 prompts × 256 tokens, `ignore_eos`), and the
-# switch per training step, each part timed over several steps, with NVML memory at each stage. Until that JSON
-# is committed, the numbers shown are the ones the team saw by hand, labelled as such.
+# switch per training step, each part timed over several steps, with NVML memory at each stage
+# (`results/engine_bench.json`).
 
 # %%
 ref = h200_reference()
 display(Markdown(f"**Source:** {ref['source']}"))
 if "summary" in ref:
-    display(pd.DataFrame(ref["summary"]).T)
+    scalars = {m: {k: v for k, v in s.items() if not isinstance(v, dict)} for m, s in ref["summary"].items()}
+    display(pd.DataFrame(scalars).T)
     display(pd.DataFrame(switch_rows(ref)).set_index(["model", "level"]).round(4))
-else:
-    display(pd.Series({k: v for k, v in ref.items() if k != "source"}, name="value").to_frame())
-switch_figure(ref).show()
+    switch_figure(ref).show()
+
+# %% [markdown]
+# The two charts below look alike, and that is the lesson: on the **GPU** both levels free the same memory (NVML sees
+# only the GPU). They differ elsewhere. Level 1 keeps a copy of the weights in **CPU memory** (the host needs room
+# for it) and wakes by copying it back; level 2 keeps nothing, so waking needs the trainer's weights pushed in — which
+# GRPO does every step anyway, hence the post's choice of level 2.
 
 # %%
 part = ref.get("parts", {}).get("qwen2.5-1.5b/colocate", {})
 if "level2" in part:
-    memory_figure(part["level2"]["stages"], "Qwen2.5-1.5B on H200, level 2: NVML memory per stage (committed)").show()
-    memory_figure(part["level1"]["stages"], "Qwen2.5-1.5B on H200, level 1 (committed)").show()
+    memory_figure(part["level2"]["stages"], "Qwen2.5-1.5B on H200, level 2: NVML memory per stage (measured)").show()
+    memory_figure(part["level1"]["stages"], "Qwen2.5-1.5B on H200, level 1 (measured)").show()
 else:
-    print("No committed per-stage memory yet: scripts/gpu/engine_bench.sh writes it to results/engine_bench.json. "
-          "The team saw sleep(level=2) free 41.7 GiB in 0.07 s (1.5B, vLLM 0.26.0, by hand).")
+    MACHINE.say(ref["source"])
 
 # %% [markdown]
 # ## 6 · Shut down cleanly
@@ -191,3 +248,14 @@ else:
 # %%
 engine.close()
 print("closed")
+
+# %% [markdown]
+# ## Recap
+#
+# - A colocated engine is sized from training settings: `max_num_seqs = per_device_batch × tp × grad_accum`,
+#   `max_model_len = prompt + completion`, and its share of the GPU, `vllm_gpu_memory_utilization`.
+# - A greedy probe is a fingerprint of the weights an engine holds: it is how the kit checks every push and wake.
+# - Sleep level 1 parks the weights in CPU memory; level 2 drops them and needs a push — the natural fit for GRPO.
+# - Every training step pays the switch (sleep, wake, push, wake the KV cache); section 5 shows its parts measured.
+#
+# **Next:** `03_tp_tuning` — sharding one engine over several GPUs, and when that helps.

@@ -1,11 +1,22 @@
 # %% [markdown]
 # # 03 · Tensor parallelism for colocated vLLM: when sharding helps
 #
+# **You will**
+# - start multi-process cells from a notebook with `colo_kit.launch`, and see a worker's crash come back as an error;
+# - measure generation and colocated GRPO at TP 1 (and TP 2 where the machine has two GPUs);
+# - see why every TP group needs one seed, and what breaks without it;
+# - weigh the post's explanation of the TP trend against what the kit measured.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~0.8 min · 1×H200 ~1.1 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Before this:** `02_sleep_mode` (the colocated engine).
+#
 # Colocated vLLM (TRL's `vllm_mode="colocate"`) can shard each engine over several GPUs with
-# `vllm_tensor_parallel_size` (TP). The first post swept it with GRPO on 8 GPUs and found two opposite trends:
+# `vllm_tensor_parallel_size` (TP). The first post swept it with GRPO on 8 GPUs and reports two opposite trends
+# (quoted):
 #
 # - **Qwen2.5-1.5B** (experiment 2): more TP is **slower** — "avoid sharding small models".
-# - **Qwen2.5-7B** (experiment 4): more TP is **faster**, up to **1.73×**.
+# - **Qwen2.5-7B** (experiment 4): more TP is **faster**, up to **1.73×** (quoted).
 #
 # This notebook measures both on the GPUs of one node, TP 1 against TP 2: **generation alone** (N prompts × T
 # tokens through colocated engines) and **colocated GRPO steps** with TRL. Each run spans several processes,
@@ -23,8 +34,10 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import Markdown, display
 
-import colo_kit  # noqa: F401  (runtime defaults)
-from colo_kit import tp
+import colo_kit
+
+colo_kit.quiet()
+from colo_kit import lab, tp
 from colo_kit.env import Machine
 from colo_kit.launch import kernel_problems, launch
 
@@ -161,6 +174,23 @@ tp.throughput_figure(gen_sweeps, title).show()
 # workers of one TP group must draw the same random numbers or their sequences drift apart — the bug the post
 # bisected in vLLM #15895.
 #
+# ### Exercise 1 · Break the seed rule
+#
+# Under TP 2, suppose rank 1 of a group got seed 1 while rank 0 has seed 0. What happens to the tokens the two
+# workers sample?
+
+# %%
+answer = ...  # in a few words
+lab.check("03.tp_seed", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **They diverge.** Each TP worker runs its own sampler over the same logits; with different seeds they pick different
+# tokens, the shards' sequences drift apart and the engine produces garbage or hangs. TRL and the kit both use
+# `seed = rank // tp` (`trl/generation/vllm_generation.py`, `colo_kit.engine.ColocatedEngine`).
+# </details>
+#
 # ## 4 · Colocated GRPO with `vllm_tensor_parallel_size`
 #
 # The same comparison inside training: TRL's `GRPOTrainer`, `vllm_mode="colocate"`, on every GPU of the node,
@@ -206,16 +236,23 @@ for row in tp.ratios_table(GPU_RESULTS):
     print(row)
 
 # %% [markdown]
-# ## 6 · Why the trend flips: communication against room for the KV cache
+# ## 6 · Why the trend might flip: the post's explanation, and what was measured
+#
+# The usual explanation of the post's two trends has two parts (the numbers are modelled by `colo_kit.planner`):
 #
 # - **Communication.** TP splits each layer's matrices over the GPUs, so each layer ends with an all-reduce of
 #   its output — two per layer per forward pass, for every generated token. The bytes depend on the hidden
 #   size, not on the model's total size, while the compute saved shrinks with the model: for 1.5B the matrices
 #   are small and the saved time is less than the synchronisation added.
 # - **Room for the KV cache.** Colocated, vLLM may use only `vllm_gpu_memory_utilization` of each GPU. The 7B
-#   weights (14 GiB in bf16) take a third of 0.3 × 141 GB; at TP 2 each GPU holds half, so the KV cache gets
-#   more room and each decode step reads half the weights per GPU — decoding is memory-bound. The 1.5B weights
-#   (3 GiB) barely dent the budget: TP 2 adds little room.
+#   weights (about 14 GiB in bf16, modelled) take a third of 0.3 of an H200; at TP 2 each GPU holds half, so the KV
+#   cache gets more room and each decode step reads half the weights per GPU. The 1.5B weights (about 3 GiB)
+#   barely dent the budget.
+#
+# **What the kit measured does not settle it.** Generation alone on 2×H200 came out *slower* at TP 2 for both
+# models (0.67× for 1.5B, 0.59× for 7B, measured in `results/tp_gpu.json`, eager engines). The post measured whole
+# GRPO steps on 8 GPUs; more KV room pays off only when the batch needs it, and the kit's colocated GRPO TP runs on
+# two GPUs are still owed. Read the explanation as the hypothesis the GRPO runs will test.
 
 # %%
 tp.why_figure().show()
@@ -228,8 +265,9 @@ tp.why_figure().show()
 # sliders:
 
 # %%
-g_w = widgets.FloatSlider(value=1.5, min=0.5, max=2.5, step=0.05, description="gen speed-up g")
-f_w = widgets.FloatSlider(value=0.7, min=0.0, max=1.0, step=0.05, description="gen share f")
+wide = {"description_width": "initial"}
+g_w = widgets.FloatSlider(value=1.5, min=0.5, max=2.5, step=0.05, description="generation speed-up g", style=wide)
+f_w = widgets.FloatSlider(value=0.7, min=0.0, max=1.0, step=0.05, description="generation share f", style=wide)
 amdahl = widgets.Output()
 
 
@@ -251,6 +289,23 @@ display(widgets.HBox([g_w, f_w]), amdahl)
 show_amdahl()
 
 # %% [markdown]
+# ### Exercise 2 · Diluted by training
+#
+# Generation gets 1.5× faster with TP and takes 70% of a GRPO step. What speed-up does the whole step get? Two
+# decimals; the sliders above will tell you, but predict first.
+
+# %%
+answer = ...  # a number
+lab.check("03.amdahl", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **1.30** = 1 / ((1 − 0.7) + 0.7 / 1.5). Training does not get faster with TP, so the 30% of the step it takes
+# dilutes the generation gain — one reason a generation-only ratio and a GRPO-step ratio differ.
+# </details>
+
+# %% [markdown]
 # ## 7 · Closing note: measured against the post
 
 # %%
@@ -260,17 +315,29 @@ for row in tp.ratios_table(GPU_RESULTS):
     if row["generation_tp2_over_tp1"] is None:
         lines.append(f"- **{row['model']}**: the post — {ref['trend']}"
                      + (f" (up to {ref['max_speedup']}×)" if ref["max_speedup"] else "")
-                     + ". H200 measurement pending.")
+                     + " (quoted). H200 measurement pending.")
         continue
     gen, step = row["generation_tp2_over_tp1"], row["grpo_speedup_tp2"]
     judged = step or gen  # the post measured GRPO steps; generation alone when no step was measured
     agrees = (judged < 1) if ref["max_speedup"] is None else (judged > 1)
     lines.append(f"- **{row['model']}**: TP 2 over TP 1 = **{gen}×** for generation"
                  + (f", **{step}×** per GRPO step" if step else "")
-                 + f" on 2×H200; the post: {ref['trend']}"
-                 + (f" (up to {ref['max_speedup']}× on 8 GPUs)" if ref["max_speedup"] else "")
+                 + f" on 2×H200 (measured, results/tp_gpu.json); the post: {ref['trend']}"
+                 + (f" (up to {ref['max_speedup']}× on 8 GPUs, quoted)" if ref["max_speedup"] else "")
                  + (" — **same direction**." if agrees else " — **not the post's direction** on this setup."))
 display(Markdown("\n".join(lines) + "\n\nOn this machine: "
                  + (f"the live runs above were measured on {MACHINE}." if TIER == "gpu"
                     else "the CPU runs above show the code path (2 processes, TP groups, one seed per group, "
                          "TRL colocate with TP 2); their times say nothing about GPUs.")))
+
+# %% [markdown]
+# ## Recap
+#
+# - `colo_kit.launch` runs a function on every GPU (2 processes on a CPU) from a cell, returns each rank's value,
+#   and turns a worker's crash into an ordinary exception.
+# - A TP group is one model spread over GPUs: its ranks gather their prompts and must share one seed.
+# - TP changes only the generation part of a step: the step's gain is the generation gain diluted by training.
+# - The post's TP trends are quoted; on 2×H200 the kit measured generation slower at TP 2 for both sizes, and the
+#   GRPO-step comparison is still to be run.
+#
+# **Next:** `04_zero3_72b_recipe` — what fits where, and the 72B recipe.

@@ -1,9 +1,19 @@
 # %% [markdown]
 # # 04 · The 72B recipe: ZeRO-3, sleep level 2 and a memory planner
 #
+# **You will**
+# - split one GRPO step's GPU memory into its parts, phase by phase, with `colo_kit.planner`;
+# - check the planner against peaks measured on H200s, out of sample;
+# - work out what the post's 72B recipe needs: GPUs, sleep level, offload and host memory;
+# - generate the DeepSpeed and accelerate configs, and read a real scaled-down ZeRO-3 run.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~0.1 min · 1×H200 ~0.1 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`). No GPU needed: the planner is arithmetic.
+# **Before this:** `02_sleep_mode` (what sleep frees).
+#
 # The first post's last experiment trained **Qwen2.5-Math-72B** with colocated vLLM: it used **4 fewer GPUs**
 # than plain TRL (whose vLLM server needed its own GPUs) and was still **~1.26× faster**, with nearly identical
-# reward curves. Two things made 72B fit beside a vLLM engine on the same GPUs:
+# reward curves (quoted). Two things made 72B fit beside a vLLM engine on the same GPUs:
 #
 # - **vLLM sleep, level 2**: between generations the engine discards its weights and KV cache, handing the GPU
 #   to the trainer. GRPO pushes new weights every step anyway, so nothing worth keeping is lost.
@@ -23,8 +33,10 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import Markdown, display
 
-import colo_kit  # noqa: F401  (runtime defaults)
-from colo_kit import planner
+import colo_kit
+
+colo_kit.quiet()
+from colo_kit import lab, planner
 from colo_kit.models import PRESETS
 from colo_kit.paths import REPO_ROOT, results_dir
 from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fits
@@ -42,14 +54,19 @@ from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fit
 # What TRL 1.16 really keeps, read in its source: a model given by path is loaded in **float32** (weights,
 # gradients and both AdamW moments in fp32: 16 bytes per parameter), `gradient_checkpointing` is on by
 # default, and the per-token log-probs use a fused, chunked LM head, so the `(tokens × 151,936)` logits are
-# never materialised. Here is the example: Qwen2.5-1.5B, 2 GPUs, `u = 0.3`, sleep, 64 completions per GPU.
+# never materialised. Here is a setting the kit ran on H200s: Qwen2.5-1.5B, 2 GPUs, `u = 0.3`, sleep level 2, 64
+# completions per GPU. Every number below is modelled by the planner.
 
 # %%
 report = plan_report(model="qwen2.5-1.5b", gpus=2, gpu_mem_gib=141, vllm_gpu_memory_utilization=0.3,
                      sleep_level=2, per_device_batch=64, prompt_length=96, completion_length=256)
-parts_figure(report).show()
-print(json.dumps({k: report[k] for k in ("peak_gib_per_gpu", "peak_phase", "fits")}, indent=1))
-print("recommendation:", report["recommendation"]["why"])
+parts_figure(report, title=f"this setting: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU "
+             f"({report['peak_phase']} phase), modelled").show()
+rec = report["recommendation"]
+print(f"this setting (modelled): peak {report['peak_gib_per_gpu']} GiB per GPU in the {report['peak_phase']} "
+      f"phase; fits: {report['fits']}")
+print(f"the planner's recommendation (modelled): vllm_gpu_memory_utilization={rec['vllm_gpu_memory_utilization']}, "
+      f"sleep level {rec['sleep_level']}, peak {rec['peak_gib_per_gpu']} GiB per GPU — {rec['why']}")
 
 # %% [markdown]
 # The same question from a shell: `colo-kit plan --model qwen2.5-1.5b --gpus 2 --gpu-mem-gib 141 --mode colocate
@@ -76,7 +93,7 @@ display(Markdown(validation["note"]))
 # %% [markdown]
 # ## 3 · What does the 72B recipe need?
 #
-# Qwen2.5-Math-72B (72.7B parameters), full fine-tuning, ZeRO-3, vLLM TP = 4 (its bf16 weights are 135 GiB:
+# Qwen2.5-Math-72B (72.7B parameters), full fine-tuning, ZeRO-3, vLLM TP = 4 (its bf16 weights are 135 GiB, modelled:
 # one GPU cannot hold them), 8 completions per GPU of up to 512 + 1024 tokens. The host column is CPU memory per
 # 8-GPU node: optimizer offload keeps DeepSpeed's fp32 master weights, Adam moments and gradients there —
 # 16 bytes per parameter, spread over the nodes. The lent 8×H200 machine has 560 GiB.
@@ -99,28 +116,71 @@ for r in table:
           f"{r['host_gib_per_node']:6.0f} GiB/node  GPUs in total {r['total_gpus']:>3}  "
           f"{'fits' if r['fits'] else 'does not fit'}")
 
+# %%
+def cheapest(setup):
+    fits = [r for r in table if r["setup"] == setup and r["fits"]]
+    return min(fits, key=lambda r: r["gpus"]) if fits else None
+
+
+offload, no_offload = cheapest("colocate, sleep 2, offload"), cheapest("colocate, sleep 2")
+eight = next(r for r in table if r["setup"] == "colocate, sleep 2, offload" and r["gpus"] == 8)
+display(Markdown(
+    "Reading the table (all modelled by `colo_kit.planner`):\n\n"
+    "- **Without sleep** the engine's `u × memory` stays on the GPU during the backward pass: the training phase "
+    "carries both. **With sleep level 2** the training phase only carries the trainer.\n"
+    f"- **With offload** 8 GPUs would hold the model ({eight['peak_gib_per_gpu']:.0f} GiB per GPU), but that one "
+    f"node's host memory must hold 16 bytes × 72.7B ≈ {eight['host_gib_per_node']:.0f} GiB, more than its 560 GiB: "
+    f"the smallest fit is **{offload['gpus']} GPUs** ({offload['gpus'] // 8} nodes, "
+    f"{offload['host_gib_per_node']:.0f} GiB of host memory each). Without offload the optimizer state stays on the "
+    f"GPUs: {no_offload['gpus']} GPUs hold it at {no_offload['peak_gib_per_gpu']:.0f} GiB each.\n"
+    "- **Server mode** needs the same training GPUs **plus** a TP-sized group for the vLLM server: here 4 more "
+    "GPUs, the post's \"4 fewer GPUs\" for colocate (quoted, with ~1.26× faster on top)."))
+
 # %% [markdown]
-# Reading the table:
-# - **Without sleep** the engine's `u × memory` stays on the GPU during the backward pass: the training phase
-#   carries both. **With sleep level 2** the training phase only carries the trainer; the generation phase
-#   becomes the peak.
-# - **Without offload**, ZeRO-3 still needs 12 bytes per parameter of optimizer state on the GPUs: 32 GPUs
-#   hold it, 8 cannot. **With offload** 8 GPUs hold the model, but one node's host memory must hold
-#   16 × 72.7B bytes ≈ 1.1 TiB — more than 560 GiB — so the recipe spans nodes (or uses LoRA).
-# - **Server mode** needs the same training GPUs **plus** a TP-sized group for the vLLM server: here 4 more
-#   GPUs, the post's "4 fewer GPUs" for colocate. The post measured colocate ~1.26× faster on top of that.
+# ### Exercise 1 · Bytes per parameter
+#
+# Full fine-tuning with AdamW, everything in fp32 as TRL loads a model given by path: how many bytes per parameter
+# do the weights, the gradients and both Adam moments take?
+
+# %%
+answer = ...  # a number
+lab.check("04.bytes_per_param", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **16** = 4 (weights) + 4 (gradients) + 4 + 4 (Adam's first and second moments). Offloading the optimizer moves
+# this state to the host's memory, which is why host memory decides the 72B recipe.
+# </details>
+#
+# ### Exercise 2 · One node?
+#
+# Qwen2.5-Math-72B, ZeRO-3 with the optimizer offloaded to the CPU, on one 8-GPU node with 560 GiB of host memory:
+# does the offloaded state fit? Answer yes or no, then compare with the table.
+
+# %%
+answer = ...  # "yes" or "no"
+lab.check("04.host_memory", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **No.** 16 bytes × 72.7B parameters ≈ 1.1 TiB of fp32 master weights, Adam moments and gradients on the host,
+# twice the node's 560 GiB. Spread over two nodes it is about 540 GiB each (modelled): the recipe below spans them.
+# </details>
 
 # %% [markdown]
 # ## 4 · The configs, generated
 #
-# `colo-kit plan --model qwen2.5-72b --gpus 8 --zero-stage 3 --offload-optimizer --sleep-level 2 --write-configs`
-# writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.recipes`). "auto" values are filled by the
-# Trainer from `GRPOConfig`. Launch: `accelerate launch --config_file configs/accelerate/zero3_qwen2.5-72b_8gpu.yaml
-# your_grpo_script.py`, with `GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-# vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=...)`.
+# `colo-kit plan --model qwen2.5-72b --gpus 16 --zero-stage 3 --offload-optimizer --sleep-level 2 --write-configs`
+# writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.recipes`) for the smallest fit above: 16 GPUs on two
+# 8-GPU nodes (`num_machines: 2`). "auto" values are filled by the Trainer from `GRPOConfig`. Launch on each node:
+# `accelerate launch --config_file configs/accelerate/zero3_qwen2.5-72b_16gpu.yaml --machine_rank <0|1>
+# --main_process_ip <node 0> your_grpo_script.py`, with `GRPOConfig(use_vllm=True, vllm_mode="colocate",
+# vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=...)`.
 
 # %%
-for path in ("configs/deepspeed/zero3_offload.json", "configs/accelerate/zero3_qwen2.5-72b_8gpu.yaml"):
+for path in ("configs/deepspeed/zero3_offload.json", "configs/accelerate/zero3_qwen2.5-72b_16gpu.yaml"):
     print(f"--- {path}\n{(REPO_ROOT / path).read_text()}")
 
 # %% [markdown]
@@ -165,21 +225,30 @@ else:
 # %% [markdown]
 # ## 6 · Your turn: the control panel
 #
-# Pick a model, GPU count, ZeRO stage, sleep level and offload; the bars show the parts of each phase.
-# Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate at
-# per-device batch 64 and 256-token completions needs ~149 GiB per GPU instead of ~82, more than an H200 has.
-# The kit's first H200 ping-pong sweep ran with it forced off by mistake, and its batch-64 colocate runs failed.
+# Pick a model, GPU count, batch, lengths, ZeRO stage, sleep level and offload; the bars show the parts of each phase
+# (modelled). Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate
+# at per-device batch 64 and 256-token completions needs about 149 GiB per GPU instead of about 82 (modelled), more
+# than an H200 has. The kit's first H200 ping-pong sweep ran with it forced off by mistake, and its batch-64 colocate
+# runs failed (measured, `results/pingpong_gpu_partial.json`).
 
 # %%
-model_w = widgets.Dropdown(options=[n for n in PRESETS if n != "tiny"], value="qwen2.5-7b", description="model")
-gpus_w = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=2, description="GPUs")
-zero_w = widgets.Dropdown(options=[0, 1, 2, 3], value=3, description="ZeRO stage")
-sleep_w = widgets.Dropdown(options=[("no sleep", 0), ("level 1", 1), ("level 2", 2)], value=2, description="sleep")
-offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU")
-util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vLLM util")
-tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP")
-mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU")
-ckpt_w = widgets.Checkbox(value=True, description="gradient checkpointing")
+wide = {"description_width": "initial"}
+model_w = widgets.Dropdown(options=[n for n in PRESETS if n != "tiny"], value="qwen2.5-7b", description="model",
+                           style=wide)
+gpus_w = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=2, description="GPUs", style=wide)
+zero_w = widgets.Dropdown(options=[0, 1, 2, 3], value=3, description="ZeRO stage", style=wide)
+sleep_w = widgets.Dropdown(options=[("no sleep", 0), ("level 1", 1), ("level 2", 2)], value=2,
+                           description="sleep", style=wide)
+offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU", style=wide)
+util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vllm_gpu_memory_utilization",
+                             style=wide)
+tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP", style=wide)
+mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU",
+                         style=wide)
+ckpt_w = widgets.Checkbox(value=True, description="gradient checkpointing", style=wide)
+batch_w = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=8, description="per-device batch", style=wide)
+completion_w = widgets.Dropdown(options=[128, 256, 512, 1024, 2048], value=512, description="completion tokens",
+                                style=wide)
 out = widgets.Output()
 
 
@@ -190,31 +259,45 @@ def show(*_):
             r = plan_report(model=model_w.value, gpus=gpus_w.value, zero_stage=zero_w.value,
                             sleep_level=sleep_w.value, offload_optimizer=offload_w.value and zero_w.value > 0,
                             vllm_gpu_memory_utilization=util_w.value, vllm_tensor_parallel_size=tp_w.value,
-                            gpu_mem_gib=mem_w.value, per_device_batch=8, prompt_length=256, completion_length=512,
-                            gradient_checkpointing=ckpt_w.value)
+                            gpu_mem_gib=mem_w.value, per_device_batch=batch_w.value, prompt_length=256,
+                            completion_length=completion_w.value, gradient_checkpointing=ckpt_w.value)
         except ValueError as exc:
             print(f"not a valid setting: {exc}")
             return
-        parts_figure(r).show()
-        print("recommendation:", {k: v for k, v in r["recommendation"].items() if k != "why"})
-        print(r["recommendation"]["why"])
+        parts_figure(r, title=f"your setting: peak {r['peak_gib_per_gpu']:.0f} GiB per GPU, "
+                     f"{'fits' if r['fits'] else 'does not fit'} (modelled)").show()
+        rec = r["recommendation"]
+        print(f"the planner's recommendation (modelled, peak {rec['peak_gib_per_gpu']} GiB per GPU):",
+              {k: v for k, v in rec.items() if k not in ("why", "peak_gib_per_gpu")})
+        print(rec["why"])
         for note in r["notes"]:
             print("note:", note)
 
 
-for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w, ckpt_w):
+for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w, ckpt_w, batch_w, completion_w):
     w.observe(show, names="value")
-display(widgets.VBox([widgets.HBox([model_w, gpus_w, zero_w]), widgets.HBox([sleep_w, offload_w, tp_w]),
-                      widgets.HBox([util_w, mem_w, ckpt_w]), out]))
+display(widgets.VBox([widgets.HBox([model_w, gpus_w, zero_w]), widgets.HBox([batch_w, completion_w, tp_w]),
+                      widgets.HBox([sleep_w, offload_w]), widgets.HBox([util_w, mem_w, ckpt_w]), out]))
 show()
 
 # %% [markdown]
 # ## Closing note
 #
-# The errors of the planner against every measured peak:
+# The errors of the planner (modelled) against every measured peak (`results/planner_validation.json`):
 
 # %%
 for r in validation["rows"]:
     print(f"{r['row']:<44} measured {r['measured_gib']:6.1f}  planner {r['predicted_gib']:6.1f} GiB  {r['error']:+.1%}")
 fitted = validation["constants"]["fitted"]
 print(f"\nfitted constants: { {k: v for k, v in fitted.items() if k != 'fitted_to'} } ({fitted['fitted_to']})")
+
+# %% [markdown]
+# ## Recap
+#
+# - A GRPO step has a generation phase and a training phase; the peak is the larger, and sleep moves the engine's
+#   share out of the training phase.
+# - Full fine-tuning in fp32 with AdamW costs 16 bytes per parameter; ZeRO-3 splits it over GPUs, offload moves the
+#   optimizer's part to host memory — which then decides how many nodes a 72B run needs.
+# - The planner is checked against measured NVML peaks; its recommendation says why it picked each setting.
+#
+# **Next:** `05_rewards_and_math500` — the rewards the posts train with, and an honest evaluation.

