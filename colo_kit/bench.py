@@ -121,7 +121,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
     def on_trainer(trainer):
         hooked["world"] = trainer.accelerator.num_processes
         hooked["rank"] = trainer.accelerator.process_index
-        tl.hook(trainer, server_device="vLLM server" if not has_cuda() else f"gpu{os.environ.get('COLO_KIT_SERVER_GPU', '1')} (vLLM server)")
+        server_gpu = os.environ.get("COLO_KIT_SERVER_GPU", "1")
+        tl.hook(trainer, server_device="vLLM server" if not has_cuda() else f"gpu{server_gpu} (vLLM server)")
 
     _free_rendezvous_port()
     if has_cuda():  # this process's own peaks, beside NVML's whole-GPU view (see `torch_peak_gib`)
@@ -359,7 +360,8 @@ def live_settings(machine=None) -> dict:
     m = machine or Machine.here()
     if not m.gpus:
         return dict(model="tiny", per_device_batch=8, num_generations=4, max_completion_length=32, steps=3,
-                    n_devices=None, vllm_enforce_eager=True, plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
+                    n_devices=None, vllm_enforce_eager=True,
+                    plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
                     "one trainer process on the same cores, colocate one process")
     model = "qwen2.5-1.5b" if m.gpu_mem_gib >= 70 else "qwen2.5-0.5b"
     if m.gpus == 1:
@@ -503,7 +505,8 @@ def throughput_figure(result: dict, title: str = ""):
     s = result["settings"]
     fig = go.Figure()
     xs = [str(r["per_device_batch"]) for r in rows]
-    fig.add_bar(x=xs, y=[r["server_tok_per_s"] for r in rows], name=f"server, raw ({s['n_devices'] - s['k_server']} train + {s['k_server']} vLLM)")
+    fig.add_bar(x=xs, y=[r["server_tok_per_s"] for r in rows],
+                name=f"server, raw ({s['n_devices'] - s['k_server']} train + {s['k_server']} vLLM)")
     fig.add_bar(x=xs, y=[r["server_normalised_tok_per_s"] for r in rows],
                 name=f"server × {s['n_devices']}/{s['n_devices'] - s['k_server']} (post's normalisation)")
     fig.add_bar(x=xs, y=[r["colocate_tok_per_s"] for r in rows], name=f"colocate ({s['n_devices']} devices)")

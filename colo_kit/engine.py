@@ -27,7 +27,6 @@ frees the engine's GPU memory while the trainer runs, is in `colo_kit.sleep`.
 from __future__ import annotations
 
 import atexit
-import gc
 import weakref
 import json
 import os
@@ -40,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.launch import free_port
-from colo_kit.vllm_compat import make_room_for_an_engine, stdout_with_fd
+from colo_kit.vllm_compat import make_room_for_an_engine, shutdown, stdout_with_fd
 
 # vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
 # profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
@@ -492,20 +491,8 @@ class ColocatedEngine:
                 self.asleep = set()
         except Exception:
             pass
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
+        shutdown(llm)
         del llm
-        gc.collect()
-        try:
-            import torch
-
-            if has_cuda() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        except Exception:
-            pass
         try:
             from vllm.distributed.parallel_state import destroy_model_parallel
 

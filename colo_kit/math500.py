@@ -1,7 +1,8 @@
-"""Math500: the answer checker behind the math reward, and the evaluation runner.
+"""Math500's answer checker: the judge behind the math reward (the evaluation runner is
+`colo_kit.math500_eval`, the deadline pool `colo_kit.checker_pool`).
 
 The first post closes with "both trained models beat the base model on Math500 and colocate matches
-plain". Reproducing that takes two things this module holds:
+plain". Reproducing that takes a checker and an evaluation; this module is the checker.
 
 1. **A checker** — `is_correct(completion, gold)`: is the final answer of a completion the gold
    answer? It is math-verify (which parses LaTeX to sympy and compares values, not strings) plus
@@ -26,35 +27,26 @@ plain". Reproducing that takes two things this module holds:
    twice: cheap guards refuse what the parser or sympy cannot finish (answers over 400 characters,
    brackets nested deeper than 8 — parsing time grows exponentially with depth —, functions nested
    deeper than 3, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
-   `is_correct` runs the comparison in a worker process with a deadline (`Checker`): a call that
-   overruns it is counted wrong and its worker killed and replaced. Each concurrent call gets its
-   own worker (threads never wait for each other), and a forked child process starts its own.
+   `is_correct` runs the comparison in a worker process with a deadline (`colo_kit.checker_pool`): a
+   call that overruns it has no verdict (`CheckerTimeout`) and its worker is killed and replaced.
+   Each concurrent call gets its own worker (threads never wait for each other), and a forked child
+   process starts its own.
 
    **Gold that cannot be parsed** (empty, over-long, or nothing math-verify can read) raises
    `UnparseableGold` from `is_correct`; `parse_gold(gold)` returns None for it. The reward turns it
    into None (TRL then ignores that sample) instead of punishing the policy for a broken label.
 
-2. **An evaluation runner** — `evaluate(model, ...)`: greedy answers to MATH-500 problems from vLLM
-   with the training prompt (`colo_kit.data.math_prompt`), scored with the checker, reported as
-   accuracy with a 95% Wilson interval and per-subject / per-level breakdowns, written as JSON.
+2. **An evaluation runner** — `colo_kit.math500_eval.evaluate(model, ...)`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import select
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from pathlib import Path
 
 # math-verify warns once that its timeout is disabled; we disable it on purpose (see above).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -440,204 +432,13 @@ def check(completion: str, gold: str) -> Verdict:
     return Verdict(bool(ok), answer, "math-verify")
 
 
-# ---------------------------------------------------------------------------------------------
-# The worker process with a deadline
-# ---------------------------------------------------------------------------------------------
-
-def _worker_main() -> None:
-    """Loop of the checker worker: one JSON request per stdin line, one JSON verdict per stdout line."""
-    out = sys.stdout
-    sys.stdout = sys.stderr  # nothing but verdicts on the pipe
-    check("\\boxed{1}", "1")  # warm the parser before saying ready
-    out.write('{"ready": true}\n')
-    out.flush()
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            v = asdict(check(req["completion"], req["gold"]))
-        except Exception as exc:  # a checker bug must not kill the worker: count it wrong, say why
-            v = {"correct": False, "answer": None, "reason": f"error: {type(exc).__name__}: {exc}"[:200],
-                 "gold_ok": True}
-        out.write(json.dumps(v) + "\n")
-        out.flush()
-
-
-class _Worker:
-    """One checker process: JSON lines in on stdin, out on stdout."""
-
-    def __init__(self):
-        from colo_kit.launch import child_env
-
-        env = child_env(OMP_NUM_THREADS="1")  # importable even when the kit is not pip-installed
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from colo_kit.math500 import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        self.pid = os.getpid()  # the process that owns it (a forked child must not use it)
-        self.ready = False
-        self._buf = b""
-
-    def readline(self, timeout_s: float) -> bytes | None:
-        end = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None  # the worker died
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
-
-    def alive(self) -> bool:
-        return self.pid == os.getpid() and self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.pid == os.getpid() and self.proc.poll() is None:
-            self.proc.kill()  # not waited for (subprocess reaps it later): the caller returns now
-
-
-class Checker:
-    """`check` in worker processes, with a deadline per comparison.
-
-    Thread-safe: each concurrent call gets a worker of its own (started on demand, at most
-    `max_workers`), so one thread's slow input never makes another thread wait. Fork-safe: a child
-    process that inherits a Checker starts its own workers. A call that overruns `deadline_s`
-    (start-up wait included: call `warm_up()` first on a busy machine) is counted wrong; a worker
-    stuck in a comparison is killed and a fresh one starts in the background. The deadline starts
-    once a worker is ready (a cold worker may take `start_timeout_s` to import on a busy machine:
-    that wait is not the input's fault), and a call that overruns it comes back `timed_out`, counted
-    in `timeouts`, never as a wrong answer."""
-
-    def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
-                 start_timeout_s: float = 120.0):
-        if not deadline_s > 0:
-            raise ValueError(f"deadline_s={deadline_s!r}: give the seconds a comparison may take, e.g. 3.0")
-        if max_workers < 1:
-            raise ValueError(f"max_workers={max_workers!r}: at least one worker process is needed")
-        self.deadline_s, self.max_workers, self.start_timeout_s = deadline_s, max_workers, start_timeout_s
-        self._cond = threading.Condition()
-        self._idle: list[_Worker] = []
-        self._busy = 0
-        self.restarts = 0
-        self.timeouts = 0
-
-    def _take(self) -> _Worker:
-        with self._cond:
-            self._idle = [w for w in self._idle if w.alive()]
-            while not self._idle and self._busy >= self.max_workers:
-                self._cond.wait()
-                self._idle = [w for w in self._idle if w.alive()]
-            self._busy += 1
-            if self._idle:
-                return self._idle.pop()
-        try:
-            return _Worker()
-        except BaseException:
-            self._give(None)
-            raise
-
-    def _give(self, worker: _Worker | None) -> None:
-        with self._cond:
-            self._busy -= 1
-            if worker is not None:
-                self._idle.append(worker)
-            self._cond.notify()
-
-    def check(self, completion: str, gold: str) -> Verdict:
-        """`check(completion, gold)` in a worker; returns within `deadline_s` whatever the input."""
-        if not isinstance(completion, str) or not isinstance(gold, str):
-            raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
-                            f"and {type(gold).__name__}")
-        completion = completion[-MAX_COMPLETION_CHARS:]  # what `check` reads anyway; keeps the pipe short
-        worker = self._take()
-        try:
-            if not worker.ready:
-                # A cold worker imports sympy and math-verify first (seconds, more on a loaded machine);
-                # that wait is not the input's, so the deadline starts after it.
-                if worker.readline(self.start_timeout_s) is None:
-                    dead = worker.proc.poll() is not None
-                    worker.kill()
-                    worker = None
-                    if dead:
-                        raise RuntimeError(f"the checker worker exited at start-up; run `{sys.executable} -c "
-                                           "'import math_verify'` to see why")
-                    self.timeouts += 1
-                    return Verdict(False, None, f"timeout: checker worker not started after {self.start_timeout_s} s",
-                                   timed_out=True)
-                worker.ready = True
-            end = time.monotonic() + self.deadline_s
-            try:
-                worker.proc.stdin.write((json.dumps({"completion": completion, "gold": gold}) + "\n").encode())
-                worker.proc.stdin.flush()
-                line = worker.readline(max(0.0, end - time.monotonic()))
-            except OSError:  # the worker died (killed from outside, out of memory): same as a timeout
-                line = None
-            if line is None:
-                worker.kill()
-                worker = None
-                self.restarts += 1
-                self.timeouts += 1
-                # A replacement starts in the background; the caller returns now.
-                threading.Thread(target=self._replace, daemon=True).start()
-                return Verdict(False, None, f"timeout after {self.deadline_s} s", timed_out=True)
-            return Verdict(**json.loads(line))
-        finally:
-            self._give(worker)
-
-    def _replace(self) -> None:
-        with self._cond:
-            if len(self._idle) + self._busy >= self.max_workers:
-                return
-            self._busy += 1
-        try:
-            worker = _Worker()
-        except Exception:
-            worker = None
-        self._give(worker)
-
-    def warm_up(self, workers: int = 1) -> None:
-        """Start `workers` processes now and wait until they are ready (a training run calls this
-        before its first step, so the first reward does not pay the start-up)."""
-        taken = [self._take() for _ in range(workers)]
-        for w in taken:
-            try:
-                if not w.ready and w.readline(self.start_timeout_s) is not None:
-                    w.ready = True
-            finally:
-                self._give(w)
-
-    def close(self) -> None:
-        with self._cond:
-            for w in self._idle:
-                w.kill()
-            self._idle = []
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-_default: Checker | None = None
-_default_lock = threading.Lock()
-
-
-def default_checker() -> Checker:
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Checker()
-        return _default
-
-
 def is_correct(completion: str, gold: str) -> bool:
     """True if the completion's final answer equals the gold answer (see the module docstring).
     Safe in threads and processes; no comparison takes longer than the deadline (4 s), whatever the
     input. Raises `UnparseableGold` if the gold answer cannot be read, and `CheckerTimeout` if the
     comparison ran out of time (it says nothing about the answer)."""
+    from colo_kit.checker_pool import default_checker
+
     verdict = default_checker().check(completion, gold)
     if verdict.timed_out:
         raise CheckerTimeout(f"the comparison took longer than {default_checker().deadline_s} s ({verdict.reason})")
@@ -645,238 +446,3 @@ def is_correct(completion: str, gold: str) -> bool:
         raise UnparseableGold(f"gold answer {gold!r} cannot be parsed (empty, over {MAX_ANSWER_CHARS} "
                               "characters, or not LaTeX math-verify reads); fix the dataset's `answer` column")
     return verdict.correct
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation runner
-# ---------------------------------------------------------------------------------------------
-
-def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion; sane at 0/n and n/n, unlike p ± z·se."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = correct / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def _summary(flags: list[bool]) -> dict:
-    k, n = sum(flags), len(flags)
-    lo, hi = wilson_interval(k, n)
-    return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": [round(lo, 4), round(hi, 4)]}
-
-
-def score(problems, completions: list[str], checker: Checker | None = None) -> dict:
-    """Score completions (one per problem, same order) with the checker: overall accuracy, its
-    Wilson interval, per-subject and per-level breakdowns, and one record per problem."""
-    rows = [dict(r) for r in problems]
-    if len(rows) != len(completions):
-        raise ValueError(f"{len(rows)} problems but {len(completions)} completions; pass one completion per problem")
-    checker = checker or default_checker()
-    samples, t0 = [], time.perf_counter()
-    for row, text in zip(rows, completions):
-        v = checker.check(text, str(row["answer"]))
-        samples.append({"unique_id": row.get("unique_id"), "subject": row.get("subject"), "level": row.get("level"),
-                        "gold": row["answer"], "answer": v.answer,
-                        "correct": v.correct if v.gold_ok and not v.timed_out else None,
-                        "timed_out": v.timed_out, "reason": v.reason, "completion": text})
-    scored = [s for s in samples if s["correct"] is not None]
-    report = _summary([s["correct"] for s in scored])
-    report["checker_timeouts"] = sum(s["timed_out"] for s in samples)  # not scored: no verdict
-    report["unparseable_gold"] = len(samples) - len(scored) - report["checker_timeouts"]
-    for key in ("subject", "level"):
-        groups: dict = {}
-        for s in scored:
-            if s[key] is not None:
-                groups.setdefault(str(s[key]), []).append(s["correct"])
-        report[f"by_{key}"] = {g: _summary(v) for g, v in sorted(groups.items())}
-    report["score_s"] = round(time.perf_counter() - t0, 3)
-    report["samples"] = samples
-    return report
-
-
-def _texts(outputs) -> list[str]:
-    """Completion texts from vLLM `RequestOutput`s or from an engine that returns strings."""
-    texts = []
-    for o in outputs:
-        if isinstance(o, str):
-            texts.append(o)
-        elif hasattr(o, "outputs"):
-            texts.append(o.outputs[0].text)
-        elif hasattr(o, "text"):
-            texts.append(o.text)
-        else:
-            raise TypeError(f"cannot read a completion from {type(o).__name__}; the engine's generate() should "
-                            "return vLLM RequestOutputs or strings")
-    return texts
-
-
-def _engine_model_name(llm) -> str | None:
-    try:
-        return str(llm.llm_engine.model_config.model)
-    except AttributeError:
-        return None
-
-
-def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float, seed: int) -> list[str]:
-    """One completion per prompt from a vLLM `LLM` (`generate(prompts, sampling_params)`) or from the
-    kit's `ColocatedEngine` (`generate(prompts, n=, max_tokens=, temperature=)` -> `.texts`)."""
-    import inspect
-
-    params = inspect.signature(model.generate).parameters
-    if "sampling_params" in params:
-        from vllm import SamplingParams
-
-        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        return _texts(model.generate(prompts, sp, use_tqdm=False) if "use_tqdm" in params
-                      else model.generate(prompts, sp))
-    out = model.generate(prompts, n=1, max_tokens=max_tokens, temperature=temperature)
-    return _texts(out.texts if hasattr(out, "texts") else out)
-
-
-def evaluate(model, *, limit: int | None = None, source: str = "auto", max_tokens: int = 1024,
-             temperature: float = 0.0, seed: int = 0, tokenizer=None, out: str | Path | None = None,
-             llm_kwargs: dict | None = None, problems=None) -> dict:
-    """Generate one answer per MATH-500 problem and score it.
-
-    `model` is a vLLM `LLM`, the kit's `ColocatedEngine`, or a model name / folder for which a
-    plain `vllm.LLM` is started here and shut down after. The prompt is
-    the training template (`colo_kit.data.math_prompt`) through the model's chat template.
-    `problems` overrides the dataset (default `colo_kit.data.load_math(source=source)`)."""
-    from colo_kit.data import load_math, math_prompt
-    from colo_kit.env import describe
-
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit!r}: evaluate at least one problem (or None for all)")
-    if problems is None:
-        problems = load_math(source=source)
-    dataset_name = getattr(getattr(problems, "info", None), "description", None) or "HuggingFaceH4/MATH-500"
-    rows = [dict(r) for r in problems]
-    if limit is not None:
-        rows = rows[:limit]
-    if not rows:
-        raise ValueError(f"no problems to evaluate in {dataset_name}")
-
-    owned = None
-    model_name = str(getattr(model, "model_path", None) or _engine_model_name(model) or model)
-    if isinstance(model, (str, Path)):
-        from vllm import LLM
-
-        from colo_kit.env import has_cuda
-        from colo_kit.models import resolve_model
-
-        path = str(resolve_model(str(model)))
-        kwargs = {"max_model_len": 2048, "seed": seed, "enforce_eager": not has_cuda()}
-        kwargs.update(llm_kwargs or {})
-        owned = model = LLM(model=path, **kwargs)
-        model_name = path
-    if tokenizer is None:
-        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError("pass tokenizer=...: the engine has no get_tokenizer() and the chat template is needed "
-                         "to build the same prompts as training")
-    prompts = [tokenizer.apply_chat_template(math_prompt(r["problem"]), tokenize=False, add_generation_prompt=True)
-               for r in rows]
-    t0 = time.perf_counter()
-    try:
-        texts = _generate(model, prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    finally:
-        generate_s = time.perf_counter() - t0
-        if owned is not None:
-            _shutdown(owned)
-    report = score(rows, texts)
-    from colo_kit.env import vllm_version
-
-    report = {"model": model_name, "dataset": dataset_name, "generate_s": round(generate_s, 3),
-              "settings": {"limit": limit, "source": source, "max_tokens": max_tokens, "temperature": temperature,
-                           "seed": seed, "prompt": "colo_kit.data.math_prompt"},
-              "env": describe(), **report}
-    report["env"]["versions"]["vllm"] = vllm_version()
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        report["path"] = str(out)
-    return report
-
-
-def load_policy(engine, model) -> None:
-    """Put a model's weights into a running engine, so one engine evaluates several models (base,
-    colocate-trained, plain-trained) without restarting: the colocate trick, used for evaluation.
-    `engine` is the kit's `ColocatedEngine` or a vLLM `LLM` (e.g. `trainer.vllm_generation.llm`);
-    `model` is a transformers model or a preset / folder / hub id to load."""
-    if isinstance(model, (str, Path)):
-        from transformers import AutoModelForCausalLM
-
-        from colo_kit.models import resolve_model
-
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(str(model))), dtype="auto")
-    if hasattr(engine, "push_weights"):
-        engine.push_weights(model)
-        return
-    from colo_kit.vllm_compat import load_weights
-
-    load_weights(engine, ((name, t.detach()) for name, t in model.state_dict().items()))
-
-
-def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
-    """`evaluate` each of `models` (name -> model or path) on one engine, loading its weights first."""
-    reports = {}
-    for name, model in models.items():
-        load_policy(engine, model)
-        reports[name] = evaluate(engine, **evaluate_kwargs)
-    return reports
-
-
-def _shutdown(llm) -> None:
-    import gc
-
-    engine = getattr(llm, "llm_engine", None)
-    for name in ("shutdown",):
-        for target in (llm, engine, getattr(engine, "engine_core", None)):
-            if target is not None and hasattr(target, name):
-                try:
-                    getattr(target, name)()
-                    break
-                except Exception:
-                    pass
-    del llm
-    gc.collect()
-
-
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, positive_int, writable_file
-    from colo_kit.models import resolve_model
-    from colo_kit.paths import runs_dir
-
-    ap = ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
-                        "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
-    ap.add_argument("--model", default="tiny", help="preset (tiny, qwen2.5-1.5b...), hub id or folder")
-    ap.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
-    ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
-    ap.add_argument("--data", default=None, help="a JSONL file of your own problems (problem, answer) instead")
-    ap.add_argument("--max-tokens", type=positive_int, default=1024)
-    ap.add_argument("--tp", type=positive_int, default=1, help="vLLM tensor_parallel_size (GPUs)")
-    ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
-    args = ap.parse_args(argv)
-    out = writable_file(args.out, "--out")
-    try:
-        resolve_model(args.model, build=False)
-        problems = None
-        if args.data:
-            from colo_kit.data import load_problems
-
-            problems = load_problems(args.data)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    llm_kwargs = {"tensor_parallel_size": args.tp} if args.tp > 1 else None
-    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=out,
-                 llm_kwargs=llm_kwargs, problems=problems)
-    lo, hi = r["ci95"]
-    print(f"{r['model']}: {r['correct']}/{r['n']} = {r['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {r['dataset']}")
-    for subject, s in r["by_subject"].items():
-        print(f"  {subject:<24} {s['correct']:>4}/{s['n']:<4} {s['accuracy']:.3f}")
-    print(f"wrote {r['path']}")
-    return 0

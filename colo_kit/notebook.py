@@ -277,5 +277,6 @@ def cli_demo(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(runs_dir() / "demo"))
     args = ap.parse_args(argv)
     r = execute(NOTEBOOKS / "00_quickstart.ipynb", Path(args.out))
-    print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n  HTML copy:         {r['html']}")
+    print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n"
+          f"  HTML copy:         {r['html']}")
     return 0

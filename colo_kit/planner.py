@@ -470,28 +470,24 @@ def parts_figure(report: dict, title: str | None = None):
 # Validation against measured NVML peaks
 # =================================================================================================
 
-# Measured with TRL 1.16 colocate on 2×H200 (random-init Qwen2.5-1.5B, u=0.3, 256-token completions, prompts
-# 32-95 tokens, G=8, bf16 autocast, AdamW, beta 0), as reported in issue 6. Prompt length: the padded maximum, 95.
-_COMMON = dict(model="qwen2.5-1.5b", gpu_mem_gib=H200_GIB, vllm_gpu_memory_utilization=0.3,
-               prompt_length=95, completion_length=256)
-MEASURED = [
-    {"row": "colocate 2 GPU, batch 8, no sleep", "measured_gib": 75.5, "plan": dict(gpus=2, per_device_batch=8, sleep_level=0)},
-    {"row": "colocate 2 GPU, batch 8, sleep", "measured_gib": 67.7, "plan": dict(gpus=2, per_device_batch=8, sleep_level=2)},
-    {"row": "colocate 2 GPU, batch 32, no sleep", "measured_gib": 76.0, "plan": dict(gpus=2, per_device_batch=32, sleep_level=0)},
-    {"row": "colocate 2 GPU, batch 32, sleep", "measured_gib": 70.8, "plan": dict(gpus=2, per_device_batch=32, sleep_level=2)},
-    {"row": "colocate 2 GPU, batch 64, no sleep", "measured_gib": 77.9, "plan": dict(gpus=2, per_device_batch=64, sleep_level=0)},
-    {"row": "colocate 2 GPU, batch 64, sleep", "measured_gib": 72.8, "plan": dict(gpus=2, per_device_batch=64, sleep_level=2)},
-    {"row": "colocate 1 GPU, batch 8, no sleep", "measured_gib": 69.9, "plan": dict(gpus=1, per_device_batch=8, sleep_level=0)},
-    {"row": "colocate 1 GPU, batch 8, sleep", "measured_gib": 60.9, "plan": dict(gpus=1, per_device_batch=8, sleep_level=2)},
-    {"row": "server mode, training GPU, batch 64", "measured_gib": 50.6, "plan": dict(gpus=1, per_device_batch=64, mode="server")},
-]
+MEASURED_PEAKS = "planner_measured_peaks.json"  # under results/: the measured rows, their setup and a note
+
+
+def _measured(results_dir: Path | None = None) -> dict:
+    from colo_kit.paths import results_dir as _rd
+
+    return json.loads((Path(results_dir or _rd()) / MEASURED_PEAKS).read_text())
 
 
 def measured_rows(results_dir: Path | None = None) -> list[dict]:
-    """The issue's rows, plus the ZeRO-3 run's own per-GPU peak when results/zero3_run.json exists."""
+    """The measured rows (results/planner_measured_peaks.json), plus the ZeRO-3 run's own per-GPU peak
+    when results/zero3_run.json exists."""
     from colo_kit.paths import results_dir as _rd
 
-    rows = [dict(r, plan={**_COMMON, **r["plan"]}, source="issue 6 (TRL 1.16 colocate, 2×H200)") for r in MEASURED]
+    data = _measured(results_dir)
+    common = {**data["common_plan"], "gpu_mem_gib": H200_GIB}
+    rows = [dict(r, plan={**common, **r["plan"]}, source="TRL 1.16 on 2×H200 (results/planner_measured_peaks.json)")
+            for r in data["rows"]]
     path = Path(results_dir or _rd()) / "zero3_run.json"
     if path.exists():
         run = json.loads(path.read_text())
@@ -511,7 +507,7 @@ def fit_constants(rows: list[dict] | None = None) -> dict:
     import itertools
 
     rows = rows or [r for r in measured_rows() if r["plan"].get("mode", "colocate") == "colocate"
-                    and r["source"].startswith("issue")]
+                    and r["source"].startswith("TRL 1.16 on 2×H200")]
     saved = dict(FITTED)
     grid = {"CUDA_CONTEXT_GIB": [0.5 + 0.25 * k for k in range(11)],
             "NCCL_GIB": [0.25 * k for k in range(1, 13)],  # NCCL buffers are never free
@@ -541,8 +537,8 @@ def validation_table(results_dir: Path | None = None) -> dict:
         "rows": rows,
         "max_abs_error": round(max(abs(r["error"]) for r in rows), 4),
         "constants": {
-            "fitted": {**FITTED, "fitted_to": "the 8 colocate rows of issue 6 (minimax relative error over a grid); "
-                                              "the server row and the ZeRO-3 run were not used"},
+            "fitted": {**FITTED, "fitted_to": "the 8 colocate rows measured on 2×H200 (minimax relative error over a "
+                                              "grid); the server row and the ZeRO-3 run were not used"},
             "set": {"H200_GIB": H200_GIB, "VLLM_ASLEEP_GIB": VLLM_ASLEEP_GIB, "VLLM_OVERHEAD_GIB": VLLM_OVERHEAD_GIB,
                     "WEIGHT_SYNC_BUFFERS_GIB": WEIGHT_SYNC_BUFFERS_GIB, "TOKEN_TILE": TOKEN_TILE, "VOCAB_TILE": VOCAB_TILE},
         },
@@ -556,27 +552,12 @@ def write_validation(path: Path | None = None) -> Path:
 
     path = Path(path or results_dir() / "planner_validation.json")
     table = validation_table()
-    table["note"] = VALIDATION_NOTE
+    table["note"] = _measured()["note"]
     table["env"] = {k: v for k, v in describe().items() if k in ("python", "versions")}
     path.write_text(json.dumps(table, indent=1) + "\n")
     return path
 
 
-VALIDATION_NOTE = (
-    "Activations are modelled with gradient checkpointing (TRL GRPOConfig's default) although the rows were "
-    "reported as 'no gradient checkpointing': without it a 1.5B step at batch 64 keeps ~76 GiB of activations "
-    "(fp32 model, bf16 autocast), which cannot sit beside vLLM's 0.3 x 139.8 GiB under the measured 77.9 GiB; "
-    "with it every colocate row is within 5%. The server-mode row is not explained: the same trainer without "
-    "vLLM predicts ~36 GiB against 50.6 measured, while 2-GPU colocate at the same batch measured only 27.3 GiB "
-    "more (vLLM alone holds 41.9 GiB). No constant shared by all rows fits both; it needs a measured breakdown "
-    "(torch allocated/reserved per phase) of a server-mode run. A second server-mode observation, not a row "
-    "here: the kit's first H200 ping-pong sweep (results/pingpong_gpu_partial.json, server-b64) ran with "
-    "gradient checkpointing off (a kit bug since fixed) and its training GPU's NVML peak reached 137.2 GiB, "
-    "where the planner gives 103.2 for that setting (prompt length 95 assumed); at batch 64 without "
-    "checkpointing the planner also puts 2-GPU colocate at 148.9 GiB (does not fit), and those colocate "
-    "configurations of that sweep did fail (their error messages were lost to a second kit bug, also fixed). colo_kit.bench now records torch's peak allocated and reserved "
-    "memory beside NVML's, which is the breakdown this row needs."
-)
 
 
 # =================================================================================================

@@ -51,7 +51,7 @@ def run_async(coro):
 class ReplicaSet:
     def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike, token: str | None = None):
         self.launches = launches
-        self.urls = [l.url for l in launches]
+        self.urls = [launch.url for launch in launches]
         self.token = token
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []

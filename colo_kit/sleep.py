@@ -103,8 +103,10 @@ class SleepManager:
     >>> engine.generate(prompts)        # awake, with the trainer's new weights
     """
 
-    def __init__(self, engine, level: int = 2, self_check: bool = False):
-        if not has_cuda():
+    def __init__(self, engine, level: int = 2, self_check: bool = False, *, platform_check: bool = True):
+        # platform_check=False: for an engine whose `llm.sleep`/`wake_up` are provided by something else
+        # than vLLM's CUDA allocator (the kit's tests drive this class's logic on a CPU that way)
+        if platform_check and not has_cuda():
             raise SleepModeUnavailable.for_this_platform("SleepManager")
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: sleep level 1 offloads the weights to CPU memory, level 2 discards "
@@ -126,18 +128,22 @@ class SleepManager:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def record(self, stage: str, seconds: float | None = None, **extra) -> dict:
-        row = {"stage": stage, "seconds": None if seconds is None else round(seconds, 6),
-               **device_memory_gib(self.device), **extra}
+        on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
+        memory = device_memory_gib(self.device) if on_gpu else {"used_gib": None, "free_gib": None, "total_gib": None}
+        row = {"stage": stage, "seconds": None if seconds is None else round(seconds, 6), **memory, **extra}
         self.stages.append(row)
         return row
 
     def _timed(self, fn, *args, **kwargs) -> float:
         import torch
 
-        torch.cuda.synchronize()
+        cuda = getattr(self.device, "type", str(self.device)) == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(*args, **kwargs)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     # -- the API -------------------------------------------------------------------------------

@@ -391,32 +391,28 @@ def expected_step_speedup(generation_speedup: float, generation_share: float) ->
     return 1.0 / ((1 - generation_share) + generation_share / generation_speedup)
 
 
-def throughput_figure(sweeps: list[dict], title: str):
-    """Bars: node tokens/s at each TP, one group per model."""
+def _bars_per_tp(sweeps: list[dict], key: str, label, title: str, axis: str):
+    """Bars of `key` at each TP size, one group per model."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     for sw in sweeps:
         tps = sorted(int(k) for k in sw["tp"])
-        vals = [sw["tp"].get(t, sw["tp"].get(str(t)))["tok_per_s"] for t in tps]
+        vals = [sw["tp"].get(t, sw["tp"].get(str(t)))[key] for t in tps]
         fig.add_bar(name=sw["model"], x=[f"TP {t}" for t in tps], y=vals,
-                    text=[f"{v:,.0f}" if v else "" for v in vals], textposition="outside")
-    fig.update_layout(title=title, yaxis_title="generated tokens/s (whole node)", barmode="group", height=380)
+                    text=[label(v) if v else "" for v in vals], textposition="outside")
+    fig.update_layout(title=title, yaxis_title=axis, barmode="group", height=380)
     return fig
+
+
+def throughput_figure(sweeps: list[dict], title: str):
+    """Bars: node tokens/s at each TP, one group per model."""
+    return _bars_per_tp(sweeps, "tok_per_s", lambda v: f"{v:,.0f}", title, "generated tokens/s (whole node)")
 
 
 def grpo_figure(sweeps: list[dict], title: str):
     """Bars: median colocated GRPO step time at each vllm_tensor_parallel_size."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    for sw in sweeps:
-        tps = sorted(int(k) for k in sw["tp"])
-        vals = [sw["tp"].get(t, sw["tp"].get(str(t)))["step_s"] for t in tps]
-        fig.add_bar(name=sw["model"], x=[f"TP {t}" for t in tps], y=vals,
-                    text=[f"{v:.2f} s" if v else "" for v in vals], textposition="outside")
-    fig.update_layout(title=title, yaxis_title="seconds per GRPO step (median)", barmode="group", height=380)
-    return fig
+    return _bars_per_tp(sweeps, "step_s", lambda v: f"{v:.2f} s", title, "seconds per GRPO step (median)")
 
 
 def why_figure(rows: list[dict] | None = None):

@@ -62,6 +62,27 @@ def _refresh_tied_lm_head(model) -> None:
         method.process_weights_after_loading(lm_head)
 
 
+def shutdown(llm) -> None:
+    """Stop an in-process engine and give its memory back while CUDA is still alive: its engine
+    core first, then the last references, collected, and PyTorch's cached GPU blocks (an engine
+    collected at interpreter exit, after CUDA, is how vLLM #16993's segfault happened)."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    for target in (getattr(engine, "engine_core", None), engine, llm):
+        if target is not None and hasattr(target, "shutdown"):
+            try:
+                target.shutdown()
+                break
+            except Exception:  # a half-built engine: collect what there is
+                pass
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def make_room_for_an_engine() -> None:
     """Before this process builds another vLLM engine: collect engines nobody references any more
     and hand PyTorch's cached GPU blocks back to the driver (vLLM checks that its share of the GPU

@@ -185,8 +185,7 @@ def vllm_cpu_hit_rates(a) -> dict:
         res = compare_routing(reps.urls, model, token_env="COLO_KIT_BENCH_TOKEN", block_size=block,
                               groups=a.groups, group_size=a.group_size, prompt_tokens=8 * block + 1, max_tokens=8,
                               concurrent_groups=2, vocab=1900, seed=a.seed)
-        res["replicas"] = {"startup_s": reps.startup_s, "launch": [l.shell().replace("bench-token", "***")
-                                                                   for l in launches]}
+        res["replicas"] = {"startup_s": reps.startup_s, "launch": [launch.shell() for launch in launches]}
     res["block_size"] = block
     return res
 
@@ -198,7 +197,8 @@ def loopback(a) -> dict:
     stubs = [start_stub(p, f"r{i}", token_env=env_name) for i, p in enumerate(ports)]
     proxy_port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--port", str(proxy_port),
-                              "--token-env", env_name, "--block-size", "16", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])])
+                              "--token-env", env_name, "--block-size", "16",
+                              *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])])
     def cpu_s(pid):  # utime + stime of a process, from /proc (Linux)
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

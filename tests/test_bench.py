@@ -21,11 +21,12 @@ def test_batch_must_be_multiple_of_generations():
         sweep("tiny", batches=(6,), modes=())
 
 
-@pytest.mark.parametrize("name", ["pingpong_cpu", "pingpong_gpu"])
+@pytest.mark.parametrize("name", ["pingpong_cpu", pytest.param("pingpong_gpu", marks=pytest.mark.xfail(
+    load_result("pingpong_gpu") is None, strict=True, reason="owed: `bash scripts/gpu/pingpong.sh` on a 2-GPU node "
+    "writes results/pingpong_gpu.json (not run: no 2-GPU machine lent yet)"))])
 def test_committed_results_follow_the_posts_normalisation(name):
     res = load_result(name)
-    if res is None:
-        pytest.skip(f"results/{name}.json not committed yet")
+    assert res is not None, f"results/{name}.json is missing"
     n, k = res["settings"]["n_devices"], res["settings"]["k_server"]
     assert res["summary"], "no batch with both modes measured"
     for row in res["summary"]:

@@ -87,7 +87,8 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
     from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
 
     from colo_kit.data import load_tldr
-    from colo_kit.lora import LORA_SUBDIR, run_async_grpo
+    from colo_kit.async_grpo import run_async_grpo
+    from colo_kit.lora import LORA_SUBDIR
     from colo_kit.proxy import ProxyConfig, RoutingProxy
     from colo_kit.replicas import launch_replicas
 
@@ -138,7 +139,7 @@ def test_cpu_varlen_attention_matches_causal_attention_per_sample():
     import torch
     import torch.nn.functional as F
 
-    from colo_kit.lora import _TorchVarlenAttention
+    from colo_kit.async_grpo import TorchVarlenAttention
 
     torch.manual_seed(0)
     H, Hkv, D = 4, 2, 8
@@ -150,7 +151,7 @@ def test_cpu_varlen_attention_matches_causal_attention_per_sample():
     kv_index = torch.cat([idx[:prefix], path_a, path_b])
     cu_q = torch.tensor([0, prefix, prefix + a, prefix + a + b], dtype=torch.int32)
     cu_k = torch.tensor([0, prefix, prefix + len(path_a), prefix + len(path_a) + len(path_b)], dtype=torch.int32)
-    out = _TorchVarlenAttention.flash_attn_varlen_func(q, k[kv_index], v[kv_index], cu_q, cu_k, 0, 0)
+    out = TorchVarlenAttention.flash_attn_varlen_func(q, k[kv_index], v[kv_index], cu_q, cu_k, 0, 0)
 
     def causal(path):
         qq, kk, vv = (t[path].transpose(0, 1) for t in (q, k, v))

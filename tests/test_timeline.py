@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from colo_kit.env import has_cuda
+
 from colo_kit.timeline import Timeline, UtilSampler, gantt
 
 
@@ -49,15 +51,21 @@ def test_gantt_has_one_row_per_device():
     assert len(rows) == 2 and any("idle 60%" in r for r in rows)
 
 
-def test_util_sampler_cpu_records_this_process():
-    s = UtilSampler(interval_s=0.05).start()
+@pytest.mark.skipif(has_cuda(), reason="on a GPU the sampler reads the GPUs (NVML), not this process's CPU")
+def test_util_sampler_sees_this_process_busy_then_idle():
     import time
 
+    s = UtilSampler(interval_s=0.05).start()
     t0 = time.time()
-    while time.time() - t0 < 0.4:
+    while time.time() - t0 < 0.6:  # busy: one core's worth of Python
         sum(i * i for i in range(10_000))
+    t_idle = time.time()
+    time.sleep(0.6)
     samples = s.stop()
-    assert samples and all(x["device"] in ("trainer",) or x["device"].startswith("gpu") for x in samples)
+    busy = [x["util_pct"] for x in samples if t0 + 0.15 < x["t_s"] < t_idle]
+    idle = [x["util_pct"] for x in samples if x["t_s"] > t_idle + 0.15]
+    assert busy and idle and {x["device"] for x in samples} == {"trainer"}
+    assert sum(busy) / len(busy) > 40 > sum(idle) / len(idle), (busy, idle)
     assert max(s.peak_mem_gib().values()) > 0
 
 

@@ -166,6 +166,10 @@ for sw in gen_sweeps:
               f"KV cache {s['kv_tokens_per_engine']:,} tokens per engine, engine start {s['startup_s']} s")
     if len(sw["tp"]) > 1:
         print(f"{sw['model']}: TP 2 / TP 1 = {tp.tp_ratio(sw, 'tok_per_s')}")
+first = gen_sweeps[0]
+lab.see("03.generation", "one seed per TP group (0, 0 at TP 2; 0, 1 at TP 1 with two processes), and a KV cache at "
+        "least as large per engine at TP 2", model=first["model"], tp1_tok_per_s=round(first["tp"][1]["tok_per_s"], 1),
+        tp2_over_tp1=tp.tp_ratio(first, "tok_per_s"))
 title = "generation throughput, this machine" + ("" if TIER == "gpu" else " — CPU functional demo, not a speed result")
 tp.throughput_figure(gen_sweeps, title).show()
 

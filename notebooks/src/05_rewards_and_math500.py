@@ -71,7 +71,8 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # careful grader gives, a plain string comparison of the boxed answer, and the checker.
 
 # %%
-from colo_kit.math500 import default_checker, is_correct, last_boxed
+from colo_kit.checker_pool import default_checker
+from colo_kit.math500 import is_correct, last_boxed
 
 cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
 picked_ids = ["c000", "c017", "c026", "c035", "c047", "c076", "c087", "c098", "c114", "c119", "c130",
@@ -222,7 +223,7 @@ else:
 
 # %%
 from colo_kit.data import load_math
-from colo_kit.math500 import compare_models
+from colo_kit.math500_eval import compare_models
 
 problems = load_math()
 engine = runs["colocate"].trainer.vllm_generation.llm

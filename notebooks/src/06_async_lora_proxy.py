@@ -175,7 +175,7 @@ print("what TRL reads from /server_info:", {k: info["lora_config"][k] for k in (
 # 3. its rollout worker needs a response template for the tokenizer's chat template, and the kit's tiny
 #    tokenizer carries a reduced Qwen2 template TRL does not recognise.
 #
-# `colo_kit.lora.cpu_async_grpo_patches` replaces exactly those three (a plain-PyTorch varlen attention, an
+# `colo_kit.async_grpo.cpu_async_grpo_patches` replaces exactly those three (a plain-PyTorch varlen attention, an
 # "unknown" peak, TRL's own Qwen template); the trainer, its spawned rollout worker, the adapter publishing and
 # the sync calls are TRL's, unchanged. The cell below shows the first blocker before patching.
 
@@ -197,7 +197,7 @@ except Exception as exc:
 
 # %%
 from colo_kit.data import load_tldr  # noqa: E402
-from colo_kit.lora import run_async_grpo  # noqa: E402
+from colo_kit.async_grpo import run_async_grpo  # noqa: E402
 
 prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:32]]
 run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=4,

@@ -1,0 +1,131 @@
+"""TRL's `AsyncGRPOTrainer` with a LoRA adapter, against a server URL (the routing proxy), as post 2
+runs it: `run_async_grpo(...)`. And what it takes on a machine without FlashAttention-3 (a CPU, or a
+GPU node with no access to the Hub): `cpu_async_grpo_patches`, which replaces exactly what stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from colo_kit.lora import published_versions
+
+
+
+class TorchVarlenAttention:
+    """`flash_attn_varlen_func` in plain PyTorch: the CPU stand-in for the FlashAttention-3 kernel
+    that AsyncGRPOTrainer's tree attention fetches from the Hub (`kernels-community/flash-attn3`,
+    CUDA only). Each packed segment attends causally to its root-to-segment path (bottom-right
+    aligned, as FA does when there are more keys than queries). Slow, exact, enough for a tiny model."""
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                               causal=True, window_size=(-1, -1), **_):
+        import torch
+        import torch.nn.functional as F
+
+        if window_size not in ((-1, -1), [-1, -1]):
+            raise NotImplementedError("the CPU stand-in does not do sliding windows")
+        cq, ck, outs = cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), []
+        for i in range(len(cq) - 1):
+            qi, ki, vi = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+            rep = qi.shape[1] // ki.shape[1]  # grouped-query attention: share each K/V head
+            ki, vi = ki.repeat_interleave(rep, 1), vi.repeat_interleave(rep, 1)
+            lq, lk = qi.shape[0], ki.shape[0]
+            pos_k, pos_q = torch.arange(lk, device=qi.device), torch.arange(lq, device=qi.device)
+            mask = pos_k[None, :] <= pos_q[:, None] + (lk - lq)
+            o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                                               attn_mask=mask, scale=softmax_scale)
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+
+def cpu_async_grpo_patches(tokenizer=None) -> list[str]:
+    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU. What stops it, exactly:
+
+    1. its policy uses `attn_implementation="tree_fa3"`, whose kernel `packing._flash_attn()` fetches
+       the FlashAttention-3 CUDA kernel through the `kernels` package (absent here, and no network):
+       replaced by `TorchVarlenAttention`;
+    2. `get_peak_flops_per_device` calls `torch.cuda.get_device_name` unconditionally (for MFU
+       metrics): replaced by "unknown" (None), which TRL handles by skipping MFU;
+    3. the rollout worker needs a response template for the chat template; the kit's tiny
+       tokenizer carries a reduced Qwen2 template TRL does not recognise, so it is given the one
+       TRL uses for Qwen2.5 (only used to parse tool calls).
+
+    Returns what was patched. The trainer itself, its rollout worker, the adapter publishing and
+    the weight-sync calls are TRL's, unchanged."""
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    done = []
+    try:
+        packing._flash_attn()
+    except Exception:
+        packing._flash_attn = lambda: TorchVarlenAttention
+        done.append("tree_fa3 attention -> PyTorch varlen attention (no FA3 kernel on CPU)")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            async_grpo_trainer.get_peak_flops_per_device = lambda *a, **k: None
+            done.append("peak-FLOPs lookup -> None (it asks CUDA for the device name)")
+    except Exception:
+        pass
+    if tokenizer is not None and getattr(tokenizer, "response_template", None) is None:
+        try:
+            from trl.chat_template_utils import add_response_schema
+
+            add_response_schema(tokenizer)
+        except ValueError:
+            from trl.chat_template_utils import qwen3_template
+
+            tokenizer.response_template = qwen3_template
+            done.append("tokenizer.response_template -> TRL's Qwen template (tiny tokenizer's template is reduced)")
+    return done
+
+
+def prompt_word_reward(completions, prompts=None, **_):
+    """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a
+    completion's words that appear in its prompt. It varies between samples of a random-weight
+    model, unlike the length reward (random weights never stop before max_tokens)."""
+    out = []
+    for i, c in enumerate(completions):
+        text = c[-1]["content"] if isinstance(c, list) else str(c)
+        p = prompts[i] if prompts is not None else ""
+        p = " ".join(m["content"] for m in p) if isinstance(p, list) else str(p)
+        words, seen = text.split(), set(p.split())
+        out.append(sum(w in seen for w in words) / max(1, len(words)))
+    return out
+
+
+def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],
+                   max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
+                   max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
+                   lora_rank: int = 1, lora_alpha: int = 2, **config) -> dict:
+    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `server_url` (the
+    proxy), adapters published to `<output_dir>/.vllm_lora/`. On CPU the three patches of
+    `cpu_async_grpo_patches` are applied first. Returns the log history and what was patched."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from colo_kit.env import has_cuda
+
+    tok = AutoTokenizer.from_pretrained(model)
+    patched = cpu_async_grpo_patches(tok)
+    cpu = not has_cuda()
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
+    args = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
+                           per_device_train_batch_size=per_device_train_batch_size,
+                           max_completion_length=max_completion_length, vllm_server_base_url=server_url,
+                           max_staleness=max_staleness, learning_rate=learning_rate, report_to=[], logging_steps=1,
+                           save_strategy="no", **({"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
+                                                    "heartbeat_stale_after_s": 120} if cpu else {}), **config)
+    t0 = time.perf_counter()
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
+                               processing_class=tok, peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
+                                                                            target_modules="all-linear"))
+    adapter_only = trainer._lora_sync
+    trainer.train()
+    return {"adapter_only_sync": adapter_only, "patched": patched, "wall_s": time.perf_counter() - t0,
+            "log_history": trainer.state.log_history, "published": published_versions(output_dir)}
