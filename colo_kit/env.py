@@ -152,12 +152,21 @@ def quiet() -> None:
     backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's unused-parameter
     scan), TRL's "experimental API" notice, transformers' callback notices, and the FutureWarning
     vLLM triggers with `torch.distributed.reduce_op`."""
+    import logging
     import warnings
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # vLLM configures its logger only when an engine's config is built, so what its modules log on
+    # import (the Triton notice) reaches Python's last-resort handler, which prints any WARNING. A
+    # handler at the chosen level until vLLM installs its own (its dictConfig replaces this one).
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+        vllm_logger.addHandler(handler)
     warnings.filterwarnings("ignore", message=r".*reduce_op.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*is not able to be represented.*", category=UserWarning)
 
