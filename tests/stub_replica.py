@@ -3,7 +3,7 @@ aiohttp, its own process, so a test can kill it like a crashed replica) that ans
 measure the proxy alone, its routing, broadcast and failure handling, without vLLM's own
 milliseconds. Not part of the kit.
 
-    python tests/stub_replica.py --port 9001 --name a [--token-env NAME]
+    python tests/stub_replica.py --port 9001 --name a [--token-env NAME] [--fail PATH,...]
 """
 
 import os
@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-def stub_app(name: str, token: str | None = None):
+def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
     `delay_ms` from the request body, if any); `"stream": true` sends `chunks` SSE events
     `chunk_delay_ms` apart; broadcast endpoints are recorded; `/_stub/state` reports everything;
@@ -21,7 +21,7 @@ def stub_app(name: str, token: str | None = None):
 
     from aiohttp import web
 
-    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": [], "hang": [], "unauthorized": 0,
+    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "unauthorized": 0,
              "health_auth_headers": 0}
 
     @web.middleware
@@ -112,8 +112,10 @@ def stub_app(name: str, token: str | None = None):
     return app
 
 
-def start_stub(port: int, name: str, token_env: str | None = None, log_path=None) -> subprocess.Popen:
-    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica)."""
+def start_stub(port: int, name: str, token_env: str | None = None, log_path=None,
+               fail: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica).
+    `fail` paths answer 500 from the first request on: set later, a health poll could come first."""
     import sys
 
     import httpx
@@ -121,6 +123,8 @@ def start_stub(port: int, name: str, token_env: str | None = None, log_path=None
     argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name]
     if token_env:
         argv += ["--token-env", token_env]
+    if fail:
+        argv += ["--fail", ",".join(fail)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     for _ in range(200):
@@ -144,6 +148,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="stub")
     ap.add_argument("--token-env", default=None)
+    ap.add_argument("--fail", default="", help="comma-separated paths that answer 500 from the start")
     a = ap.parse_args(argv)
     token = os.environ.get(a.token_env) if a.token_env else None
     try:
@@ -153,7 +158,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         loop_factory = None
     kwargs = {"loop": loop_factory()} if loop_factory else {}
-    web.run_app(stub_app(a.name, token), host="127.0.0.1", port=a.port, access_log=None, print=None, **kwargs)
+    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host="127.0.0.1", port=a.port, access_log=None, print=None, **kwargs)
     return 0
 
 

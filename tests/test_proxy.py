@@ -484,8 +484,10 @@ def test_a_replay_that_fails_is_skipped_not_a_lock_out(stubs, adapters, tmp_path
         deadline = time.time() + 10
         while time.time() < deadline and p.snapshot()["replicas"][f"http://127.0.0.1:{ports[0]}"]["healthy"]:
             time.sleep(0.1)
-        procs[ports[0]] = start_stub(ports[0], "r0", token_env=TOKEN_ENV, log_path=tmp_path / "again.log")
-        H.post(f"http://127.0.0.1:{ports[0]}/_stub/fail", params={"paths": "/v1/load_lora_adapter"})
+        # refusing from its first request: a health poll between start and a later /_stub/fail
+        # would replay the adapter successfully (seen in CI)
+        procs[ports[0]] = start_stub(ports[0], "r0", token_env=TOKEN_ENV, log_path=tmp_path / "again.log",
+                                     fail=("/v1/load_lora_adapter",))
         deadline = time.time() + 10
         while time.time() < deadline and not p.snapshot()["replicas"][f"http://127.0.0.1:{ports[0]}"]["healthy"]:
             time.sleep(0.1)
