@@ -1,8 +1,9 @@
 """Notebooks: built from plain-text sources, executed headless, saved with an HTML copy.
 
 Each notebook `notebooks/NN_name.ipynb` is generated from `notebooks/src/NN_name.py`, a Python
-file in the "percent" format (`# %%` starts a code cell, `# %% [markdown]` a markdown cell whose
-lines are `# `-commented). Sources review and diff like code; the .ipynb is what a learner opens.
+file in jupytext's "percent" format (`# %%` starts a code cell, `# %% [markdown]` a markdown cell whose
+lines are `# `-commented, `# %% tags=["..."]` gives a cell tags). Sources review and
+diff like code; the .ipynb is what a learner opens.
 `colo-kit run-notebooks --build` regenerates them; a test fails if one is stale. Notebooks are
 stored without outputs: CI executes them.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -23,34 +23,21 @@ from colo_kit.paths import REPO_ROOT, runs_dir
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 SOURCES = NOTEBOOKS / "src"
-_CELL = re.compile(r"^# %%(?P<md> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
 
 
 def parse_source(text: str) -> list[dict]:
-    """Percent-format text -> a list of {'type', 'source', 'tags'}."""
-    cells: list[dict] = []
-    cur = None
-    for line in text.splitlines():
-        m = _CELL.match(line)
-        if m:
-            cur = {"type": "markdown" if m.group("md") else "code", "lines": [],
-                   "tags": json.loads(m.group("tags")) if m.group("tags") else []}
-            cells.append(cur)
-            continue
-        if cur is None:  # a module docstring or header before the first cell is ignored
-            continue
-        cur["lines"].append(line)
-    out = []
-    for c in cells:
-        lines = c["lines"]
-        while lines and not lines[-1].strip():
-            lines.pop()
-        while lines and not lines[0].strip():
+    """Percent-format text, read by jupytext -> a list of {'type', 'source', 'tags'}. Blank lines
+    right after a `# %%` marker are not part of the cell (jupytext keeps them; a notebook would open
+    with an empty first line); jupytext already leaves out those before the next marker."""
+    import jupytext
+
+    cells = []
+    for cell in jupytext.reads(text, fmt="py:percent").cells:
+        lines = cell.source.split("\n")
+        while len(lines) > 1 and not lines[0].strip():
             lines.pop(0)
-        if c["type"] == "markdown":
-            lines = [ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in lines]
-        out.append({"type": c["type"], "source": "\n".join(lines), "tags": c["tags"]})
-    return out
+        cells.append({"type": cell.cell_type, "source": "\n".join(lines), "tags": list(cell.metadata.get("tags", []))})
+    return cells
 
 
 def build_notebook(src: Path):
@@ -61,9 +48,9 @@ def build_notebook(src: Path):
     nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
                    "language_info": {"name": "python"},
                    "colo_kit": {"source": str(src.relative_to(REPO_ROOT))}}
+    makers = {"code": nbformat.v4.new_code_cell, "markdown": nbformat.v4.new_markdown_cell, "raw": nbformat.v4.new_raw_cell}
     for i, c in enumerate(parse_source(src.read_text())):
-        maker = nbformat.v4.new_markdown_cell if c["type"] == "markdown" else nbformat.v4.new_code_cell
-        cell = maker(c["source"])
+        cell = makers[c["type"]](c["source"])
         cell.id = f"cell-{i:02d}"
         if c["tags"]:
             cell.metadata["tags"] = c["tags"]
@@ -131,15 +118,17 @@ def _client_class():
     return SlicedPollClient
 
 
-def _execute_within(client, wall_s: float) -> None:
-    """`client.execute()` cancelled after `wall_s` seconds; nbclient's own cleanup then shuts the
-    kernel down (cancellation reaches its `async with` kernel context)."""
+def _execute_within(client, wall_s: float, kernel_env: dict) -> None:
+    """`client.execute()` with the kernel started in `kernel_env`, cancelled after `wall_s` seconds;
+    nbclient's own cleanup then shuts the kernel down (cancellation reaches its `async with` kernel
+    context)."""
     import asyncio
 
     from jupyter_core.utils import run_sync
 
     async def bounded():
-        task = asyncio.ensure_future(client.async_execute())
+        # nbclient passes these to KernelManager.start_kernel; the kernel gets `env`, not os.environ
+        task = asyncio.ensure_future(client.async_execute(env=kernel_env))
         done, _ = await asyncio.wait({task}, timeout=wall_s)
         if task in done:
             return task.result()  # a cell error propagates as nbclient raised it
@@ -167,39 +156,33 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     out_dir = Path(out_dir or runs_dir() / "notebooks")
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(path, as_version=4)
-    env_before = dict(os.environ)
-    # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address.
+    # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address. It gets
+    # its own environment; this process's os.environ is left as it is (other threads read it).
     from colo_kit.launch import without_rank_vars
+    from nbclient.exceptions import CellTimeoutError
 
-    for var in set(os.environ) - set(without_rank_vars()):
-        del os.environ[var]
+    kernel_env = without_rank_vars()
     t0 = time.time()
-    try:
-        from nbclient.exceptions import CellTimeoutError
-
-        pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
-        wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
-        for attempt in (1, 2):
-            client = _client_class()(nb, timeout=timeout_s, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-            try:
-                _execute_within(client, wall_s)
-                break
-            except (CellTimeoutError, NotebookWallTimeout) as exc:
-                # Seen on the 2-core CI machine: the kernel finished a cell and sat idle while the
-                # client waited (py-spy: both sides idle), for 300 s once and over 8 minutes once.
-                # The sliced polls above should make that a one-second hiccup; this is the backstop.
-                # A real cell error is never retried; a timeout is, once, in a new kernel.
-                if attempt == 2:
-                    raise
-                print(f"[colo_kit] {path.name}: {exc}; retrying once in a new kernel", flush=True)
-                nb = nbformat.from_dict(json.loads(json.dumps(pristine)))
-            finally:
-                executed = out_dir / path.name
-                nbformat.write(nb, executed)
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
+    pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
+    wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
+    for attempt in (1, 2):
+        client = _client_class()(nb, timeout=timeout_s, kernel_name="python3",
+                                 resources={"metadata": {"path": str(path.parent)}})
+        try:
+            _execute_within(client, wall_s, kernel_env)
+            break
+        except (CellTimeoutError, NotebookWallTimeout) as exc:
+            # Seen on the 2-core CI machine: the kernel finished a cell and sat idle while the
+            # client waited (py-spy: both sides idle), for 300 s once and over 8 minutes once.
+            # The sliced polls above should make that a one-second hiccup; this is the backstop.
+            # A real cell error is never retried; a timeout is, once, in a new kernel.
+            if attempt == 2:
+                raise
+            print(f"[colo_kit] {path.name}: {exc}; retrying once in a new kernel", flush=True)
+            nb = nbformat.from_dict(json.loads(json.dumps(pristine)))
+        finally:
+            executed = out_dir / path.name
+            nbformat.write(nb, executed)
     result = {"notebook": str(path), "executed": str(executed), "seconds": round(time.time() - t0, 1)}
     if html:
         result["html"] = str(save_html(nb, out_dir / (path.stem + ".html")))

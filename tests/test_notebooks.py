@@ -63,6 +63,64 @@ def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
     assert "".join(cell["source"]) == "print('ran', 6 * 7)" and "ran 42" in "".join(cell["outputs"][0]["text"])
 
 
+def test_sources_are_read_as_jupytext_percent_format():
+    from colo_kit.notebook import parse_source
+
+    text = ('# %% [markdown]\n# # Title\n#\n# prose\n\n# %% tags=["solution"]\n\nx = 1\n\n\n'
+            '# %% Named cell\nprint(x)\n\n# %% [raw]\nraw text\n')
+    assert parse_source(text) == [
+        {"type": "markdown", "source": "# Title\n\nprose", "tags": []},
+        {"type": "code", "source": "x = 1", "tags": ["solution"]},  # no blank line at either end
+        {"type": "code", "source": "print(x)", "tags": []},
+        {"type": "raw", "source": "raw text", "tags": []},
+    ]
+
+
+@pytest.mark.notebook
+def test_the_kernel_gets_its_environment_without_this_process_losing_its_own(tmp_path, monkeypatch):
+    # The kernel must not inherit a rank (see execute); the process that runs it keeps its variables
+    # throughout, since its other threads may read os.environ while the notebook runs.
+    import json
+    import os
+    import threading
+
+    import nbformat
+
+    from colo_kit.notebook import execute
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("COLO_KIT_PROBE", "kept")
+    before = dict(os.environ)
+    changes, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                now = dict(os.environ)
+            except RuntimeError as exc:  # changed size while it was copied
+                now = {"error": str(exc)}
+            if now != before:
+                changes.append(sorted(set(before.items()) ^ set(now.items()))[:4])
+            stop.wait(0.005)
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import os; print(os.environ.get('RANK'), os.environ.get('COLO_KIT_PROBE'))"),
+        nbformat.v4.new_code_cell("print('done')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "env.ipynb")
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        execute(tmp_path / "env.ipynb", tmp_path / "out", timeout_s=120, html=False)
+    finally:
+        stop.set()
+        watcher.join()
+    cells = json.loads((tmp_path / "out" / "env.ipynb").read_text())["cells"]
+    assert "".join(cells[0]["outputs"][0]["text"]).strip() == "None kept"
+    assert not changes, f"os.environ changed during the run: {changes[:3]}"
+    assert dict(os.environ) == before
+
+
 @pytest.mark.notebook
 def test_a_notebook_past_its_wall_limit_is_retried_once_then_fails_and_its_kernel_is_gone(tmp_path, capsys):
     import json
