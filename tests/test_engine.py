@@ -146,7 +146,7 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.engine", "--tp", "2", "--sampled", "--push", "--max-tokens", "6", "--out-dir", str(tmp_path)]
+           "-m", "colo_kit.engine_check", "--tp", "2", "--sampled", "--push", "--max-tokens", "6", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -228,3 +228,106 @@ def test_engines_built_one_after_another_in_one_process_capture_their_cuda_graph
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "ENGINE 1 4" in proc.stdout and "ENGINE 2 4" in proc.stdout and "TRL 2" in proc.stdout
+
+
+# -- the engine against TRL's installed code (no engine) --------------------------------------------
+
+class _RecordingLLM:
+    """Stands in for vLLM's `LLM` while TRL's `_init_vllm` runs: keeps the arguments it was given."""
+
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        type(self).calls.append(kwargs)
+
+    def sleep(self, level):
+        pass
+
+
+@pytest.mark.parametrize("tp, rank, completion", [(1, 0, 32), (2, 3, 64), (2, 2, 6000)])
+def test_llm_arguments_are_trls_own_but_for_the_named_differences(monkeypatch, tiny_model_path, tp, rank, completion):
+    """Runs TRL's `VLLMGeneration.__init__` (colocate mode) with a recording LLM and compares its
+    arguments with `colo_kit.engine.llm_kwargs`: a TRL upgrade that changes one fails here."""
+    import types
+
+    import torch.distributed
+    import trl.generation.vllm_generation as vg
+
+    from colo_kit.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, llm_kwargs
+
+    world = 4
+    settings = ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                max_prompt_length=64, max_completion_length=completion)
+    groups = []
+    monkeypatch.setattr(vg, "LLM", _RecordingLLM)
+    monkeypatch.setattr(torch.distributed, "new_subgroups_by_enumeration", lambda g: (groups.append(g), None))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    _RecordingLLM.calls = []
+    accelerator = types.SimpleNamespace(num_processes=world, process_index=rank, local_process_index=rank,
+                                        state=types.SimpleNamespace(deepspeed_plugin=None), wait_for_everyone=lambda: None)
+    model = types.SimpleNamespace(name_or_path=tiny_model_path, named_modules=lambda: [])
+    vg.VLLMGeneration(model, accelerator, None, mode="colocate", tensor_parallel_size=tp,
+                      gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                      max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs)
+    (trl,) = _RecordingLLM.calls
+    kit = llm_kwargs(tiny_model_path, settings, rank)
+
+    assert set(kit) - set(trl) == {"dtype", "enforce_eager"}  # the kit's two additions, nothing else
+    assert set(trl) <= set(kit)
+    differ = {k for k in trl if kit[k] != trl[k]}
+    if settings.max_model_len > DEFAULT_MAX_NUM_BATCHED_TOKENS:  # vLLM refuses fewer without chunked prefill
+        assert differ == {"max_num_batched_tokens"}
+        assert (trl["max_num_batched_tokens"], kit["max_num_batched_tokens"]) == (4096, settings.max_model_len)
+    else:
+        assert differ == set(), {k: (kit[k], trl[k]) for k in differ}
+    assert groups == ([tp_groups(world, tp)] if tp > 1 else [])
+
+
+def test_each_idea_the_engine_teaches_is_found_in_the_installed_trl():
+    """`where_in_trl()` names file:line for every idea; the line is really there (notebook 02 shows the table)."""
+    import inspect
+    from pathlib import Path
+
+    import trl
+
+    from colo_kit.engine import TRL_LINES, where_in_trl
+
+    rows = where_in_trl()
+    assert [r["idea"] for r in rows] == [idea for idea, _, _ in TRL_LINES]
+    trl_root = Path(inspect.getsourcefile(trl)).parent.parent
+    for row, (_, _, needle) in zip(rows, TRL_LINES):
+        path, line = row["where"].rsplit(":", 1)
+        assert needle in (trl_root / path).read_text().splitlines()[int(line) - 1], row
+
+
+def test_trls_weight_walk_gives_the_base_models_names_for_a_peft_model(hf_model):
+    """The walk the engine pushes with (TRL's `_iter_named_params`): a PEFT model's weights come out
+    merged, under the plain model's names (the ones vLLM's loader maps), with no LoRA tensor, and
+    the adapter is unmerged afterwards."""
+    import types
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from trl.distributed import DistributedBackend
+
+    from colo_kit.engine import trl_colocate
+
+    plain_names = [n for n, _ in hf_model.named_parameters()]
+    q_before = hf_model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    peft_model = get_peft_model(hf_model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    try:
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.1)
+        gen = trl_colocate(None, tensor_parallel_size=1, tp_group=None, rank=0, local_rank=0, world_size=1)
+        gen.model = peft_model
+        gen._dist = DistributedBackend(types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=None)))
+        walked = {n: t.detach().clone() for n, t in gen._iter_named_params()}
+        assert list(walked) == plain_names
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(walked[q], q_before)  # merged: base + B @ A
+        assert not any(getattr(m, "merged", False) for m in peft_model.modules())
+    finally:
+        peft_model.unload()

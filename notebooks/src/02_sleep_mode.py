@@ -101,7 +101,7 @@ lab.check("02.max_num_seqs", answer)
 # `external_launcher` joins an existing group, it never makes one. Under `torchrun --nproc_per_node 2` with
 # `tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
 # fix for vLLM #15895), gather their prompts, and each keep its own completions
-# (`torchrun --nproc_per_node 2 -m colo_kit.engine --tp 2 --sampled` shows it).
+# (`torchrun --nproc_per_node 2 -m colo_kit.engine_check --tp 2 --sampled` shows it).
 
 # %%
 engine = ColocatedEngine(model_w.value, settings, enforce_eager=True)  # starts in seconds (notebook 00 says why)
@@ -147,6 +147,20 @@ print(f"perturbed weights change the probe: {changed['token_ids'] != before['tok
 lab.see("02.push", "True, True, True: the same weights keep the probe, other weights change it, the originals "
         "bring it back", same=same["token_ids"] == before["token_ids"],
         changed=changed["token_ids"] != before["token_ids"], restored=restored, push_ms=round(push_s * 1000, 1))
+
+# %% [markdown]
+# ### The same code in TRL
+#
+# `generate` and `push_weights` above are TRL's own: the engine hands them to `VLLMGeneration.generate`,
+# `_iter_named_params` and `sync_weights` in `trl/generation/vllm_generation.py`, and builds vLLM with the `LLM(...)`
+# arguments of `VLLMGeneration._init_vllm` (a test compares them with the installed TRL's). The table finds each idea's
+# line in the TRL installed on this machine: open the file at that line and read it around.
+
+# %%
+from colo_kit.engine import where_in_trl
+
+pd.set_option("display.max_colwidth", 90)
+pd.DataFrame(where_in_trl())
 
 # %% [markdown]
 # ## 4 · Sleep, wake, push: the switch of one training step
