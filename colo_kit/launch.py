@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -105,19 +104,6 @@ def without_rank_vars(environ=None) -> dict:
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items()
             if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
-
-
-def die_with_parent() -> None:
-    """`preexec_fn` of a server the kit starts in a session of its own: Linux sends it SIGTERM when
-    the process that started it dies, even by SIGKILL (a notebook kernel killed after a failed cell,
-    a test run cut off by its time limit: neither runs atexit handlers, and the server would keep
-    its share of the GPU)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def child_env(gpus: str | None = None, **extra: str) -> dict:

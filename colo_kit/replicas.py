@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from colo_kit.launch import die_with_parent, free_port  # noqa: F401  (notebook 06 imports free_port from here)
+from colo_kit.launch import free_port  # noqa: F401  (notebook 06 imports free_port from here)
 from colo_kit.lora import ReplicaLaunch
+from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
 
 
 def run_async(coro):
@@ -74,49 +74,22 @@ class ReplicaSet:
             for wave in _start_waves(self.launches):
                 for i in wave:
                     launch = self.launches[i]
-                    log = open(self.log_dir / f"replica{i}.log", "w")
                     # own process group: stop() ends the server and the engine process it spawns
-                    self.procs.append(subprocess.Popen(launch.argv, env=child_env(**launch.env), stdout=log,
-                                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                                       preexec_fn=die_with_parent))
-                self._wait_healthy({i: self.urls[i] for i in wave}, t0, timeout_s)
+                    self.procs.append(start_in_session(launch.argv, child_env(**launch.env), self._log(i)))
+                ready = wait_all_healthy({self.urls[i]: (self.procs[i], self._log(i)) for i in wave}, timeout_s,
+                                         t0=t0, what="replica")
+                for i in wave:
+                    self.startup_s[i] = round(ready[self.urls[i]], 1)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self, pending: dict, t0: float, timeout_s: float) -> None:
-        import httpx
-
-        while pending:
-            for i, url in list(pending.items()):
-                if self.procs[i].poll() is not None:
-                    tail = (self.log_dir / f"replica{i}.log").read_text()[-3000:]
-                    raise RuntimeError(f"replica {url} exited with {self.procs[i].returncode}; log tail:\n{tail}")
-                try:
-                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                        self.startup_s[i] = round(time.perf_counter() - t0, 1)
-                        del pending[i]
-                except httpx.HTTPError:
-                    pass
-            if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError(f"replicas {list(pending.values())} not healthy after {timeout_s} s; "
-                                   f"logs in {self.log_dir}")
-            time.sleep(0.5)
+    def _log(self, i: int) -> Path:
+        return self.log_dir / f"replica{i}.log"
 
     def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(self.procs, timeout_s=20)
         self.procs = []
 
     def __enter__(self):

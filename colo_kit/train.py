@@ -227,25 +227,31 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
                        server_url=server_url, **config_overrides)
     settings["gradient_checkpointing"] = args.gradient_checkpointing
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
+    sync = None
     if mode == "server":
         from colo_kit.server import use_http_weight_sync
 
         # CPU (no NCCL) or a server on the trainer's own GPU: weights travel as a file; see colo_kit.server
-        settings["http_weight_sync"] = use_http_weight_sync(force=http_weight_sync)
-    if mode == "colocate":
-        make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
-    if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
-        vllm_enforce_eager = settings["vllm_enforce_eager"] = True
-    extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
-    # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
-    with stdout_with_fd(), trl_llm_kwargs(**extra_llm_kwargs):
-        trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
-                              train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
-    settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
-    if on_trainer is not None:
-        on_trainer(trainer)
-    t0 = time.perf_counter()
-    trainer.train()
+        sync = use_http_weight_sync(force=http_weight_sync)
+        settings["http_weight_sync"] = bool(sync)
+    try:
+        if mode == "colocate":
+            make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
+        if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
+            vllm_enforce_eager = settings["vllm_enforce_eager"] = True
+        extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
+        # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
+        with stdout_with_fd(), trl_llm_kwargs(**extra_llm_kwargs):
+            trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
+                                  train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
+        settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
+        if on_trainer is not None:
+            on_trainer(trainer)
+        t0 = time.perf_counter()
+        trainer.train()
+    finally:
+        if sync is not None:  # TRL's own NCCL sync back for whatever this process runs next
+            sync.restore()
     run.elapsed_s = round(time.perf_counter() - t0, 2)
     run.trainer = trainer  # not serialised; lets a notebook save or evaluate the trained model
     return run

@@ -158,7 +158,8 @@ def main(argv: list[str]) -> int:
     except ImportError:
         loop_factory = None
     kwargs = {"loop": loop_factory()} if loop_factory else {}
-    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host="127.0.0.1", port=a.port, access_log=None, print=None, **kwargs)
+    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host="127.0.0.1", port=a.port,
+                access_log=None, print=None, **kwargs)
     return 0
 
 

@@ -245,7 +245,7 @@ def test_a_gpu_node_forks_workers_that_use_cuda(tmp_path):
 
 _PARENT_SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
-    from colo_kit.launch import die_with_parent
+    from colo_kit.procs import die_with_parent
     # a server's way of starting: a session of its own (a killpg of the parent's group misses it)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
                              preexec_fn=die_with_parent)

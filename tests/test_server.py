@@ -29,6 +29,31 @@ def test_bad_arguments_name_the_value():
         start_server("tiny", port=70000)
 
 
+def test_http_weight_sync_is_undone_by_the_patch_that_made_it():
+    from trl.generation.vllm_client import VLLMClient
+
+    from colo_kit.server import use_http_weight_sync
+
+    names = ("init_communicator", "update_named_params", "close_communicator")
+    own = {name: vars(VLLMClient)[name] for name in names}
+    first, second = use_http_weight_sync(force=True), use_http_weight_sync(force=True)
+    try:
+        assert first and second
+        patched = {name: vars(VLLMClient)[name] for name in names}
+        assert all(patched[name] is not own[name] for name in names)
+        first.restore()
+        first.restore()  # a patch lets go once, however often asked
+        assert not first
+        # applied twice, restored once: the second holder still has the whole patch, not part of it
+        assert {name: vars(VLLMClient)[name] for name in names} == patched
+    finally:
+        with second:
+            pass
+    assert not second
+    assert all(vars(VLLMClient)[name] is own[name] for name in names)
+    assert VLLMClient.init_communicator is own["init_communicator"]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     import socket
@@ -53,7 +78,7 @@ def _logprobs(url, model, prompt):
 
 
 @pytest.mark.slow
-def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_path, tmp_path):
+def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_path, tmp_path, request):
     """Load weights through /collective_rpc; the tied LM head must follow the embedding (on a GPU
     this is the path of a server that shares the trainer's GPU)."""
     import torch
@@ -69,7 +94,9 @@ def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_pat
     # scale only the (tied) embedding: if the server's LM head stayed stale, logits would change
     # through the input side only; we check the restore path gives back the exact outputs
     changed = {k: (v * 3 if "embed_tokens" in k else v) for k, v in orig.items()}
-    assert use_http_weight_sync(force=True)
+    sync = use_http_weight_sync(force=True)
+    assert sync
+    request.addfinalizer(sync.restore)
     client = VLLMClient(base_url=server.url, connection_timeout=10)
     client.init_communicator(device="cpu")
     meta = [(k, str(v.dtype), list(v.shape)) for k, v in changed.items()]
@@ -127,3 +154,6 @@ def test_server_mode_grpo_and_bench_half(server, tmp_path):
     assert settings["k_server"] == (0 if has_cuda() else 1)
     assert settings["server_shares_the_trainer_gpu"] is has_cuda()
     assert server.alive()  # a server passed in is left running
+    from trl.generation.vllm_client import VLLMClient
+
+    assert VLLMClient.init_communicator.__qualname__ == "VLLMClient.init_communicator"  # the run put TRL's back

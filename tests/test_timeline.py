@@ -51,6 +51,68 @@ def test_gantt_has_one_row_per_device():
     assert len(rows) == 2 and any("idle 60%" in r for r in rows)
 
 
+class _Engine:
+    """Stands in for TRL's colocated `LLM`: the hook only wraps its sleep and wake_up."""
+
+    def sleep(self, level=1):
+        return f"asleep at level {level}"
+
+    def wake_up(self, tags=None):
+        return "awake"
+
+
+class _Trainer:
+    """What `Timeline.hook` reads of a GRPOTrainer."""
+
+    def __init__(self, llm):
+        from types import SimpleNamespace
+
+        self.accelerator = SimpleNamespace(process_index=0, device=SimpleNamespace(type="cpu", index=None))
+        self.use_vllm = True
+        self.vllm_generation = SimpleNamespace(mode="colocate", llm=llm)
+        self.state = SimpleNamespace(global_step=0)
+        self.callbacks = []
+
+    def add_callback(self, cb):
+        self.callbacks.append(cb)
+
+    def remove_callback(self, cb):
+        self.callbacks.remove(cb)
+
+
+def test_unhook_takes_off_everything_the_hook_put_on():
+    from trl.extras.profiling import ProfilingContext
+
+    enter, exit_ = ProfilingContext.__enter__, ProfilingContext.__exit__
+    llm = _Engine()
+    trainer = _Trainer(llm)
+
+    def own_wake_up(tags=None):  # an attribute of the engine itself, set before the hook
+        return "woken by its own"
+
+    llm.wake_up = own_wake_up
+    tl = Timeline()
+    tl.hook(trainer)
+    assert llm.sleep(level=2) == "asleep at level 2" and llm.wake_up() == "woken by its own"
+    assert [iv.phase for iv in tl.intervals] == ["sleep", "wake_up"]
+    assert ProfilingContext.__enter__ is not enter and len(trainer.callbacks) == 1
+    tl.unhook()
+    assert ProfilingContext.__enter__ is enter and ProfilingContext.__exit__ is exit_
+    assert "sleep" not in vars(llm) and llm.sleep.__func__ is _Engine.sleep  # the class's method again
+    assert llm.wake_up is own_wake_up and trainer.callbacks == []
+    llm.sleep()
+    llm.wake_up()
+    assert len(tl.intervals) == 2  # nothing recorded after unhook
+    # an engine reused by the next run (the bench does) is hooked once, not on top of the old wrappers
+    tl2 = Timeline()
+    tl2.hook(_Trainer(llm))
+    llm.sleep()
+    tl2.unhook()
+    assert len(tl.intervals) == 2 and [iv.phase for iv in tl2.intervals] == ["sleep"]
+    tl.unhook()  # again: nothing left to undo
+    assert llm.sleep.__func__ is _Engine.sleep and llm.wake_up is own_wake_up
+
+
 @pytest.mark.skipif(has_cuda(), reason="on a GPU the sampler reads the GPUs (NVML), not a process's CPU")
 def test_util_sampler_sees_a_process_busy_then_idle():
     # A process of its own, busy for 1 s then asleep for 1 s: what the test process itself does (the

@@ -51,3 +51,16 @@ def test_checkpointing_is_off_on_cpu_trls_default_on_gpu_and_an_override_wins(tm
     assert grpo_config(output_dir=tmp_path).gradient_checkpointing is has_cuda()
     assert grpo_config(output_dir=tmp_path, gradient_checkpointing=True).gradient_checkpointing is True
     assert grpo_config(output_dir=tmp_path, gradient_checkpointing=False).gradient_checkpointing is False
+
+
+def test_a_server_mode_run_gives_trl_its_own_weight_sync_back_even_when_it_fails(tiny_model_path, tmp_path):
+    import requests
+    from trl.generation.vllm_client import VLLMClient
+
+    from colo_kit.launch import free_port
+
+    own = VLLMClient.init_communicator
+    with pytest.raises(requests.ConnectionError, match="can't be reached"):  # nobody serves there; TRL gives up after 1 s
+        run_grpo("tiny", "server", server_url=f"http://127.0.0.1:{free_port()}", http_weight_sync=True, max_steps=1,
+                 num_generations=2, per_device_batch=2, output_dir=tmp_path, vllm_server_timeout=1)
+    assert VLLMClient.init_communicator is own

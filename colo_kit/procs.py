@@ -1,0 +1,111 @@
+"""Child processes the kit serves from: starting them, waiting for `/health`, stopping them.
+
+A vLLM server (`colo_kit.server`) or replica (`colo_kit.replicas`) is more than one process: the
+API server spawns an engine core, which holds the GPU memory. So the kit starts each one in a
+session of its own (`start_in_session`), which makes it the leader of a process group that
+holds the engine core too, and that dies with the process that started it (`die_with_parent`).
+`wait_healthy` polls `GET /health` until it answers and fails at once, with the end of the log,
+if the process exits first (a bad flag, a model that does not fit). `stop_groups` ends the whole
+group: SIGTERM, a grace period for vLLM to free the GPU, then SIGKILL.
+
+Their environment comes from `colo_kit.launch.child_env` (the kit importable, no rank variables).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a server the kit starts in a session of its own: Linux sends it SIGTERM when
+    the process that started it dies, even by SIGKILL (a notebook kernel killed after a failed cell,
+    a test run cut off by its time limit: neither runs atexit handlers, and the server would keep
+    its share of the GPU)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def start_in_session(argv: list[str], env: dict, log_path: str | Path) -> subprocess.Popen:
+    """Start `argv` as the leader of a new session (its own process group; a killpg of the
+    parent's group misses it), stdout and stderr to `log_path`, ended when this process dies."""
+    with open(log_path, "w") as log:  # the child holds its own copy of the file descriptor
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
+
+
+def log_tail(log_path: str | Path | None, chars: int = 3000) -> str:
+    """The last `chars` characters of a log; empty when there is none."""
+    try:
+        return Path(log_path).read_text(errors="replace")[-chars:] if log_path else ""
+    except OSError:
+        return ""
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_all_healthy(children: dict[str, tuple[subprocess.Popen | None, str | Path | None]], timeout_s: float,
+                     *, t0: float | None = None, what: str = "vLLM server") -> dict[str, float]:
+    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200. Returns
+    the seconds from `t0` (`time.perf_counter()`, default now) until each one did. Raises
+    RuntimeError with the log's tail as soon as a process exits first, TimeoutError once
+    `timeout_s` have passed since `t0`. `what` names the servers in those messages."""
+    t0 = time.perf_counter() if t0 is None else t0
+    pending, ready = dict(children), {}
+    while True:
+        for url, (proc, log_path) in list(pending.items()):
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} {url} exited with code {proc.returncode} before it was healthy; "
+                                   f"log tail:\n{log_tail(log_path)}")
+            if _answers(url):
+                ready[url] = time.perf_counter() - t0
+                del pending[url]
+        if not pending:
+            return ready
+        if time.perf_counter() - t0 > timeout_s:
+            logs = ", ".join(str(log) for _, log in pending.values() if log) or "its log"
+            raise TimeoutError(f"{what} {', '.join(pending)} not healthy after {timeout_s:.0f} s; "
+                               f"raise timeout_s or read {logs}")
+        time.sleep(0.5)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0, log_path=None) -> float:
+    """Poll `GET {url}/health` until 200 and return the seconds it took; fail early (with the log's
+    tail) if `proc` exits. One server's `wait_all_healthy`."""
+    return wait_all_healthy({url: (proc, log_path)}, timeout_s)[url]
+
+
+def stop_groups(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """SIGTERM the process group of each of `procs` (started by `start_in_session`: the server and
+    the engine core it spawned), wait up to `timeout_s` for them all, then SIGKILL the groups of
+    those still running."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
