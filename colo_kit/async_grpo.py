@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from colo_kit.lora import published_versions
-
 
 
 class TorchVarlenAttention:
@@ -40,8 +41,10 @@ class TorchVarlenAttention:
         return torch.cat(outs)
 
 
-def cpu_async_grpo_patches(tokenizer=None) -> list[str]:
-    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU. What stops it, exactly:
+@contextmanager
+def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
+    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU, for the duration of a `with` block. What stops
+    it, exactly:
 
     1. its policy uses `attn_implementation="tree_fa3"`, whose kernel `packing._flash_attn()` fetches
        the FlashAttention-3 CUDA kernel through the `kernels` package (absent here, and no network):
@@ -50,26 +53,30 @@ def cpu_async_grpo_patches(tokenizer=None) -> list[str]:
        metrics): replaced by "unknown" (None), which TRL handles by skipping MFU;
     3. the rollout worker needs a response template for the chat template; the kit's tiny
        tokenizer carries a reduced Qwen2 template TRL does not recognise, so it is given the one
-       TRL uses for Qwen2.5 (only used to parse tool calls).
+       TRL uses for Qwen2.5 (only used to parse tool calls). That changes the run's own tokenizer
+       object, nothing process-wide.
 
-    Returns what was patched. The trainer itself, its rollout worker, the adapter publishing and
-    the weight-sync calls are TRL's, unchanged."""
+    Yields what was patched; TRL's functions are its own again when the block ends. The trainer
+    itself, its rollout worker, the adapter publishing and the weight-sync calls are TRL's, unchanged."""
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
-    done = []
+    done, saved = [], []
+
+    def patch(module, name, value, why):
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+        done.append(why)
+
     try:
         packing._flash_attn()
     except Exception:
-        packing._flash_attn = lambda: TorchVarlenAttention
-        done.append("tree_fa3 attention -> PyTorch varlen attention (no FA3 kernel on CPU)")
-    try:
-        import torch
+        patch(packing, "_flash_attn", lambda: TorchVarlenAttention,
+              "tree_fa3 attention -> PyTorch varlen attention (no FA3 kernel on CPU)")
+    import torch
 
-        if not torch.cuda.is_available():
-            async_grpo_trainer.get_peak_flops_per_device = lambda *a, **k: None
-            done.append("peak-FLOPs lookup -> None (it asks CUDA for the device name)")
-    except Exception:
-        pass
+    if not torch.cuda.is_available():
+        patch(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None,
+              "peak-FLOPs lookup -> None (it asks CUDA for the device name)")
     if tokenizer is not None and getattr(tokenizer, "response_template", None) is None:
         try:
             from trl.chat_template_utils import add_response_schema
@@ -80,7 +87,11 @@ def cpu_async_grpo_patches(tokenizer=None) -> list[str]:
 
             tokenizer.response_template = qwen3_template
             done.append("tokenizer.response_template -> TRL's Qwen template (tiny tokenizer's template is reduced)")
-    return done
+    try:
+        yield done
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
 
 
 def prompt_word_reward(completions, prompts=None, **_):
@@ -117,7 +128,7 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
                    lora_rank: int = 1, lora_alpha: int = 2, **config) -> dict:
     """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `server_url` (the
     proxy), adapters published to `<output_dir>/.vllm_lora/`. On CPU the three patches of
-    `cpu_async_grpo_patches` are applied first. Returns the log history and what was patched."""
+    `cpu_async_grpo_patches` hold for the run. Returns the log history and what was patched."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
@@ -126,7 +137,6 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
     from colo_kit.env import has_cuda
 
     tok = AutoTokenizer.from_pretrained(model)
-    patched = cpu_async_grpo_patches(tok)
     cpu = not has_cuda()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
     # A progress bar, as GRPOTrainer's runs show: transformers turns it off (and prints each step's dict
@@ -139,11 +149,12 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
                            save_strategy="no", **({"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
                                                     "heartbeat_stale_after_s": 120} if cpu else {}), **config)
     t0 = time.perf_counter()
-    trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
-                               processing_class=tok, peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
-                                                                            target_modules="all-linear"))
-    _bar_without_log_lines(trainer)
-    adapter_only = trainer._lora_sync
-    trainer.train()
+    with cpu_async_grpo_patches(tok) as patched:
+        trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
+                                   processing_class=tok,
+                                   peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear"))
+        _bar_without_log_lines(trainer)
+        adapter_only = trainer._lora_sync
+        trainer.train()
     return {"adapter_only_sync": adapter_only, "patched": patched, "wall_s": time.perf_counter() - t0,
             "log_history": trainer.state.log_history, "published": published_versions(output_dir)}

@@ -272,21 +272,21 @@ def trl_colocate(llm, *, tensor_parallel_size: int, tp_group, rank: int, local_r
     return gen
 
 
-# Each idea of the module docstring, found in the TRL installed here: (idea, TRL function, text on the line).
-TRL_LINES = [
-    ("one engine per process, in the trainer's group", "_init_vllm", 'distributed_executor_backend="external_launcher"'),
-    ("TP groups over consecutive ranks", "_init_vllm", "new_subgroups_by_enumeration"),
-    ("one seed per TP group (vLLM #15895)", "_init_vllm", "seed=accelerator.process_index // self.tensor_parallel_size"),
-    ("prefill steps of 4096 tokens", "_init_vllm", "max_num_batched_tokens=4096"),
-    ("log-probs after temperature", "_init_vllm", 'logprobs_mode="processed_logprobs"'),
-    ("prompts gathered inside the TP group", "generate", "all_gather_object(gathered_prompts"),
-    ("each rank keeps its slice", "generate", "tp_slice = slice("),
-    ("PEFT: adapters merged before the push", "_iter_named_params", "model.merge_adapter()"),
-    ("PEFT: base names restored", "_iter_named_params", '.removeprefix("base_model.model.")'),
-    ("ZeRO-3: each parameter gathered", "_iter_named_params", "gather_params([param])"),
-    ("weights loaded, one tensor at a time", "sync_weights", ".load_weights([(name, param)])"),
-    ("prefix cache reset after a push", "sync_weights", "self.llm.reset_prefix_cache()"),
-]
+# Each idea of the module docstring, found in the TRL installed here: idea | TRL function | text on the line.
+TRL_LINES = [tuple(part.strip() for part in row.split(" | ")) for row in """
+one engine per process, in the trainer's group | _init_vllm | distributed_executor_backend="external_launcher"
+TP groups over consecutive ranks | _init_vllm | new_subgroups_by_enumeration
+one seed per TP group (vLLM #15895) | _init_vllm | seed=accelerator.process_index // self.tensor_parallel_size
+prefill steps of 4096 tokens | _init_vllm | max_num_batched_tokens=4096
+log-probs after temperature | _init_vllm | logprobs_mode="processed_logprobs"
+prompts gathered inside the TP group | generate | all_gather_object(gathered_prompts
+each rank keeps its slice | generate | tp_slice = slice(
+PEFT: adapters merged before the push | _iter_named_params | model.merge_adapter()
+PEFT: base names restored | _iter_named_params | .removeprefix("base_model.model.")
+ZeRO-3: each parameter gathered | _iter_named_params | gather_params([param])
+weights loaded, one tensor at a time | sync_weights | .load_weights([(name, param)])
+prefix cache reset after a push | sync_weights | self.llm.reset_prefix_cache()
+""".strip().splitlines()]
 
 
 def where_in_trl() -> list[dict]:

@@ -162,3 +162,23 @@ def test_cpu_varlen_attention_matches_causal_attention_per_sample():
     assert torch.allclose(out[:prefix], ref_a[:prefix], atol=1e-5)
     assert torch.allclose(out[prefix:prefix + a], ref_a[prefix:], atol=1e-5)
     assert torch.allclose(out[prefix + a:], ref_b[prefix:], atol=1e-5)
+
+
+def test_cpu_patches_hold_for_the_block_and_give_trl_its_functions_back():
+    """`cpu_async_grpo_patches` is a `with` block: TRL's FA3 lookup and peak-FLOPs lookup are the
+    kit's stand-ins inside it (on this CPU machine) and TRL's own again after it, even on an error."""
+    import torch
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    from colo_kit.async_grpo import TorchVarlenAttention, cpu_async_grpo_patches
+
+    if torch.cuda.is_available():
+        pytest.skip("the patches apply where CUDA is missing")
+    fa3, flops = packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device
+    with pytest.raises(RuntimeError, match="stop"):
+        with cpu_async_grpo_patches() as patched:
+            assert packing._flash_attn() is TorchVarlenAttention
+            assert async_grpo_trainer.get_peak_flops_per_device("x") is None
+            assert len(patched) == 2
+            raise RuntimeError("stop")
+    assert packing._flash_attn is fa3 and async_grpo_trainer.get_peak_flops_per_device is flops
