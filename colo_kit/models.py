@@ -13,6 +13,7 @@ real weights with the same code.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -68,15 +69,20 @@ class Preset:
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def shape(self) -> tuple:
+        """The fields that decide the parameter count (name, context length and rope do not)."""
+        return (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads,
+                self.intermediate_size, self.vocab_size, self.tie_word_embeddings)
+
     def layer_params(self) -> int:
-        """One decoder layer: q (+bias), k, v (+bias), o; gate, up, down; two RMSNorms."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+        """One decoder layer of transformers' Qwen2: q (+bias), k, v (+bias), o; gate, up, down; two RMSNorms."""
+        return _meta_param_counts(self.shape)[1]
 
     def num_params(self) -> int:
-        """Parameter count from the shapes (matches the released models to <0.1%)."""
-        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * self.layer_params() + emb + self.hidden_size  # + the final norm
+        """Parameters of transformers' Qwen2 with these shapes, tied embeddings counted once (matches the
+        released models to <0.1%)."""
+        return _meta_param_counts(self.shape)[0]
 
     def lora_params(self, rank: int) -> int:
         """LoRA on every linear layer of the decoder (q, k, v, o, gate, up, down)."""
@@ -134,6 +140,20 @@ def qwen2_config(preset: Preset):
         pad_token_id=None,
         torch_dtype="bfloat16",
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_param_counts(shape: tuple) -> tuple[int, int]:
+    """(whole model, one decoder layer) of the real architecture, built on the meta device: shapes
+    without memory, so 72B takes a fraction of a second; cached because the planner asks in loops."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen2_config(Preset("count", None, *shape)))
+    # parameters() yields a tied embedding / LM head once
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.model.layers[0].parameters()))
 
 
 # ---------------------------------------------------------------------------------------------
