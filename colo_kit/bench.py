@@ -9,7 +9,7 @@ mode (every device trains and generates) over per-device batch sizes and reports
 - the raw ratio colocate / server on the same devices, and the post's normalisation: server
   throughput × N/(N−k) when k of N devices serve (post 1: "×8/7"), i.e. per training device.
 
-On GPU every run is a subprocess (`accelerate launch --num_processes N -m colo_kit.bench worker`),
+On GPU every run is a subprocess (`accelerate launch --num_processes N -m colo_kit.bench_cli worker`),
 so no CUDA context lives in the driver; all configs of one mode run in one worker process and
 reuse one vLLM engine where TRL would build an identical one (`reuse_engines`), because an engine
 start costs 50-90 s. On CPU everything runs in-process, the server as a real process on
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -31,6 +32,8 @@ from pathlib import Path
 from colo_kit.env import describe, has_cuda
 from colo_kit.paths import results_dir, runs_dir
 from colo_kit.timeline import Timeline, UtilSampler
+
+log = logging.getLogger(__name__)
 
 
 # --- one engine for several trainers ----------------------------------------------------------------
@@ -268,9 +271,9 @@ def variants(records: list[dict]) -> list[dict]:
 
 def _worker_cmd(n_procs: int) -> list[str]:
     if n_procs <= 1:
-        return [sys.executable, "-m", "colo_kit.bench", "worker"]
+        return [sys.executable, "-m", "colo_kit.bench_cli", "worker"]
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n_procs),
-            "--mixed_precision", "bf16", "-m", "colo_kit.bench", "worker"]
+            "--mixed_precision", "bf16", "-m", "colo_kit.bench_cli", "worker"]
 
 
 def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = None, workdir: Path,
@@ -290,8 +293,8 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
                 except Exception as exc:  # one failure must not lose the others
                     out.append({"label": cfg.get("label"), "mode": cfg["mode"], "error": repr(exc)[:2000],
                                 "per_device_batch": cfg.get("per_device_batch")})
-                print(f"[bench] {out[-1].get('label')}: {out[-1].get('tokens_per_s')} tok/s "
-                      f"{out[-1].get('error', '')}", flush=True)
+                log.info("%s: %s tok/s %s", out[-1].get("label"), out[-1].get("tokens_per_s"),
+                         out[-1].get("error", ""))
         finally:  # a notebook or test process goes on to build other engines: leave TRL as it was
             release_engines()
         return out
@@ -300,8 +303,8 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
     from colo_kit.launch import child_env
 
     env = child_env(gpus)
-    log = workdir / (plan.stem + ".log")
-    with open(log, "w") as f:
+    log_path = workdir / (plan.stem + ".log")
+    with open(log_path, "w") as f:
         try:
             rc = subprocess.run(_worker_cmd(n_procs) + [str(plan)], env=env, stdout=f, stderr=subprocess.STDOUT,
                                 timeout=timeout_s).returncode
@@ -320,7 +323,7 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
                 rec["idle_fraction"] = merged.idle_fraction(skip_steps=rec.get("warmup_steps", 1))
             out.append(rec)
         else:
-            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
             out.append({"label": cfg["label"], "mode": cfg["mode"], "per_device_batch": cfg.get("per_device_batch"),
                         "error": f"worker rc={rc}; no record. log tail:\n{tail}"})
     return out
@@ -344,7 +347,7 @@ def _worker_main(plan_path: str) -> int:
         if rec.get("rank", 0) == 0:
             rec.pop("timeline", None)
             Path(plan["out"], f"record_{cfg['label']}.json").write_text(json.dumps(rec))
-        print(f"[bench worker] {cfg['label']}: {rec.get('tokens_per_s')} tok/s {rec.get('error', '')}", flush=True)
+        log.info("worker %s: %s tok/s %s", cfg["label"], rec.get("tokens_per_s"), rec.get("error", ""))
     return 0
 
 
@@ -438,7 +441,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                                gpu_memory_utilization=vllm_gpu_memory_utilization if shared else 0.9)) as srv:
                 server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus,
                                "shares_the_trainer_gpu": shared}
-                print(f"[bench] server up in {srv.startup_s} s", flush=True)
+                log.info("server up in %s s", srv.startup_s)
                 cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
                              server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
@@ -456,7 +459,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                             max_tokens=max_completion_length)})
                     except Exception as exc:
                         gen_probe.append({"batch": B, "error": repr(exc)[:300]})
-                    print(f"[bench] gen probe {gen_probe[-1]}", flush=True)
+                    log.info("gen probe %s", gen_probe[-1])
                 records += run_configs(cfgs, n_procs=n_devices - k if gpu else 1,
                                        gpus=train_gpus if gpu else None, workdir=workdir, timeout_s=left() - 15)
         except Exception as exc:
@@ -537,62 +540,6 @@ def load_result(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, fraction, positive_float, positive_int, writable_file
-
-    ap = ArgumentParser(prog="colo-kit bench", description=sweep.__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batches", default="4,8", help="per-device batch sizes, comma separated")
-    ap.add_argument("--steps", type=positive_int, default=4, help="steps per config; the first is discarded as warm-up")
-    ap.add_argument("--num-generations", type=positive_int, default=4)
-    ap.add_argument("--max-completion-length", type=positive_int, default=32)
-    ap.add_argument("--n-devices", type=positive_int, default=None)
-    ap.add_argument("--server-gpus", default="1")
-    ap.add_argument("--port", type=positive_int, default=8000)
-    ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
-    ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
-    ap.add_argument("--modes", default="server,colocate", help="server, colocate, or both (comma separated)")
-    ap.add_argument("--extra-colocate", default="{}",
-                    help='JSON {label: GRPO overrides} run in colocate mode at the largest batch, e.g. '
-                         '\'{"colocate-kit-best": {"steps_per_generation": 4}}\'')
-    ap.add_argument("--out", default=None, help="JSON path (default results/runs/pingpong_<tier>.json; the committed "
-                    "results/pingpong_<tier>.json changes only when named here)")
-    ap.add_argument("--budget-s", type=positive_float, default=None, help="wall-clock budget for the whole sweep")
-    a = ap.parse_args(argv)
-    try:
-        batches = [int(x) for x in a.batches.split(",") if x]
-        probe = [int(x) for x in a.gen_probe.split(",") if x]
-        if not batches or min(batches + probe + [1]) < 1:
-            raise ValueError
-    except ValueError:
-        raise UsageError(f"--batches {a.batches!r} / --gen-probe {a.gen_probe!r}: use positive integers like 8,32,64")
-    if bad := [b for b in batches if b % a.num_generations]:
-        raise UsageError(f"--batches {a.batches!r}: {bad} not a multiple of --num-generations {a.num_generations} "
-                         "(a batch holds whole groups)")
-    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
-    if not modes or set(modes) - {"server", "colocate"}:
-        raise UsageError(f"--modes {a.modes!r}: choose server, colocate, or server,colocate")
-    if a.steps < 2:
-        raise UsageError(f"--steps {a.steps}: at least 2 (the first step is warm-up and not measured)")
-    try:
-        extra = json.loads(a.extra_colocate)
-        assert isinstance(extra, dict) and all(isinstance(v, dict) for v in extra.values())
-    except (ValueError, AssertionError):
-        raise UsageError(f"--extra-colocate {a.extra_colocate!r}: give a JSON object of {{label: {{option: value}}}}")
-    out = writable_file(a.out or runs_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json", "--out")
-    res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
-                max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,
-                server_port=a.port, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                gen_probe_batches=probe, out=out, modes=modes, extra_colocate=extra, budget_s=a.budget_s)
-    for r in res["summary"]:
-        print(json.dumps(r))
-    html = write_plots(res, runs_dir() / (Path(out).stem + ".html"))
-    print(f"[colo_kit] plots: {html}")
-    errors = [r for r in res["runs"] if "error" in r]
-    print(f"[colo_kit] wrote {out}; {len(res['runs'])} runs, {len(errors)} failed")
-    return 1 if errors else 0
-
-
 def attach_model(result: dict) -> dict:
     """Add the ping-pong model's validation table and 8-GPU projection to a results dict."""
     from colo_kit.pingpong import fit_costs, project_post, validate
@@ -621,18 +568,3 @@ def merge_results(parts: list[dict]) -> dict:
     out["summary"] = summarize(out["runs"], s["n_devices"], s["k_server"])
     out["colocate_variants"] = variants(out["runs"])
     return out
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
-        raise SystemExit(_worker_main(sys.argv[2]))
-    if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...
-        loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
-        merged = attach_model(merge_results(loaded))
-        Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
-        print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
-        print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
-        raise SystemExit(0)
-    from colo_kit.cli import main
-
-    raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -24,7 +24,7 @@ COMMANDS = {
     "env": ("colo_kit.env:cli_main", "print the tier, hardware and versions as JSON"),
     "eval-math500": ("colo_kit.math500_eval:cli_main", "evaluate a model on MATH-500 (or the offline set)"),
     "plan": ("colo_kit.planner_cli:cli_main", "estimate per-GPU memory and recommend settings"),
-    "bench": ("colo_kit.bench:cli_main", "server-vs-colocate throughput sweep"),
+    "bench": ("colo_kit.bench_cli:cli_main", "server-vs-colocate throughput sweep"),
     "proxy": ("colo_kit.proxy_cli:cli_main", "prefix-affinity proxy in front of vLLM replicas"),
 }
 

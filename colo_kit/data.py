@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import logging
 import os
 import random
 from fractions import Fraction
 from math import comb, gcd
 
 from colo_kit.paths import data_dir
+
+log = logging.getLogger(__name__)
 
 TLDR_HUB_ID = "trl-lib/tldr"
 MATH500_HUB_ID = "HuggingFaceH4/MATH-500"
@@ -56,18 +59,18 @@ def _load(hub_id: str, split: str, offline_file: str, source: str):
     if source == "hub" or (source == "auto" and not _offline_requested() and _hub_reachable()):
         try:
             ds = load_dataset(hub_id, split=split)
-            print(f"[colo_kit.data] using {hub_id} ({split}, {len(ds)} rows) from the hub")
+            log.info("using %s (%s, %d rows) from the hub", hub_id, split, len(ds))
             return ds
         except Exception as exc:  # no network, no cache: fall back, but say so
             if source == "hub":
                 raise
-            print(f"[colo_kit.data] {hub_id} unavailable ({type(exc).__name__}); using data/{offline_file}")
+            log.info("%s unavailable (%s); using data/%s", hub_id, type(exc).__name__, offline_file)
     path = data_dir() / offline_file
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; run `colo-kit data` to regenerate the offline sets")
     ds = Dataset.from_list(read_jsonl(path))
     ds.info.description = f"colo_kit offline stand-in for {hub_id}: data/{offline_file}"
-    print(f"[colo_kit.data] using offline data/{offline_file} ({len(ds)} rows) standing in for {hub_id}")
+    log.info("using offline data/%s (%d rows) standing in for %s", offline_file, len(ds), hub_id)
     return ds
 
 

@@ -16,6 +16,7 @@ Anything the user already set wins.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -139,10 +140,39 @@ def apply_defaults() -> None:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if os.environ.get("COLO_KIT_QUIET") == "1":
         _hold_vllm_import_chatter()
+    _kit_log_lines()
     try:
         import flashinfer  # noqa: F401
     except Exception:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+class KitLines(logging.Handler):
+    """The `colo_kit` logger's own output: INFO and up, as `[colo_kit.<module>] message` on the
+    current `sys.stdout` (a notebook cell's, when in a cell). It speaks only while nothing else
+    handles Python's logging (no root handler): a CLI's `basicConfig`, an application's setup or
+    pytest's capture then takes the records instead, and nothing is said twice."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+
+    def emit(self, record):
+        if logging.getLogger().handlers:
+            return
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _kit_log_lines() -> None:
+    kit = logging.getLogger("colo_kit")
+    if not any(isinstance(h, KitLines) for h in kit.handlers):
+        kit.addHandler(KitLines())
+    if kit.level == logging.NOTSET:
+        kit.setLevel(logging.INFO)
 
 
 def _hold_vllm_import_chatter() -> None:

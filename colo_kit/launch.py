@@ -32,6 +32,7 @@ Used by notebook 03 (TP tuning) and `colo_kit.tp`.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -48,6 +49,8 @@ from typing import Any, Callable
 import colo_kit  # noqa: F401  (environment defaults before torch)
 from colo_kit.env import gpu_count, has_cuda
 from colo_kit.paths import runs_dir
+
+log = logging.getLogger(__name__)
 
 _RESULT = "rank{rank}.result.pkl"
 _LOG = "rank{rank}.log"
@@ -386,10 +389,10 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
     port = int(port or free_port())
     worker = _Worker(function, str(run_dir), cpu)
     for note in notes:
-        print(f"[colo_kit.launch] {note}", flush=True)
+        log.info(note)
     if echo:
-        print(f"[colo_kit.launch] {num_processes} {'CPU processes (gloo)' if cpu else 'GPU processes (NCCL)'}, "
-              f"rendezvous 127.0.0.1:{port}, logs in {run_dir}", flush=True)
+        log.info("%d %s, rendezvous 127.0.0.1:%d, logs in %s", num_processes,
+                 "CPU processes (gloo)" if cpu else "GPU processes (NCCL)", port, run_dir)
 
     tail = _Tail(run_dir, num_processes, echo)
     tail.start()

@@ -15,11 +15,14 @@ what it does instead. The runner rewrites nothing; what it adds against hangs is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 from colo_kit.paths import REPO_ROOT, runs_dir
+
+log = logging.getLogger(__name__)
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 SOURCES = NOTEBOOKS / "src"
@@ -178,7 +181,7 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
             # A real cell error is never retried; a timeout is, once, in a new kernel.
             if attempt == 2:
                 raise
-            print(f"[colo_kit] {path.name}: {exc}; retrying once in a new kernel", flush=True)
+            log.warning("%s: %s; retrying once in a new kernel", path.name, exc)
             nb = nbformat.from_dict(json.loads(json.dumps(pristine)))
         finally:
             executed = out_dir / path.name

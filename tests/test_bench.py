@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from colo_kit.bench import cli_main, load_result, summarize, sweep
+from colo_kit.bench import load_result, summarize, sweep
+from colo_kit.bench_cli import cli_main
 from colo_kit.env import has_cuda
 
 

@@ -77,7 +77,7 @@ def test_a_failed_bench_leaves_the_committed_results_alone(capsys):
 
 
 def test_bench_writes_under_runs_unless_a_path_is_named(monkeypatch, tmp_path):
-    from colo_kit import bench
+    from colo_kit import bench_cli as bench
     from colo_kit.paths import runs_dir
 
     written = []

@@ -14,20 +14,20 @@ def test_shipped_files_match_the_generators():
         assert shipped == rows, f"data/{name} is stale: run `colo-kit data`"
 
 
-def test_offline_loaders(capsys):
+def test_offline_loaders(caplog):
     tldr = load_tldr(source="offline")
     assert len(tldr) >= 300 and all(p.rstrip().endswith("TL;DR:") for p in tldr["prompt"][:50])
     math = load_math(source="offline")
     assert len(math) >= 200
     assert {"problem", "answer", "subject", "level", "unique_id"} <= set(math.column_names)
     assert len(set(math["subject"])) >= 5 and set(math["level"]) <= {1, 2, 3, 4, 5}
-    assert "offline" in capsys.readouterr().out  # the loader says which source it used
+    assert "offline" in caplog.text  # the loader says which source it used
 
 
-def test_auto_falls_back_offline_without_network(monkeypatch, capsys):
+def test_auto_falls_back_offline_without_network(monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert len(load_tldr()) >= 300
-    assert "standing in for trl-lib/tldr" in capsys.readouterr().out
+    assert "standing in for trl-lib/tldr" in caplog.text
 
 
 def test_bad_source_is_refused():
