@@ -19,6 +19,7 @@ import time
 import types
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from colo_kit.env import has_cuda, vllm_eager
@@ -257,13 +258,63 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     return run
 
 
+# GRPOConfig fields the kit sets from its own flags: in TRL's spelling they are refused, naming the kit's flag.
+KIT_SET_FIELDS = {"output_dir": "the kit's run folder under results/runs/ (--json writes the log)",
+                  "per_device_train_batch_size": "--per-device-batch", "use_vllm": "--mode", "vllm_mode": "--mode",
+                  "vllm_server_base_url": "--server-url", "vllm_enable_sleep_mode": "--sleep"}
+
+
+def trl_overrides(args: list[str]) -> dict:
+    """Any other `GRPOConfig` field, in TRL's own spelling (`--beta 0.04`, `--loss_type dr_grpo`) or
+    from a YAML file (`--config recipe.yaml`, as TRL's scripts and alignment-handbook take one),
+    parsed and checked by TRL's `TrlParser`. Returns the fields given, with TRL's parsed values;
+    a bad one is a `UsageError` naming it."""
+    import tempfile
+
+    import yaml
+    from trl import GRPOConfig, TrlParser
+
+    from colo_kit.cli import UsageError
+
+    given = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--")]
+    if "config" in given:
+        path = args[args.index("--config") + 1] if args.index("--config") + 1 < len(args) else ""
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise UsageError(f"--config {path!r}: cannot read it as YAML ({exc}); give a YAML file of GRPOConfig "
+                             "fields") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"--config {path!r}: holds a YAML {type(loaded).__name__}, not a mapping of GRPOConfig "
+                             "fields")
+        given = [g for g in given if g != "config"] + [k for k in loaded if k != "env"]
+    if owned := [g for g in given if g in KIT_SET_FIELDS]:
+        raise UsageError(f"--{owned[0]}: the kit sets it; use {KIT_SET_FIELDS[owned[0]]}")
+
+    def one_line(message):
+        raise UsageError(f"{message} (GRPOConfig fields in TRL's spelling, e.g. --beta 0.04)")
+
+    parser = TrlParser((GRPOConfig,))
+    parser.error = one_line
+    base = ["--output_dir", tempfile.gettempdir()] + ([] if has_cuda() else ["--use_cpu", "true", "--bf16", "false"])
+    try:
+        (config,) = parser.parse_args_and_config(base + list(args))
+    except ValueError as exc:
+        raise UsageError(f"{str(exc).splitlines()[0]}: colo-kit train takes its own flags (--help) and GRPOConfig "
+                         "fields in TRL's spelling") from None
+    values = {name: getattr(config, name) for name in dict.fromkeys(given)}
+    return {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}  # e.g. lr_scheduler_type
+
+
 def cli_main(argv: list[str]) -> int:
     import json
 
     from colo_kit.cli import ArgumentParser, UsageError, fraction, positive_float, positive_int, writable_file
     from colo_kit.models import PRESETS, resolve_model
 
-    ap = ArgumentParser(prog="colo-kit train", description=run_grpo.__doc__)
+    ap = ArgumentParser(prog="colo-kit train", description=run_grpo.__doc__,
+                        epilog="Any other GRPOConfig field in TRL's spelling (--beta 0.04, --loss_type dr_grpo), "
+                               "or --config FILE.yaml of them, is handed to TRL's own parser.")
     ap.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}), a model folder or a hub id")
     ap.add_argument("--mode", default="colocate", choices=MODES)
     ap.add_argument("--reward", default="length", choices=["length", "math500"])
@@ -278,7 +329,8 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--server-url", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the per-step log here (checked writable before training)")
-    a = ap.parse_args(argv)
+    a, rest = ap.parse_known_args(argv)
+    overrides = trl_overrides(rest) if rest else {}
     try:
         check_settings(a.mode, max_steps=a.max_steps, num_generations=a.num_generations,
                        per_device_batch=a.per_device_batch, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
@@ -296,7 +348,7 @@ def cli_main(argv: list[str]) -> int:
                    num_generations=a.num_generations, per_device_batch=a.per_device_batch,
                    max_completion_length=a.max_completion_length, learning_rate=a.learning_rate,
                    target_length=a.target_length, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                   sleep=a.sleep, server_url=a.server_url, seed=a.seed)
+                   sleep=a.sleep, server_url=a.server_url, seed=a.seed, **overrides)
     rewards = run.rewards
     print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
     if out:

@@ -3,6 +3,7 @@ before anything runs or is written; committed results change only when named."""
 
 import json
 import os
+import types
 
 import pytest
 
@@ -37,6 +38,10 @@ CASES = [
     (["train", "--vllm-gpu-memory-utilization", "nan"], "'nan': give a fraction"),
     (["train", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json"),
     (["train", "--mode", "server"], "server_url"),
+    (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
+    (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes its own flags"),
+    (["train", "--per_device_train_batch_size", "4"], "--per_device_train_batch_size: the kit sets it; use --per-device-batch"),
+    (["train", "--config", "{files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
     (["eval-math500", "--out", "/proc/nope/ev.json"], "--out /proc/nope/ev.json"),
     (["eval-math500", "--limit", "0"], "'0'"),
     (["eval-math500", "--data", "{files}/bad.jsonl"], "bad.jsonl line 3: not JSON"),
@@ -91,6 +96,28 @@ def test_bench_writes_under_runs_unless_a_path_is_named(monkeypatch, tmp_path):
     assert main(["bench", "--modes", "colocate"]) == 0
     assert main(["bench", "--modes", "colocate", "--out", str(tmp_path / "named.json")]) == 0
     assert written[0].parent == runs_dir() and written[1] == tmp_path / "named.json"
+
+
+def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
+    """`colo-kit train --beta 0.04 --config recipe.yaml`: GRPOConfig fields in TRL's spelling, or a
+    YAML file of them, parsed by TRL's TrlParser and given to the run; the command line wins over
+    the file, as in TRL's own scripts."""
+    from colo_kit import train
+
+    seen = {}
+
+    def run_grpo(model, mode, **kwargs):  # stands in for the run: only what reaches it matters here
+        seen.update(kwargs)
+        return types.SimpleNamespace(rewards=[0.0], elapsed_s=0.0, to_dict=dict)
+
+    monkeypatch.setattr(train, "run_grpo", run_grpo)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("beta: 0.02\nlr_scheduler_type: cosine\nloss_type: dr_grpo\n")
+    assert main(["train", "--max-steps", "3", "--config", str(recipe), "--beta", "0.04", "--num_iterations", "2"]) == 0
+    assert seen["max_steps"] == 3
+    assert (seen["beta"], seen["lr_scheduler_type"], seen["loss_type"], seen["num_iterations"]) == \
+        (0.04, "cosine", "dr_grpo", 2)
+    assert "per_device_train_batch_size" not in seen  # only the fields given
 
 
 def test_build_model_keeps_one_folder_per_seed(tmp_path, monkeypatch):
