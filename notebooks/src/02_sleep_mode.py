@@ -159,8 +159,9 @@ lab.see("02.push", "True, True, True: the same weights keep the probe, other wei
 # %%
 from colo_kit.engine import where_in_trl
 
-pd.set_option("display.max_colwidth", 90)
-pd.DataFrame(where_in_trl())
+trl_lines = pd.DataFrame(where_in_trl())
+trl_lines["where"] = trl_lines["where"] + "  (" + trl_lines["trl"].str.removeprefix("VLLMGeneration.") + ")"
+trl_lines[["idea", "where", "line"]].style.hide(axis="index").set_properties(**{"text-align": "left"})
 
 # %% [markdown]
 # ## 4 · Sleep, wake, push: the switch of one training step
