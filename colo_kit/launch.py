@@ -15,7 +15,10 @@ torch.distributed group, and returns what every rank returned. What it adds to a
   launch while the first one's port is still in TIME_WAIT, or beside another job, hangs or fails
   (TRL #3979). Each launch asks the OS for a free port.
 - **Results back in the kernel.** `notebook_launcher` discards return values; each worker pickles
-  its own into the launch folder and `launch` returns them in rank order.
+  its own into the launch folder and `launch` returns them in rank order. (torch elastic's
+  `elastic_launch` returns `{rank: value}` for a forked launch, but a kernel that cannot fork
+  needs a fresh `torchrun` process, whose values can only come back through files: one way for
+  both, and a worker's exception comes back the same way, with its traceback.)
 - **Worker logs in the cell, and the kernel alive after a crash.** Each worker writes stdout and
   stderr (file descriptors too: vLLM and gloo log from C++) to `rank<N>.log`; the kernel streams
   those files into the cell as `[rank N] ...`. A worker's exception is written down with its
