@@ -12,11 +12,11 @@ decoding is memory-bound, so it grows much more slowly than x), `train(b)` the
 forward/backward/optimizer time of b completions on one device. Throughput is completions per
 step over step time: server `n·b / step_server`, colocate `N·b / step_colocate`.
 
-What it says about the post (and the 2-GPU measurement in issue 4):
+What it says about the post:
 - N=2, k=1: the single server generates exactly what one colocated device generates (`n·b/k = b`),
   so both modes run the same gen(b) + train(b) per device and step; colocate has two training
-  devices instead of one, hence ~2× raw and ~1× per device (measured 1.85–1.95× raw, 0.93–0.98×
-  normalised on 2×H200: colocated vLLM has less memory and shares the GPU, so slightly slower).
+  devices instead of one, hence ~2× raw and ~1× per device (modelled; colocated vLLM has less
+  memory and shares the GPU, so a measurement lands slightly below).
 - N=8, k=1: one server generates 7·b completions while seven trainers wait: gen(7b) > gen(b), and
   the wait grows with the number of trainers a server feeds. Colocate generates b per device in
   parallel. Normalised speedup = (gen(7b) + train(b) + ...) / (gen(b) + train(b) + ...) > 1 —

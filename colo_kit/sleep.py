@@ -230,8 +230,6 @@ class SleepManager:
 # Reference numbers for the notebooks
 # ---------------------------------------------------------------------------------------------
 
-# Seen by the team on 2x H200 with vLLM 0.26.0 (shared/gpu/README.md), before the kit's own
-# benchmark ran; shown only until results/engine_bench.json exists.
 def h200_reference() -> dict:
     """The committed GPU benchmark (results/engine_bench.json), labelled measured with its vLLM; or,
     where it is missing, only a note saying which script measures it."""

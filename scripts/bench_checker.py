@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_checker.py            # full run (~2-4 min on 2 cores)
     .venv/bin/python scripts/bench_checker.py --quick    # smaller fuzz, for a smoke check
 
-What it measures (issue 7's bars in brackets):
+What it measures (the targets in brackets):
 1. agreement with the hand-labelled cases in data/math500_checker_cases.jsonl  [>= 98%],
    every disagreement listed;
 2. checks per second on one core (per CPU-second, so other load on the machine does not count;

@@ -1,4 +1,4 @@
-"""Benchmark of colo_kit's colocated engine and its sleep switch (issue 3).
+"""Benchmark of colo_kit's colocated engine and its sleep switch.
 
 What it measures, for one model per call (run by scripts/gpu/engine_bench.sh on 2x H200):
 - `colocate`: `ColocatedEngine` at vllm_gpu_memory_utilization=0.3 with sleep mode on —
@@ -29,7 +29,7 @@ from colo_kit.env import describe, has_cuda  # noqa: E402
 GOALS = {"throughput_ratio_min": 0.9, "switch_s_max_at_1.5b": 0.05}
 TRL_REFERENCE = {"trl_1.16_colocate_sleep_switch_s": [0.15, 0.27],
                  "plain_vllm_0.26_at_0.3_tok_per_s": 37000,
-                 "note": "issue 3, measured by the team on the same machine; not re-measured here"}
+                 "note": "measured earlier on the same machine; not re-measured here"}
 
 
 _PARTIAL: dict = {}
@@ -264,7 +264,7 @@ def merge(args) -> dict:
         if c and "clean_exit" in c:
             s["colocate_clean_exit"] = c["clean_exit"]
         summary[name] = s
-    return {"benchmark": "colo_kit engine + sleep switch (issue 3)", "goals": GOALS, "reference": TRL_REFERENCE,
+    return {"benchmark": "colo_kit engine + sleep switch", "goals": GOALS, "reference": TRL_REFERENCE,
             "env": describe(), "summary": summary, "parts": parts}
 
 

@@ -1,4 +1,4 @@
-"""TP 1 vs TP 2 on the GPUs of one node (issue 5), one part per call, run by scripts/gpu/tp_tuning.sh.
+"""TP 1 vs TP 2 on the GPUs of one node, one part per call, run by scripts/gpu/tp_tuning.sh.
 
   build --model M                     build the random-weight model folder (on the GPU: fast init)
   gen   --model M --tp T --out F      generation-only throughput at TP T (colo_kit.tp.generation_sweep)
