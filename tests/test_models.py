@@ -27,14 +27,36 @@ def test_presets_have_the_published_shapes_and_sizes(name):
     assert p.rope_theta == 1_000_000.0
 
 
-def test_parameter_counts_are_those_of_the_built_tiny_model(tiny_model_path):
+def test_parameter_counts_are_those_of_the_built_tiny_model(tiny_model_path, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from colo_kit.models import _meta_param_counts
+
+    monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))  # counted now, not read from an earlier run's cache
+    _meta_param_counts.cache_clear()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tiny = get_preset("tiny")
     assert tiny.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert tiny.num_params() == sum(p.numel() for p in model.parameters())  # the tied matrix once
     assert tiny.layer_params() == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_counts_are_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
+    """`colo-kit plan` need not import torch and transformers again to count a model it counted before."""
+    import json
+
+    from colo_kit.models import _meta_param_counts
+
+    monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))
+    _meta_param_counts.cache_clear()
+    seven = get_preset("qwen2.5-7b")
+    counted = seven.num_params()
+    kept = json.loads((tmp_path / "param_counts.json").read_text())
+    assert list(kept.values()) == [[counted, seven.layer_params()]]
+    (tmp_path / "param_counts.json").write_text(json.dumps({k: [1, 2] for k in kept}))
+    _meta_param_counts.cache_clear()
+    assert (seven.num_params(), seven.layer_params()) == (1, 2)  # read back, not counted again
+    _meta_param_counts.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2.5-7b"])  # tied and untied, GQA 2:1 and 7:1
