@@ -17,6 +17,23 @@ from colo_kit.env import has_cuda
 from colo_kit.paths import runs_dir
 
 
+def _check_overrides(extra: dict, error) -> None:
+    """Each variant's options are `GRPOConfig` fields (TRL's own dataclass) or `run_grpo` options:
+    a misspelt one would otherwise fail minutes into the sweep, or be measured as the default."""
+    import dataclasses
+    import inspect
+
+    from trl import GRPOConfig
+
+    from colo_kit.train import run_grpo
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)} | set(inspect.signature(run_grpo).parameters)
+    for label, options in extra.items():
+        if unknown := sorted(set(options) - known):
+            raise error(f"--extra-colocate {label!r}: {unknown} are neither GRPOConfig fields nor run_grpo options; "
+                        "use TRL's spelling, e.g. steps_per_generation")
+
+
 def cli_main(argv: list[str]) -> int:
     from colo_kit.cli import ArgumentParser, UsageError, fraction, positive_float, positive_int, writable_file
 
@@ -59,6 +76,8 @@ def cli_main(argv: list[str]) -> int:
         assert isinstance(extra, dict) and all(isinstance(v, dict) for v in extra.values())
     except (ValueError, AssertionError):
         raise UsageError(f"--extra-colocate {a.extra_colocate!r}: give a JSON object of {{label: {{option: value}}}}")
+    if extra:
+        _check_overrides(extra, UsageError)
     out = writable_file(a.out or runs_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json", "--out")
     res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
                 max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,

@@ -29,6 +29,7 @@ CASES = [
     (["bench", "--batches", "6", "--num-generations", "4"], "[6] not a multiple of --num-generations 4"),
     (["bench", "--steps", "1"], "--steps 1"),
     (["bench", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json"),
+    (["bench", "--extra-colocate", '{"fast": {"stepz_per_generation": 4}}'], "'fast': ['stepz_per_generation'] are neither"),
     (["train", "--max-steps", "0"], "'0': give a whole number of at least 1"),
     (["train", "--max-steps", "-1"], "'-1'"),
     (["train", "--num-generations", "0"], "'0'"),
