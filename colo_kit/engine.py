@@ -243,22 +243,13 @@ def _backend_state(model) -> SimpleNamespace:
     return SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3) if zero3 else None, fsdp_plugin=None)
 
 
-class _NoTrainerModel:
-    """Stands for the trainer's model between pushes: TRL asks `is_peft_model(self.model)` while it
-    generates (a barrier for PEFT under TP, TRL #3671), and the kit's engine may have no trainer."""
-
-    _modules: dict = {}
-
-
-_NO_TRAINER_MODEL = _NoTrainerModel()
-
-
 def trl_colocate(llm, *, tensor_parallel_size: int, tp_group, rank: int, local_rank: int, world_size: int):
     """TRL's `VLLMGeneration` in colocate mode, driving `llm` (built by the kit).
 
     `VLLMGeneration.__init__` would build an engine of its own (`_init_vllm`), so the object is
     made without it and given the fields its `generate`, `_iter_named_params` and `sync_weights`
     read. Sleep stays off here: `colo_kit.sleep` manages it by tags."""
+    import torch
     from trl.generation.vllm_generation import VLLMGeneration
 
     gen = VLLMGeneration.__new__(VLLMGeneration)
@@ -266,7 +257,9 @@ def trl_colocate(llm, *, tensor_parallel_size: int, tp_group, rank: int, local_r
     gen.tensor_parallel_size, gen.tp_group = tensor_parallel_size, tp_group
     gen.enable_sleep_mode, gen._llm_weights_sleeping = False, False
     gen.structured_outputs_regex = None
-    gen.model = _NO_TRAINER_MODEL  # the trainer's model, during a push
+    # the trainer's model during a push; between pushes an empty module: TRL asks
+    # `is_peft_model(self.model)` while it generates (a barrier for PEFT under TP, TRL #3671)
+    gen.model = torch.nn.Module()
     gen.accelerator = SimpleNamespace(process_index=rank, local_process_index=local_rank, num_processes=world_size,
                                       is_main_process=rank == 0)
     return gen
@@ -484,7 +477,7 @@ class ColocatedEngine:
             if has_cuda():
                 torch.cuda.synchronize()
         finally:
-            trl.model = _NO_TRAINER_MODEL
+            trl.model = torch.nn.Module()
         return time.perf_counter() - t0
 
     # -- shutdown --------------------------------------------------------------------------------
