@@ -1,0 +1,276 @@
+"""How fast can colocated GRPO go on one GPU, and does it still learn as fast? (notebook 04's speed table)
+
+TRL's defaults (`use_vllm=True, vllm_mode="colocate"`) leave most of a big GPU idle: a small batch, every
+activation recomputed (`gradient_checkpointing=True`), a fresh generation for every optimizer step, and a
+weight push of one `load_weights` call per tensor after each. `CHAIN` adds one knob at a time, in TRL's own
+`GRPOConfig` names where TRL has the knob, so a learner sees what each one buys:
+
+    trl_defaults    what `GRPOConfig(use_vllm=True, vllm_mode="colocate")` gives, batch 8
+    no_grad_ckpt    gradient_checkpointing=False: memory the GPU has, spent on not recomputing
+    no_detokenize   generation_kwargs={"detokenize": False}: TRL reads token ids, never vLLM's text
+    bucketed_push   the weight push in one load_weights call (colo_kit.bucketed_push)
+    spg8            steps_per_generation=8: one generation of 8 steps' completions, 8 optimizer steps on it
+    batch32         per_device_train_batch_size=32
+
+Every configuration trains the same random-weight model on the same prompts with the same group size,
+completion length and learning rate, for a fixed wall-time budget per seed (`run_config`). What it
+records, and how each number is computed:
+
+- *steady-state completion tokens/s*: completion tokens of whole generation cycles (a cycle is
+  `steps_per_generation` optimizer steps on one generation) over their wall time, the first cycle left out
+  (it holds the first weight push, CUDA warm-up and the allocator's growth);
+- *the step split*: seconds per optimizer step in generation, weight push, scoring and training (forward,
+  backward, optimizer), from TRL's own profiling timers (`colo_kit.timeline`);
+- NVML's peak beside the planner's prediction (`colo_kit.planner.estimate`);
+- the reward curve against wall time since `trainer.train()` began, and TRL's importance-sampling logs
+  (`sampling/importance_sampling_ratio/*`, `sampling/sampling_logp_difference/*`);
+- *time to the reward threshold* (`time_to_reward`): the first moment the running mean reward over the
+  last >= 64 completions reaches the threshold.
+
+The threshold is fixed by a rule written down before the runs: 90% of the way from the first running
+mean to the best running mean that TRL's defaults (seed 0) reach within their budget. Every configuration
+chases that one number; one that never reaches it is reported as not reaching it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import statistics
+import time
+
+log = logging.getLogger(__name__)
+
+# The task: the length reward on the tl;dr stand-ins at the kit's learning rate (notebook 00's), 256-token
+# completions, G = 8. lr_scheduler "constant": the runs stop on a wall-time budget, not at max_steps, and a
+# linear decay to max_steps would give each configuration a different learning rate at the same step.
+TASK = dict(reward="length", target_length=20, num_generations=8, max_completion_length=256,
+            learning_rate=5e-3, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
+WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
+THRESHOLD_FRACTION = 0.9
+
+# Each entry: (name, what it adds, GRPOConfig fields, the kit's own knobs). Each is the one before plus its knob.
+CHAIN = [
+    ("trl_defaults", "TRL 1.16's defaults for colocate mode", {"per_device_train_batch_size": 8}, {}),
+    ("no_grad_ckpt", "gradient_checkpointing=False", {"gradient_checkpointing": False}, {}),
+    ("no_detokenize", "generation_kwargs={'detokenize': False}", {"generation_kwargs": {"detokenize": False}}, {}),
+    ("bucketed_push", "the weight push in one load_weights call", {}, {"push_bucket_mb": 0}),
+    ("spg8", "steps_per_generation=8", {"steps_per_generation": 8}, {}),
+    ("batch32", "per_device_train_batch_size=32", {"per_device_train_batch_size": 32}, {}),
+]
+NAMES = [c[0] for c in CHAIN]
+
+
+def config(name: str) -> tuple[dict, dict]:
+    """The GRPOConfig fields and the kit's knobs of configuration `name` (everything up to it in CHAIN)."""
+    if name not in NAMES:
+        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES)}")
+    fields, knobs = {}, {}
+    for step_name, _, f, k in CHAIN[:NAMES.index(name) + 1]:
+        fields.update(f)
+        knobs.update(k)
+    return fields, knobs
+
+
+class _Budget:
+    """A TrainerCallback that stops training `budget_s` after `trainer.train()` began and notes that moment."""
+
+    def __new__(cls, budget_s: float, marks: dict):
+        from transformers import TrainerCallback
+
+        class Budget(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                marks["train_begin"] = time.time()
+
+            def on_step_end(self, args, state, control, **kw):
+                if time.time() - marks["train_begin"] >= budget_s:
+                    control.should_training_stop = True
+
+        return Budget()
+
+
+def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
+             learning_rate: float | None = None) -> dict:
+    """One configuration, one seed, in this process: train for `budget_s` seconds and return the record."""
+    from colo_kit.bucketed_push import use_bucketed_push
+    from colo_kit.env import has_cuda
+    from colo_kit.timeline import Timeline, UtilSampler
+    from colo_kit.train import run_grpo
+
+    fields, knobs = config(name)
+    tl, marks, hooked = Timeline(), {}, {}
+    sampler = UtilSampler(pids={"trainer": os.getpid()}).start()
+
+    def on_trainer(trainer):
+        if "push_bucket_mb" in knobs:
+            hooked["bucketed_push"] = use_bucketed_push(trainer, knobs["push_bucket_mb"])
+        hooked["gen"] = getattr(trainer, "vllm_generation", None)
+        tl.hook(trainer)
+
+    task = dict(TASK)
+    if learning_rate is not None:
+        task["learning_rate"] = learning_rate
+    batch = fields.pop("per_device_train_batch_size")
+    t_start = time.time()
+    try:
+        run = run_grpo(model, "colocate", per_device_batch=batch, seed=seed, num_prompts=num_prompts,
+                       callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer, **task, **fields)
+    finally:
+        tl.unhook()
+        samples = sampler.stop()
+    t0 = marks["train_begin"]
+    spg = run.settings.get("steps_per_generation") or 1
+    per_gen = batch * spg
+    step_marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
+    ends = {m["step"]: m["end_s"] for m in step_marks}
+    rows = []
+    for row in run.steps:
+        step = int(row["step"])
+        if step not in ends:
+            continue
+        keep = {k: v for k, v in row.items() if k.startswith(("sampling/", "completions/", "rewards/", "clip_ratio"))
+                or k in ("reward", "reward_std", "loss", "entropy", "learning_rate")}
+        rows.append({"step": step, "t_s": round(ends[step] - t0, 4), **keep})
+    step_times = [round(b["end_s"] - a["end_s"], 4) for a, b in zip([{"end_s": t0}] + step_marks[:-1], step_marks)]
+    rec = {
+        "config": name, "seed": seed, "model": model, "budget_s": budget_s,
+        "grpo_config": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
+        "bucketed_push_applied": hooked.get("bucketed_push", False),
+        "push_calls": getattr(hooked.get("gen"), "push_calls", None),
+        "completions_per_generation": per_gen, "steps_per_generation": spg,
+        "startup_s": round(t0 - t_start, 2), "steps_done": len(step_marks),
+        "step_times_s": step_times, "rows": rows,
+        "steady": steady_state(rows, step_times, spg, per_gen),
+        "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
+        "switch": switch_parts(tl, skip_steps=spg),
+        "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
+        "planner_peak_gib": planner_peak(model, batch, fields.get("gradient_checkpointing", True)) if has_cuda() else None,
+    }
+    del run
+    gc.collect()
+    if has_cuda():
+        import torch
+
+        torch.cuda.empty_cache()
+    return rec
+
+
+def steady_state(rows: list[dict], step_times: list[float], spg: int, per_gen: int) -> dict:
+    """Completion tokens/s over whole generation cycles, the first cycle left out. A cycle's tokens are its
+    generation's mean completion length times the completions it generated (TRL logs the length on the
+    step that generated)."""
+    lengths = {r["step"]: r.get("completions/mean_length") for r in rows}
+    cycles = []
+    for i in range(0, len(step_times) - spg + 1, spg):
+        first_step = i + 1  # TRL's global_step after the cycle's first optimizer step
+        length = lengths.get(first_step)
+        if length is None:
+            continue
+        cycles.append({"first_step": first_step, "seconds": round(sum(step_times[i:i + spg]), 4),
+                       "tokens": round(length * per_gen, 1)})
+    measured = cycles[1:]
+    seconds = sum(c["seconds"] for c in measured)
+    return {"cycles": len(measured), "seconds": round(seconds, 3),
+            "completion_tokens_per_s": round(sum(c["tokens"] for c in measured) / seconds, 1) if seconds else None,
+            "s_per_step": round(seconds / (len(measured) * spg), 4) if measured else None,
+            "per_cycle": cycles}
+
+
+def phase_per_step(tl, skip_steps: int) -> dict:
+    """Mean seconds per optimizer step in each phase after the first cycle, summed over TRL's timers."""
+    totals = tl.phase_totals(skip_steps=skip_steps)
+    marks = tl.meta.get("steps", [])
+    n = max(len(marks) - skip_steps, 1)
+    out = {}
+    for phases in totals.values():
+        for phase, seconds in phases.items():
+            out[phase] = round(out.get(phase, 0.0) + seconds / n, 4)
+    out["training"] = round(sum(out.get(p, 0.0) for p in ("forward", "backward", "optimizer")), 4)
+    return out
+
+
+def switch_parts(tl, skip_steps: int) -> dict:
+    """The switch from training to generation, by part: each weight push (and sleep/wake-up, if on), medians."""
+    marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
+    start = marks[skip_steps - 1]["end_s"] if len(marks) >= skip_steps > 0 else float("-inf")
+    out = {}
+    for phase in ("weight_sync", "sleep", "wake_up"):
+        times = [iv.end_s - iv.start_s for iv in tl.intervals if iv.phase == phase and iv.start_s >= start]
+        if times:
+            out[phase] = {"n": len(times), "median_s": round(statistics.median(times), 4)}
+    out["switch_median_s"] = round(sum(v["median_s"] for v in out.values()), 4)
+    return out
+
+
+def planner_peak(model: str, batch: int, gradient_checkpointing: bool) -> float:
+    from colo_kit.planner import estimate
+
+    return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
+                    completion_length=TASK["max_completion_length"],
+                    vllm_gpu_memory_utilization=TASK["vllm_gpu_memory_utilization"])["peak_gib_per_gpu"]
+
+
+# --- the reward race ------------------------------------------------------------------------------------
+
+def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
+    """(t_s, running mean reward over the last >= WINDOW_COMPLETIONS completions) at every generation."""
+    gens = [(r["t_s"], r["reward"]) for r in rows if r.get("reward") is not None]
+    out = []
+    for i in range(len(gens)):
+        window, n = [], 0
+        for t, reward in reversed(gens[:i + 1]):
+            window.append(reward)
+            n += per_gen
+            if n >= WINDOW_COMPLETIONS:
+                break
+        if n >= WINDOW_COMPLETIONS:
+            out.append((gens[i][0], sum(window) / len(window)))
+    return out
+
+
+def threshold(defaults_record: dict) -> float | None:
+    curve = running_reward(defaults_record["rows"], defaults_record["completions_per_generation"])
+    if len(curve) < 2:
+        return None  # too short a run to say where the defaults got to
+    first, best = curve[0][1], max(r for _, r in curve)
+    return first + THRESHOLD_FRACTION * (best - first)
+
+
+def time_to_reward(record: dict, target: float) -> float | None:
+    for t, reward in running_reward(record["rows"], record["completions_per_generation"]):
+        if reward >= target:
+            return round(t, 2)
+    return None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per configuration: tokens/s per seed, the ratio to TRL's defaults, time to the threshold and its spread."""
+    by = {}
+    for r in records:
+        by.setdefault(r["config"], []).append(r)
+    base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
+    target = threshold(base[0]) if base else None
+    base_tps = statistics.mean(r["steady"]["completion_tokens_per_s"] for r in base) if base else None
+    base_ttr = [time_to_reward(r, target) for r in base] if target is not None else []
+    out = {"threshold": {"rule": f"{THRESHOLD_FRACTION:.0%} of the way from the first to the best running mean "
+                                 f"reward (>= {WINDOW_COMPLETIONS} completions) of trl_defaults seed 0",
+                         "reward": round(target, 2) if target is not None else None}, "configs": {}}
+    for name in [n for n in NAMES if n in by] + [n for n in by if n not in NAMES]:
+        runs = sorted(by[name], key=lambda r: r["seed"])
+        tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
+        ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
+        row = {"seeds": [r["seed"] for r in runs], "completion_tokens_per_s": tps,
+               "s_per_step": [r["steady"]["s_per_step"] for r in runs],
+               "time_to_reward_s": ttr,
+               "nvml_peak_gib": [r["nvml_peak_gib"] for r in runs], "planner_peak_gib": runs[0]["planner_peak_gib"],
+               "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
+        if base_tps and all(tps):
+            row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / base_tps, 2)
+        if base_ttr and all(base_ttr) and all(ttr):
+            # seed by seed where both have the seed, else mean against mean
+            pairs = [(b, t) for b, t in zip(base_ttr, ttr)]
+            row["time_to_reward_speedup_per_seed"] = [round(b / t, 2) for b, t in pairs]
+        out["configs"][name] = row
+    return out

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# TRL's colocate defaults against the kit's chain of knobs (colo_kit.speed), one process per configuration,
+# on one GPU: the same model, prompts, completion length, G and learning rate; each configuration trains
+# for SPEED_BUDGET_S seconds per seed. Writes results/speed_1xh200.json (merged into what is there, a
+# configuration run again replacing its earlier records) and copies it and the log to $OUT/.
+#
+#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/speed.sh
+#   SPEED_CONFIGS="trl_defaults:0,1 spg8:0" SPEED_MODEL=qwen2.5-7b bash scripts/gpu/speed.sh
+#
+# CPU check of the same code with the tiny model (writes results/runs/speed_smoke.json, not evidence):
+#   PY=.venv/bin/python bash scripts/gpu/speed.sh --smoke
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="${PYTHONPATH:-.}:." HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+SMOKE=${1:-}
+MODEL=${SPEED_MODEL:-qwen2.5-1.5b}
+BUDGET=${SPEED_BUDGET_S:-45}
+CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 no_grad_ckpt:0 no_detokenize:0 bucketed_push:0 spg8:0,1 batch32:0,1"}
+RESULT=${SPEED_RESULT:-results/speed_1xh200.json}
+DEADLINE=$(( $(date +%s) + ${SPEED_DEADLINE_S:-560} ))
+if [ "$SMOKE" = "--smoke" ]; then
+  MODEL=tiny BUDGET=${SPEED_BUDGET_S:-6} RESULT=results/runs/speed_smoke.json
+  CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 spg8:0 batch32:0"}
+fi
+PARTS=$(mktemp -d "${TMPDIR:-/tmp}/speed.XXXX")
+LOG="$PARTS/speed.log"
+mkdir -p "$(dirname "$RESULT")"
+[ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee -a "$LOG"
+
+for item in $CONFIGS; do
+  name=${item%%:*}; seeds=${item#*:}
+  nseeds=$(echo "$seeds" | tr ',' '\n' | wc -l)
+  left=$(( DEADLINE - $(date +%s) ))
+  need=$(( 30 + nseeds * (BUDGET + 10) ))  # a start (15-40 s once vLLM has its compile cache), each seed and its teardown
+  if [ "$left" -lt "$need" ]; then echo "== $name: skipped, ${left}s left of the call's budget" | tee -a "$LOG"; continue; fi
+  echo "== $name seeds $seeds ($MODEL, ${BUDGET}s per seed)" | tee -a "$LOG"
+  timeout -k 10 "$left" $PY scripts/speed_bench.py run --config "$name" --model "$MODEL" --seeds "$seeds" \
+    --budget-s "$BUDGET" ${SPEED_LR:+--learning-rate $SPEED_LR} --out "$PARTS/$name.json" > >(sed -u "s/^/[$name] /" | tee -a "$LOG") 2>&1
+  echo "== $name exit code $?" | tee -a "$LOG"
+  [ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$LOG"
+done
+
+INTO=""; [ "$SMOKE" != "--smoke" ] && INTO="--into $RESULT"
+ls "$PARTS"/*.json >/dev/null 2>&1 && $PY scripts/speed_bench.py merge "$PARTS"/*.json --out "$RESULT" $INTO 2>&1 | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then cp "$RESULT" "$LOG" "$OUT/" 2>/dev/null; cp "$PARTS"/*.json "$OUT/" 2>/dev/null; fi

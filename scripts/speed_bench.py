@@ -1,0 +1,101 @@
+"""One configuration of `colo_kit.speed`'s chain in this process, or the merge of several into one JSON.
+
+    python scripts/speed_bench.py run --config spg8 --model qwen2.5-1.5b --seeds 0,1 --budget-s 45 --out part.json
+    python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh200.json [--into results/speed_1xh200.json]
+
+`scripts/gpu/speed.sh` runs one process per configuration; the seeds of one configuration share it
+(and its vLLM engine, `colo_kit.bench.reuse_engines`: an engine start is 50-90 s on a GPU, and each new
+trainer pushes its own weights into it before its first generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run(args) -> int:
+    from colo_kit.bench import release_engines, reuse_engines
+    from colo_kit.env import describe
+    from colo_kit.speed import run_seed
+
+    reuse_engines()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = {"config": args.config, "model": args.model, "env": describe(), "commit": _commit(), "records": []}
+    try:
+        for seed in args.seeds:
+            t = time.time()
+            rec = run_seed(args.config, model=args.model, seed=seed, budget_s=args.budget_s, learning_rate=args.learning_rate)
+            part["records"].append(rec)
+            s = rec["steady"]
+            print(f"[speed] {args.config} seed {seed}: {rec['steps_done']} steps, "
+                  f"{s['completion_tokens_per_s']} tok/s, {s['s_per_step']} s/step, "
+                  f"NVML peak {rec['nvml_peak_gib']} GiB (planner {rec['planner_peak_gib']}), "
+                  f"startup {rec['startup_s']} s, {time.time() - t:.0f} s in all", flush=True)
+            out.write_text(json.dumps(part, indent=1, default=str))  # a later seed cut by the timeout keeps this one
+    finally:
+        release_engines()
+    return 0
+
+
+def merge(args) -> int:
+    from colo_kit.speed import summarize
+
+    records, parts = [], []
+    if args.into and Path(args.into).exists():
+        old = json.loads(Path(args.into).read_text())
+        records, parts = old.get("records", []), old.get("parts", [])
+    for path in args.parts:
+        part = json.loads(Path(path).read_text())
+        # a configuration run again replaces its earlier records (same config, model and seed)
+        keys = {(r["config"], r["model"], r["seed"]) for r in part["records"]}
+        records = [r for r in records if (r["config"], r["model"], r["seed"]) not in keys] + part["records"]
+        parts.append({k: part.get(k) for k in ("config", "model", "commit", "env")})
+    by_model = {}
+    for r in records:
+        by_model.setdefault(r["model"], []).append(r)
+    result = {"benchmark": "colo_kit.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
+              "method": __import__("colo_kit.speed", fromlist=["x"]).__doc__,
+              "summary": {m: summarize(rs) for m, rs in by_model.items()}, "parts": parts, "records": records}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result["summary"], indent=1, default=str)[:6000])
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--config", required=True)
+    r.add_argument("--model", default="tiny")
+    r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    r.add_argument("--budget-s", type=float, default=45.0)
+    r.add_argument("--learning-rate", type=float, default=None, help="instead of the task's (colo_kit.speed.TASK)")
+    r.add_argument("--out", required=True)
+    m = sub.add_parser("merge")
+    m.add_argument("parts", nargs="+")
+    m.add_argument("--out", required=True)
+    m.add_argument("--into", default=None, help="an earlier merged JSON whose records are kept")
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else merge(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
