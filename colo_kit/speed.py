@@ -27,9 +27,15 @@ records, and how each number is computed:
 - *time to the reward threshold* (`time_to_reward`): the first moment the running mean reward over the
   last >= 64 completions reaches the threshold.
 
-The threshold is fixed by a rule written down before the runs: 90% of the way from the first running
-mean to the best running mean that TRL's defaults (seed 0) reach within their budget. Every configuration
-chases that one number; one that never reaches it is reported as not reaching it.
+The threshold is fixed by a rule, not read off a run: half the distance from where TRL's defaults (seed 0)
+start to the best reward (0, exactly `target_length` characters). Every configuration of one learning rate
+chases that one number; one that never reaches it within its budget is reported as not reaching it.
+
+What the first H200 runs showed (`results/speed_1xh200.json`): a random-weight model under the length reward
+often *collapses* onto repeating one short token (the reward then sticks at about -236 for 256 one-character
+tokens, with zero spread in the group, so GRPO learns nothing more) instead of learning to stop early (a
+reward near 0). Which of the two happens, and when, varies from seed to seed; read the time to the threshold
+with its spread between seeds.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ log = logging.getLogger(__name__)
 TASK = dict(reward="length", target_length=20, num_generations=8, max_completion_length=256,
             learning_rate=5e-3, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
 WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
-THRESHOLD_FRACTION = 0.9
+THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
 
 # Each entry: (name, what it adds, GRPOConfig fields, the kit's own knobs). Each is the one before plus its knob.
 CHAIN = [
@@ -231,11 +237,12 @@ def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
 
 
 def threshold(defaults_record: dict) -> float | None:
-    curve = running_reward(defaults_record["rows"], defaults_record["completions_per_generation"])
-    if len(curve) < 2:
-        return None  # too short a run to say where the defaults got to
-    first, best = curve[0][1], max(r for _, r in curve)
-    return first + THRESHOLD_FRACTION * (best - first)
+    """Half the way from where TRL's defaults (seed 0) start to the reward's best, 0 (exactly `target_length`
+    characters): the mean reward of their first generation, halved. Every configuration starts from the same
+    random model, whose completions all run to the length limit, so that start is the same for all of them;
+    the threshold does not depend on how far one run happened to get."""
+    first = next((r["reward"] for r in defaults_record["rows"] if r.get("reward") is not None), None)
+    return None if first is None else first * THRESHOLD_FRACTION
 
 
 def time_to_reward(record: dict, target: float) -> float | None:
@@ -246,31 +253,51 @@ def time_to_reward(record: dict, target: float) -> float | None:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per configuration: tokens/s per seed, the ratio to TRL's defaults, time to the threshold and its spread."""
-    by = {}
+    """Per learning rate, per configuration: tokens/s per seed and their ratio to TRL's defaults, time to the
+    threshold per seed and its ratio, the step split, the switch and the peaks."""
+    by_lr: dict = {}
+    for r in records:
+        by_lr.setdefault(f"lr={r['grpo_config'].get('learning_rate')}", []).append(r)
+    return {lr: _summarize_one(rs) for lr, rs in by_lr.items()}
+
+
+def _mean_length(record: dict) -> float | None:
+    cycles = record["steady"]["per_cycle"][1:]
+    tokens = sum(c["tokens"] for c in cycles)
+    return round(tokens / (len(cycles) * record["completions_per_generation"]), 1) if cycles else None
+
+
+def _summarize_one(records: list[dict]) -> dict:
+    by: dict = {}
     for r in records:
         by.setdefault(r["config"], []).append(r)
     base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
     target = threshold(base[0]) if base else None
-    base_tps = statistics.mean(r["steady"]["completion_tokens_per_s"] for r in base) if base else None
-    base_ttr = [time_to_reward(r, target) for r in base] if target is not None else []
-    out = {"threshold": {"rule": f"{THRESHOLD_FRACTION:.0%} of the way from the first to the best running mean "
-                                 f"reward (>= {WINDOW_COMPLETIONS} completions) of trl_defaults seed 0",
+    base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]
+    base_ttr = {r["seed"]: time_to_reward(r, target) for r in base} if target is not None else {}
+    out = {"threshold": {"rule": f"the mean reward of trl_defaults' (seed 0) first generation times "
+                                 f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
+                                 f"{WINDOW_COMPLETIONS} completions gets there",
                          "reward": round(target, 2) if target is not None else None}, "configs": {}}
     for name in [n for n in NAMES if n in by] + [n for n in by if n not in NAMES]:
         runs = sorted(by[name], key=lambda r: r["seed"])
         tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
         ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
-        row = {"seeds": [r["seed"] for r in runs], "completion_tokens_per_s": tps,
-               "s_per_step": [r["steady"]["s_per_step"] for r in runs],
-               "time_to_reward_s": ttr,
-               "nvml_peak_gib": [r["nvml_peak_gib"] for r in runs], "planner_peak_gib": runs[0]["planner_peak_gib"],
+        row = {"adds": dict((c[0], c[1]) for c in CHAIN).get(name), "seeds": [r["seed"] for r in runs],
+               "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
+               "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
+               "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
+               "planner_peak_gib": runs[0]["planner_peak_gib"],
                "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
-        if base_tps and all(tps):
-            row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / base_tps, 2)
-        if base_ttr and all(base_ttr) and all(ttr):
-            # seed by seed where both have the seed, else mean against mean
-            pairs = [(b, t) for b, t in zip(base_ttr, ttr)]
-            row["time_to_reward_speedup_per_seed"] = [round(b / t, 2) for b, t in pairs]
+        if base_tps and all(base_tps) and all(tps):
+            row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
+        if base_ttr:
+            # seed by seed against the defaults' same seed; None where either never reached the threshold
+            row["time_to_reward_speedup_per_seed"] = [
+                round(base_ttr[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"]) else None
+                for r, t in zip(runs, ttr)]
+        peak, pred = runs[0]["nvml_peak_gib"], runs[0]["planner_peak_gib"]
+        if peak and pred:
+            row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
         out["configs"][name] = row
     return out

@@ -54,23 +54,30 @@ def run(args) -> int:
     return 0
 
 
+def _key(record: dict) -> tuple:
+    return record["config"], record["model"], record["seed"], record["grpo_config"].get("learning_rate")
+
+
 def merge(args) -> int:
     from colo_kit.speed import summarize
 
-    records, parts = [], []
+    records, parts, old = [], [], {}
     if args.into and Path(args.into).exists():
         old = json.loads(Path(args.into).read_text())
         records, parts = old.get("records", []), old.get("parts", [])
     for path in args.parts:
         part = json.loads(Path(path).read_text())
         # a configuration run again replaces its earlier records (same config, model and seed)
-        keys = {(r["config"], r["model"], r["seed"]) for r in part["records"]}
-        records = [r for r in records if (r["config"], r["model"], r["seed"]) not in keys] + part["records"]
-        parts.append({k: part.get(k) for k in ("config", "model", "commit", "env")})
+        keys = {_key(r) for r in part["records"]}
+        records = [r for r in records if _key(r) not in keys] + part["records"]
+        lrs = sorted({r["grpo_config"].get("learning_rate") for r in part["records"]})
+        parts.append({**{k: part.get(k) for k in ("config", "model", "commit", "env")}, "learning_rates": lrs,
+                      "seeds": [r["seed"] for r in part["records"]]})
     by_model = {}
     for r in records:
         by_model.setdefault(r["model"], []).append(r)
-    result = {"benchmark": "colo_kit.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
+    result = {"note": args.note or (old.get("note") if args.into and Path(args.into).exists() else None),
+              "benchmark": "colo_kit.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
               "method": __import__("colo_kit.speed", fromlist=["x"]).__doc__,
               "summary": {m: summarize(rs) for m, rs in by_model.items()}, "parts": parts, "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +100,7 @@ def main(argv=None) -> int:
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", required=True)
     m.add_argument("--into", default=None, help="an earlier merged JSON whose records are kept")
+    m.add_argument("--note", default=None, help="how the parts were made (kept by later merges --into this file)")
     args = ap.parse_args(argv)
     return run(args) if args.cmd == "run" else merge(args)
 
