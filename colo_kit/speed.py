@@ -97,7 +97,7 @@ class _Budget:
 
 
 def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
-             learning_rate: float | None = None) -> dict:
+             learning_rate: float | None = None, max_completion_length: int | None = None) -> dict:
     """One configuration, one seed, in this process: train for `budget_s` seconds and return the record."""
     from colo_kit.bucketed_push import use_bucketed_push
     from colo_kit.env import has_cuda
@@ -117,6 +117,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     task = dict(TASK)
     if learning_rate is not None:
         task["learning_rate"] = learning_rate
+    if max_completion_length is not None:  # the CPU smoke run: a cycle of the tiny model in about a second
+        task["max_completion_length"] = max_completion_length
     batch = fields.pop("per_device_train_batch_size")
     t_start = time.time()
     try:
@@ -152,7 +154,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
         "switch": switch_parts(tl, skip_steps=spg),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
-        "planner_peak_gib": planner_peak(model, batch, fields.get("gradient_checkpointing", True)) if has_cuda() else None,
+        "planner_peak_gib": (planner_peak(model, batch, fields.get("gradient_checkpointing", True),
+                                         task["max_completion_length"]) if has_cuda() else None),
     }
     del run
     gc.collect()
@@ -210,11 +213,12 @@ def switch_parts(tl, skip_steps: int) -> dict:
     return out
 
 
-def planner_peak(model: str, batch: int, gradient_checkpointing: bool) -> float:
+def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
+                 completion_length: int = TASK["max_completion_length"]) -> float:
     from colo_kit.planner import estimate
 
     return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
-                    completion_length=TASK["max_completion_length"],
+                    completion_length=completion_length,
                     vllm_gpu_memory_utilization=TASK["vllm_gpu_memory_utilization"])["peak_gib_per_gpu"]
 
 
@@ -301,3 +305,30 @@ def _summarize_one(records: list[dict]) -> dict:
             row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
         out["configs"][name] = row
     return out
+
+
+# --- what notebook 04 shows -----------------------------------------------------------------------------
+
+def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
+    """One row per learning rate and configuration of a merged `speed_1xh200.json`: the numbers a learner
+    compares, each per seed where there are seeds."""
+    def seeds(values, fmt):
+        return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
+
+    rows = []
+    for lr, group in result["summary"].get(model, {}).items():
+        for name, c in group["configs"].items():
+            gen = c["phase_s_per_step"]
+            rows.append({
+                "learning rate": lr.removeprefix("lr="), "configuration": name, "adds": c.get("adds") or "",
+                "seeds": ", ".join(map(str, c["seeds"])),
+                "completion tok/s": seeds(c["completion_tokens_per_s"], "{:,.0f}"),
+                "× defaults (tok/s)": c.get("tokens_per_s_vs_defaults"),
+                "s/step": seeds(c["s_per_step"], "{:.3f}"),
+                "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
+                                                       f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
+                "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
+                "× defaults (time)": seeds(c.get("time_to_reward_speedup_per_seed") or [], "{:.2f}") or "",
+                "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
+            })
+    return rows

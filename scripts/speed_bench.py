@@ -41,7 +41,8 @@ def run(args) -> int:
     try:
         for seed in args.seeds:
             t = time.time()
-            rec = run_seed(args.config, model=args.model, seed=seed, budget_s=args.budget_s, learning_rate=args.learning_rate)
+            rec = run_seed(args.config, model=args.model, seed=seed, budget_s=args.budget_s, learning_rate=args.learning_rate,
+                           max_completion_length=args.max_completion_length)
             part["records"].append(rec)
             s = rec["steady"]
             print(f"[speed] {args.config} seed {seed}: {rec['steps_done']} steps, "
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
     r.add_argument("--budget-s", type=float, default=45.0)
     r.add_argument("--learning-rate", type=float, default=None, help="instead of the task's (colo_kit.speed.TASK)")
+    r.add_argument("--max-completion-length", type=int, default=None, help="instead of the task's")
     r.add_argument("--out", required=True)
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")

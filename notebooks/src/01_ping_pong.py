@@ -218,6 +218,9 @@ lab.check("01.eight_gpus", answer)
 # - server, N devices, k serve, n = N−k train: step = gen(n·b/k) + sync + train(b) + other; throughput n·b/step
 # - colocate, N devices: step = gen(b) + sync + train(b) + other; throughput N·b/step
 #
+# (How these parts split a colocated step on one H200, and what each of TRL's knobs does to them, is measured in
+# notebook 04, section 7: `results/speed_1xh200.json`.)
+#
 # **Validation**, two ways that never re-add a run's own phases: `cross-mode` predicts each colocate run from costs
 # measured in server mode only (the model's claim: both modes spend gen(b) + train(b) per device); `leave-one-out`
 # predicts each run from the costs fitted on the other runs; the model is held to 10% on GPU runs. On CPU the two

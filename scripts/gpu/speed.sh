@@ -20,8 +20,8 @@ CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 no_grad_ckpt:0 no_detokenize:0 bucket
 RESULT=${SPEED_RESULT:-results/speed_1xh200.json}
 DEADLINE=$(( $(date +%s) + ${SPEED_DEADLINE_S:-560} ))
 if [ "$SMOKE" = "--smoke" ]; then
-  MODEL=tiny BUDGET=${SPEED_BUDGET_S:-6} RESULT=results/runs/speed_smoke.json
-  CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 spg8:0 batch32:0"}
+  MODEL=tiny BUDGET=${SPEED_BUDGET_S:-6} RESULT=${SPEED_RESULT:-results/runs/speed_smoke.json} SMOKE_ARGS="--max-completion-length 32"
+  CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 bucketed_push:0 spg8:0"}
 fi
 PARTS=$(mktemp -d "${TMPDIR:-/tmp}/speed.XXXX")
 LOG="$PARTS/speed.log"
@@ -36,7 +36,7 @@ for item in $CONFIGS; do
   if [ "$left" -lt "$need" ]; then echo "== $name: skipped, ${left}s left of the call's budget" | tee -a "$LOG"; continue; fi
   echo "== $name seeds $seeds ($MODEL, ${BUDGET}s per seed)" | tee -a "$LOG"
   timeout -k 10 "$left" $PY scripts/speed_bench.py run --config "$name" --model "$MODEL" --seeds "$seeds" \
-    --budget-s "$BUDGET" ${SPEED_LR:+--learning-rate $SPEED_LR} --out "$PARTS/$name.json" > >(sed -u "s/^/[$name] /" | tee -a "$LOG") 2>&1
+    --budget-s "$BUDGET" ${SPEED_LR:+--learning-rate $SPEED_LR} ${SMOKE_ARGS:-} --out "$PARTS/$name.json" > >(sed -u "s/^/[$name] /" | tee -a "$LOG") 2>&1
   echo "== $name exit code $?" | tee -a "$LOG"
   [ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$LOG"
 done

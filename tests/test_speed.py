@@ -1,0 +1,161 @@
+"""colo_kit.speed: the chain of knobs, how its numbers are computed, the committed H200 runs, and the CPU smoke
+of scripts/gpu/speed.sh (the same code the GPU runs, with the tiny model)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from colo_kit import speed
+from colo_kit.bucketed_push import buckets
+from colo_kit.paths import REPO_ROOT
+
+RESULT = REPO_ROOT / "results" / "speed_1xh200.json"
+
+
+def test_each_configuration_is_the_one_before_plus_its_knob():
+    assert speed.config("trl_defaults") == ({"per_device_train_batch_size": 8}, {})
+    fields, knobs = speed.config("spg8")
+    assert fields == {"per_device_train_batch_size": 8, "gradient_checkpointing": False,
+                      "generation_kwargs": {"detokenize": False}, "steps_per_generation": 8}
+    assert knobs == {"push_bucket_mb": 0}
+    assert speed.config("batch32")[0]["per_device_train_batch_size"] == 32
+    with pytest.raises(ValueError, match="spg9"):
+        speed.config("spg9")
+
+
+def test_chain_fields_are_grpo_config_fields():
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    names = {f.name for f in fields(GRPOConfig)}
+    for _, _, cfg, _ in speed.CHAIN:
+        assert set(cfg) <= names, f"not GRPOConfig fields: {set(cfg) - names}"
+
+
+def test_buckets_group_tensors_by_bytes_in_order():
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([256, 256, 512, 128, 64])]
+    # a bucket closes once it holds at least the limit: 256 floats are 1 KiB, so at 1 KiB each of the first
+    # three closes its own bucket, and the last two (0.75 KiB) are what is left over
+    got = [[name for name, _ in b] for b in buckets(named, 1024)]
+    assert got == [["t0"], ["t1"], ["t2"], ["t3", "t4"]]
+    got = [[name for name, _ in b] for b in buckets(named, 3000)]  # 1 + 1 + 2 KiB >= 3000 bytes
+    assert got == [["t0", "t1", "t2"], ["t3", "t4"]]
+    assert [[n for n, _ in b] for b in buckets(named, 0)] == [["t0", "t1", "t2", "t3", "t4"]]
+    assert list(buckets([], 0)) == []
+
+
+def test_steady_state_counts_whole_cycles_after_the_first():
+    # spg 2, 4 completions per generation; steps 1 and 3 generated (lengths 100 and 50), step 5 starts a third
+    # cycle that the budget cut short
+    rows = [{"step": 1, "completions/mean_length": 100.0}, {"step": 2}, {"step": 3, "completions/mean_length": 50.0},
+            {"step": 4}, {"step": 5, "completions/mean_length": 10.0}]
+    s = speed.steady_state(rows, [3.0, 1.0, 0.5, 0.5, 9.0], spg=2, per_gen=4)
+    assert s["cycles"] == 1                      # the first cycle is warm-up, the third is incomplete
+    assert s["seconds"] == pytest.approx(1.0)
+    assert s["completion_tokens_per_s"] == pytest.approx(50 * 4 / 1.0)
+    assert s["s_per_step"] == pytest.approx(0.5)
+
+
+def test_running_reward_needs_64_completions_and_time_to_reward_reads_it():
+    rows = [{"t_s": float(i), "reward": r} for i, r in enumerate([-100, -90, -80, -10, -10, -10, -10, -10, -10])]
+    curve = speed.running_reward(rows, per_gen=16)  # 4 generations make a window
+    assert [t for t, _ in curve] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert curve[0][1] == pytest.approx((-100 - 90 - 80 - 10) / 4)
+    record = {"rows": rows, "completions_per_generation": 16}
+    assert speed.time_to_reward(record, -50) == 4.0   # (-90-80-10-10)/4 = -47.5 at t=4
+    assert speed.time_to_reward(record, -5) is None
+
+
+def test_threshold_is_half_the_defaults_first_generation():
+    record = {"rows": [{"t_s": 1.0}, {"t_s": 2.0, "reward": -2800.0}, {"t_s": 3.0, "reward": -100.0}],
+              "completions_per_generation": 8}
+    assert speed.threshold(record) == pytest.approx(-1400.0)
+    assert speed.threshold({"rows": [{"t_s": 1.0}], "completions_per_generation": 8}) is None
+
+
+def _record(config, seed, tps, rewards, lr=5e-4, per_gen=64):
+    return {"config": config, "seed": seed, "grpo_config": {"learning_rate": lr},
+            "completions_per_generation": per_gen, "rows": [{"t_s": float(t), "reward": r} for t, r in rewards],
+            "steady": {"completion_tokens_per_s": tps, "s_per_step": 1.0, "per_cycle": []},
+            "nvml_peak_gib": 70.0, "planner_peak_gib": 66.5, "phase_s_per_step": {}, "switch": {}}
+
+
+def test_summary_compares_seed_by_seed_and_keeps_learning_rates_apart():
+    records = [_record("trl_defaults", 0, 1000.0, [(1, -2000), (10, -900)]),
+               _record("trl_defaults", 1, 1200.0, [(1, -2000), (20, -900)]),
+               _record("spg8", 0, 3300.0, [(1, -2000), (5, -900)]),
+               _record("spg8", 1, 3300.0, [(1, -2000), (40, -1500)]),
+               _record("trl_defaults", 0, 10.0, [(1, -3000)], lr=1e-4)]
+    s = speed.summarize(records)
+    assert set(s) == {"lr=0.0005", "lr=0.0001"}
+    g = s["lr=0.0005"]
+    assert g["threshold"]["reward"] == pytest.approx(-1000.0)
+    spg8 = g["configs"]["spg8"]
+    assert spg8["tokens_per_s_vs_defaults"] == pytest.approx(3.0)
+    assert spg8["time_to_reward_s"] == [5.0, None]
+    assert spg8["time_to_reward_speedup_per_seed"] == [2.0, None]
+    assert spg8["planner_error_seed0"] == pytest.approx(-0.05)
+
+
+def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
+    """Out of sample: these runs were not used to fit the planner. The prediction is recomputed from the
+    planner as it is now, not read back from the file."""
+    result = json.loads(RESULT.read_text())
+    checked = 0
+    for rec in result["records"]:
+        if rec["seed"] != 0 or not rec["nvml_peak_gib"]:
+            continue  # seed 1 is the second trainer of its process: the first one's leftovers count too
+        fields, _ = speed.config(rec["config"])
+        pred = speed.planner_peak(rec["model"], fields["per_device_train_batch_size"],
+                                  fields.get("gradient_checkpointing", True))
+        assert abs(pred / rec["nvml_peak_gib"] - 1) <= 0.10, (rec["config"], pred, rec["nvml_peak_gib"])
+        checked += 1
+    assert checked >= 6
+
+
+def test_committed_chain_has_raw_step_times_hardware_and_versions():
+    result = json.loads(RESULT.read_text())
+    for rec in result["records"]:
+        assert len(rec["step_times_s"]) == rec["steps_done"] > 10
+    for part in result["parts"]:
+        assert part["env"]["gpus"][0]["name"] == "NVIDIA H200"
+        assert part["env"]["versions"]["trl"] == "1.16.0"
+
+
+@pytest.mark.xfail(strict=True, reason="owed: a recipe that is >= 4x TRL's defaults in tokens/s and >= 2.5x faster to "
+                                       "the threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
+                                       "one H200 (results/speed_1xh200.json: batch32 is 5.1x in tokens/s but 0.3-0.4x in "
+                                       "time; no configuration yet beats the defaults' time by 2.5x)")
+def test_some_configuration_meets_both_speed_goals_for_both_seeds():
+    result = json.loads(RESULT.read_text())
+    met = []
+    for lr, group in result["summary"]["qwen2.5-1.5b"].items():
+        for name, c in group["configs"].items():
+            speedups = c.get("time_to_reward_speedup_per_seed") or []
+            if (c.get("tokens_per_s_vs_defaults") or 0) >= 4 and len(speedups) >= 2 \
+                    and all(s is not None and s >= 2.5 for s in speedups):
+                met.append((lr, name))
+    assert met
+
+
+@pytest.mark.slow
+def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
+    out = tmp_path / "speed_smoke.json"
+    env = {**os.environ, "PY": sys.executable, "SPEED_RESULT": str(out), "SPEED_BUDGET_S": "8",
+           "SPEED_CONFIGS": "trl_defaults:0 bucketed_push:0 spg8:0", "TMPDIR": str(tmp_path), "OUT": ""}
+    proc = subprocess.run(["bash", "scripts/gpu/speed.sh", "--smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    recs = {r["config"]: r for r in result["records"]}
+    assert set(recs) == {"trl_defaults", "bucketed_push", "spg8"}
+    assert recs["bucketed_push"]["bucketed_push_applied"] and recs["bucketed_push"]["push_calls"] >= 2
+    assert recs["trl_defaults"]["push_calls"] is None   # TRL's own push ran there
+    assert recs["spg8"]["steps_per_generation"] == 8
+    assert recs["spg8"]["steady"]["completion_tokens_per_s"] > 0
+    assert all(r["rows"] and r["rows"][0]["reward"] < 0 for r in recs.values())
