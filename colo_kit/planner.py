@@ -169,6 +169,7 @@ class Plan:
     vllm_tensor_parallel_size: int = 1
     sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
     per_device_batch: int = 8                 # completions per GPU per step (TRL per_device_train_batch_size)
+    steps_per_generation: int = 1             # TRL's: one generation feeds this many optimizer steps
     prompt_length: int = 96
     completion_length: int = 256
     lora_rank: int = 0                        # 0 = full fine-tuning
@@ -206,7 +207,7 @@ class Plan:
             bad("sleep_level", self.sleep_level, "use 0 (no sleep), 1 (weights to CPU) or 2 (discard weights)")
         if self.mode == "server" and self.sleep_level:
             bad("sleep_level", self.sleep_level, "sleep is for colocate mode; use 0 with --mode server")
-        for name in ("per_device_batch", "prompt_length", "completion_length"):
+        for name in ("per_device_batch", "steps_per_generation", "prompt_length", "completion_length"):
             if getattr(self, name) < 1:
                 bad(name, getattr(self, name), "use a positive whole number")
         if self.lora_rank < 0:
@@ -294,8 +295,10 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     kv_heads_per_gpu = max(1, m.num_key_value_heads // tp)
     kv_bytes_per_token = 2 * m.num_hidden_layers * kv_heads_per_gpu * m.head_dim * 2
     kv_cache = max(0.0, vllm_total - vllm_weights - VLLM_OVERHEAD_GIB) if colocate else 0.0
-    # TRL's colocate engine gets every prompt of its TP group: max_num_seqs = per_device_batch × TP.
-    kv_needed = g(plan.per_device_batch * tp * (plan.prompt_length + plan.completion_length) * kv_bytes_per_token)
+    # TRL's colocate engine gets every prompt of its TP group for a whole generation:
+    # max_num_seqs = per_device_batch × TP × steps_per_generation.
+    seqs = plan.per_device_batch * tp * plan.steps_per_generation
+    kv_needed = g(seqs * (plan.prompt_length + plan.completion_length) * kv_bytes_per_token)
     vllm_min_util = (vllm_weights + VLLM_OVERHEAD_GIB + kv_needed) / plan.gpu_mem_gib if colocate else 0.0
     if colocate and kv_cache < kv_needed:
         notes.append(f"vLLM's KV cache ({kv_cache:.1f} GiB) holds less than one step's sequences ({kv_needed:.1f} GiB): "

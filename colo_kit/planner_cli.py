@@ -2,6 +2,7 @@
 
     colo-kit plan --model qwen2.5-72b --gpus 8 --zero-stage 3 --sleep-level 2
     colo-kit plan --validate          # measured vs predicted peaks, written under results/runs/
+    colo-kit plan --model qwen2.5-1.5b --recommend --out recipe.yaml   # GRPOConfig fields for TrlParser
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _write_recipe(plan: Plan, args) -> int:
+    from pathlib import Path
+
+    from colo_kit.cli import UsageError, writable_file
+    from colo_kit.paths import runs_dir
+    from colo_kit.recipe import recipe, to_yaml
+
+    if args.num_generations < 2:
+        raise UsageError(f"--num-generations {args.num_generations}: GRPO compares at least 2 completions per prompt")
+    if plan.mode != "colocate":
+        raise UsageError(f"--mode {plan.mode}: --recommend writes a colocate recipe; drop --mode server")
+    r = recipe(plan, num_generations=args.num_generations)
+    if not r["fits"]:
+        raise UsageError(f"no recipe: {r['why']}")
+    name = Path(str(plan.model)).name
+    out = writable_file(args.out or runs_dir() / f"recipe_{name}_{plan.gpus}gpu.yaml", "--out")
+    text = to_yaml(r)
+    out.write_text(text)
+    print(text, end="")
+    print(f"# predicted peak {r['peak_gib_per_gpu']:.1f} GiB per GPU (modelled); wrote {out}")
+    return 0
+
+
 def cli_main(argv: list[str]) -> int:
     from colo_kit.cli import ArgumentParser, UsageError
 
@@ -63,7 +87,12 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--validate", action="store_true",
                     help="compare with the measured peaks and write the table to --out")
     ap.add_argument("--out", default=None, help="--validate's JSON (default results/runs/planner_validation.json; "
-                    "the committed results/planner_validation.json changes only when named here)")
+                    "the committed results/planner_validation.json changes only when named here) or --recommend's YAML")
+    ap.add_argument("--steps-per-generation", type=int, default=1, help="TRL's steps_per_generation")
+    ap.add_argument("--num-generations", type=int, default=8, help="G, written into --recommend's recipe")
+    ap.add_argument("--recommend", action="store_true",
+                    help="write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "
+                         "results/runs/recipe_<model>_<gpus>gpu.yaml), and print it")
     ap.add_argument("--write-configs", action="store_true",
                     help="also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP yaml")
     args = ap.parse_args(argv)
@@ -85,11 +114,14 @@ def cli_main(argv: list[str]) -> int:
                 per_device_batch=args.per_device_batch, prompt_length=args.prompt_length,
                 completion_length=args.completion_length, lora_rank=args.lora_rank,
                 gradient_checkpointing=not args.no_gradient_checkpointing, train_dtype=args.train_dtype,
-                gpus_per_node=args.gpus_per_node, host_mem_gib=args.host_mem_gib)
+                gpus_per_node=args.gpus_per_node, host_mem_gib=args.host_mem_gib,
+                steps_per_generation=args.steps_per_generation)
     try:
         report = plan_report(plan)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.recommend:
+        return _write_recipe(plan, args)
     if args.write_configs:
         from colo_kit.recipes import write_configs
 

@@ -48,11 +48,14 @@ import time
 
 log = logging.getLogger(__name__)
 
-# The task: the length reward on the tl;dr stand-ins at the kit's learning rate (notebook 00's), 256-token
-# completions, G = 8. lr_scheduler "constant": the runs stop on a wall-time budget, not at max_steps, and a
-# linear decay to max_steps would give each configuration a different learning rate at the same step.
+# The task: the length reward on the tl;dr stand-ins, 256-token completions, G = 8. The learning rate is a tenth of
+# notebook 00's 5e-3: at 5e-3 the random 1.5B model collapsed onto one repeated token within about 10 steps in
+# every H200 run, so the race measured which token it collapsed onto; at 5e-4 the reward moves over 30-40 s and
+# some runs learn to stop early (results/speed_1xh200.json). lr_scheduler "constant": the runs stop on a
+# wall-time budget, not at max_steps, and a linear decay to max_steps would give each configuration a different
+# learning rate at the same step.
 TASK = dict(reward="length", target_length=20, num_generations=8, max_completion_length=256,
-            learning_rate=5e-3, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
+            learning_rate=5e-4, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
 WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
 THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
 
@@ -66,12 +69,24 @@ CHAIN = [
     ("batch32", "per_device_train_batch_size=32", {"per_device_train_batch_size": 32}, {}),
 ]
 NAMES = [c[0] for c in CHAIN]
+# Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8.
+RECIPE = "recipe"
+RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
 
-def config(name: str) -> tuple[dict, dict]:
-    """The GRPOConfig fields and the kit's knobs of configuration `name` (everything up to it in CHAIN)."""
+def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
+    """The GRPOConfig fields and the kit's knobs of configuration `name` (everything up to it in CHAIN, or the
+    planner's recipe for `model`)."""
+    if name == RECIPE:
+        from colo_kit.recipe import recipe
+
+        r = recipe(model=model, per_device_batch=8, completion_length=TASK["max_completion_length"])
+        if not r["fits"]:
+            raise ValueError(f"no recipe for {model}: {r['why']}")
+        fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
+        return fields, {"push_bucket_mb": 0}
     if name not in NAMES:
-        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES)}")
+        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + [RECIPE])}")
     fields, knobs = {}, {}
     for step_name, _, f, k in CHAIN[:NAMES.index(name) + 1]:
         fields.update(f)
@@ -99,22 +114,23 @@ class _Budget:
 def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
              learning_rate: float | None = None, max_completion_length: int | None = None) -> dict:
     """One configuration, one seed, in this process: train for `budget_s` seconds and return the record."""
-    from colo_kit.bucketed_push import use_bucketed_push
     from colo_kit.env import has_cuda
     from colo_kit.timeline import Timeline, UtilSampler
     from colo_kit.train import run_grpo
 
-    fields, knobs = config(name)
+    fields, knobs = config(name, model)
     tl, marks, hooked = Timeline(), {}, {}
     sampler = UtilSampler(pids={"trainer": os.getpid()}).start()
 
     def on_trainer(trainer):
-        if "push_bucket_mb" in knobs:
-            hooked["bucketed_push"] = use_bucketed_push(trainer, knobs["push_bucket_mb"])
         hooked["gen"] = getattr(trainer, "vllm_generation", None)
         tl.hook(trainer)
 
     task = dict(TASK)
+    if "vllm_gpu_memory_utilization" in fields:  # the recipe sizes the engine itself
+        task["vllm_gpu_memory_utilization"] = fields.pop("vllm_gpu_memory_utilization")
+    if "vllm_enable_sleep_mode" in fields:
+        task["sleep"] = fields.pop("vllm_enable_sleep_mode")
     if learning_rate is not None:
         task["learning_rate"] = learning_rate
     if max_completion_length is not None:  # the CPU smoke run: a cycle of the tiny model in about a second
@@ -123,7 +139,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     t_start = time.time()
     try:
         run = run_grpo(model, "colocate", per_device_batch=batch, seed=seed, num_prompts=num_prompts,
-                       callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer, **task, **fields)
+                       callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer,
+                       push_bucket_mb=knobs.get("push_bucket_mb"), **task, **fields)
     finally:
         tl.unhook()
         samples = sampler.stop()
@@ -145,7 +162,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "config": name, "seed": seed, "model": model, "budget_s": budget_s,
         "grpo_config": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
-        "bucketed_push_applied": hooked.get("bucketed_push", False),
+        "bucketed_push_applied": run.settings.get("bucketed_push", False),
         "push_calls": getattr(hooked.get("gen"), "push_calls", None),
         "completions_per_generation": per_gen, "steps_per_generation": spg,
         "startup_s": round(t0 - t_start, 2), "steps_done": len(step_marks),
@@ -155,7 +172,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "switch": switch_parts(tl, skip_steps=spg),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
         "planner_peak_gib": (planner_peak(model, batch, fields.get("gradient_checkpointing", True),
-                                         task["max_completion_length"]) if has_cuda() else None),
+                                         task["max_completion_length"], task["vllm_gpu_memory_utilization"],
+                                         2 if task.get("sleep") else 0) if has_cuda() else None),
     }
     del run
     gc.collect()
@@ -214,12 +232,13 @@ def switch_parts(tl, skip_steps: int) -> dict:
 
 
 def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
-                 completion_length: int = TASK["max_completion_length"]) -> float:
+                 completion_length: int = TASK["max_completion_length"],
+                 vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0) -> float:
     from colo_kit.planner import estimate
 
     return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
-                    completion_length=completion_length,
-                    vllm_gpu_memory_utilization=TASK["vllm_gpu_memory_utilization"])["peak_gib_per_gpu"]
+                    completion_length=completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                    sleep_level=sleep_level)["peak_gib_per_gpu"]
 
 
 # --- the reward race ------------------------------------------------------------------------------------

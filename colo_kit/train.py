@@ -191,7 +191,8 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3, sleep: bool = False,
              server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
              on_step=None, on_trainer=None, http_weight_sync: bool = False,
-             vllm_enforce_eager: bool | None = None, **config_overrides) -> GRPORun:
+             vllm_enforce_eager: bool | None = None, push_bucket_mb: float | None = None,
+             **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
     `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
@@ -202,7 +203,9 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     `http_weight_sync` (server mode): sync weights through a file instead of NCCL, for a server
     that shares the trainer's GPU (`colo_kit.server`). `vllm_enforce_eager` (colocate mode): build
     TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
-    then starts in seconds instead of 50-90 s, at some decode speed (tests use it).
+    then starts in seconds instead of 50-90 s, at some decode speed (tests use it). `push_bucket_mb`
+    (colocate mode): push the weights `push_bucket_mb` MiB per `load_weights` call, 0 for one call, instead of
+    TRL's one call per tensor (`colo_kit.bucketed_push`).
     """
     from trl import GRPOTrainer
 
@@ -246,6 +249,10 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
             trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
                                   train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
         settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
+        if push_bucket_mb is not None:
+            from colo_kit.bucketed_push import use_bucketed_push
+
+            settings["bucketed_push"] = use_bucketed_push(trainer, push_bucket_mb)
         if on_trainer is not None:
             on_trainer(trainer)
         t0 = time.perf_counter()
@@ -258,10 +265,22 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     return run
 
 
-# GRPOConfig fields the kit sets from its own flags: in TRL's spelling they are refused, naming the kit's flag.
-KIT_SET_FIELDS = {"output_dir": "the kit's run folder under results/runs/ (--json writes the log)",
-                  "per_device_train_batch_size": "--per-device-batch", "use_vllm": "--mode", "vllm_mode": "--mode",
-                  "vllm_server_base_url": "--server-url", "vllm_enable_sleep_mode": "--sleep"}
+# GRPOConfig fields that `colo-kit train` also takes as its own flags. Given in TRL's spelling (on the command line
+# or in a --config YAML such as `colo-kit plan --recommend` writes) they set the same setting, and win.
+TRL_NAMES = {"per_device_train_batch_size": "per_device_batch", "vllm_enable_sleep_mode": "sleep",
+             "vllm_server_base_url": "server_url", "max_steps": "max_steps", "num_generations": "num_generations",
+             "max_completion_length": "max_completion_length", "learning_rate": "learning_rate", "seed": "seed",
+             "vllm_gpu_memory_utilization": "vllm_gpu_memory_utilization"}
+KIT_SET_FIELDS = {"output_dir": "the kit's run folder under results/runs/ (--json writes the log)"}
+
+
+def _config_path(args: list[str]) -> str | None:
+    for i, token in enumerate(args):
+        if token == "--config":
+            return args[i + 1] if i + 1 < len(args) else ""
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
 
 
 def trl_overrides(args: list[str]) -> dict:
@@ -277,8 +296,8 @@ def trl_overrides(args: list[str]) -> dict:
     from colo_kit.cli import UsageError
 
     given = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--")]
-    if "config" in given:
-        path = args[args.index("--config") + 1] if args.index("--config") + 1 < len(args) else ""
+    path = _config_path(args)
+    if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as exc:
@@ -288,6 +307,8 @@ def trl_overrides(args: list[str]) -> dict:
             raise UsageError(f"--config {path!r}: holds a YAML {type(loaded).__name__}, not a mapping of GRPOConfig "
                              "fields")
         given = [g for g in given if g != "config"] + [k for k in loaded if k != "env"]
+        args = [t for t in args if not t.startswith("--config=")] + (
+            ["--config", path] if any(t.startswith("--config=") for t in args) else [])
     if owned := [g for g in given if g in KIT_SET_FIELDS]:
         raise UsageError(f"--{owned[0]}: the kit sets it; use {KIT_SET_FIELDS[owned[0]]}")
 
@@ -300,8 +321,11 @@ def trl_overrides(args: list[str]) -> dict:
     try:
         (config,) = parser.parse_args_and_config(base + list(args))
     except ValueError as exc:
-        raise UsageError(f"{str(exc).splitlines()[0]}: colo-kit train takes its own flags (--help) and GRPOConfig "
-                         "fields in TRL's spelling") from None
+        first = str(exc).splitlines()[0].rstrip(".")
+        if "not used by the HfArgumentParser" in first:  # a name neither the kit nor GRPOConfig knows
+            raise UsageError(f"{first}: colo-kit train takes its own flags (--help) and GRPOConfig fields in "
+                             "TRL's spelling") from None
+        raise UsageError(f"{first} (TRL's GRPOConfig refused the settings)") from None
     values = {name: getattr(config, name) for name in dict.fromkeys(given)}
     return {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}  # e.g. lr_scheduler_type
 
@@ -328,9 +352,19 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode between generations (GPU only)")
     ap.add_argument("--server-url", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bucketed-push", action="store_true",
+                    help="push the weights in one load_weights call instead of TRL's one per tensor (colo_kit.bucketed_push)")
     ap.add_argument("--json", default=None, help="write the per-step log here (checked writable before training)")
     a, rest = ap.parse_known_args(argv)
     overrides = trl_overrides(rest) if rest else {}
+    for trl_name, kit_name in TRL_NAMES.items():  # TRL's spelling wins over the kit's flag
+        if trl_name in overrides:
+            setattr(a, kit_name, overrides.pop(trl_name))
+    use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
+    if use_vllm is False:
+        a.mode = "plain"
+    elif vllm_mode is not None:
+        a.mode = vllm_mode
     try:
         check_settings(a.mode, max_steps=a.max_steps, num_generations=a.num_generations,
                        per_device_batch=a.per_device_batch, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
@@ -348,7 +382,8 @@ def cli_main(argv: list[str]) -> int:
                    num_generations=a.num_generations, per_device_batch=a.per_device_batch,
                    max_completion_length=a.max_completion_length, learning_rate=a.learning_rate,
                    target_length=a.target_length, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                   sleep=a.sleep, server_url=a.server_url, seed=a.seed, **overrides)
+                   sleep=a.sleep, server_url=a.server_url, seed=a.seed,
+                   push_bucket_mb=0 if a.bucketed_push else None, **overrides)
     rewards = run.rewards
     print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
     if out:

@@ -41,7 +41,10 @@ CASES = [
     (["train", "--mode", "server"], "server_url"),
     (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
     (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes its own flags"),
-    (["train", "--per_device_train_batch_size", "4"], "--per_device_train_batch_size: the kit sets it; use --per-device-batch"),
+    (["train", "--output_dir", "/tmp/x"], "--output_dir: the kit sets it"),
+    (["train", "--config={files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
+    (["train", "--per_device_train_batch_size", "6", "--num_generations", "4"],
+     "generation_batch_size (6) must be divisible by num_generations (4) (TRL's GRPOConfig refused"),
     (["train", "--config", "{files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
     (["eval-math500", "--out", "/proc/nope/ev.json"], "--out /proc/nope/ev.json"),
     (["eval-math500", "--limit", "0"], "'0'"),
@@ -119,6 +122,28 @@ def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
     assert (seen["beta"], seen["lr_scheduler_type"], seen["loss_type"], seen["num_iterations"]) == \
         (0.04, "cosine", "dr_grpo", 2)
     assert "per_device_train_batch_size" not in seen  # only the fields given
+
+
+def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
+    """`colo-kit plan --recommend --out r.yaml` then `colo-kit train --config r.yaml`: the fields the kit also
+    has flags for (batch, sleep, steps, ...) arrive as the kit's arguments, the rest as GRPOConfig fields;
+    `--config=FILE` works as `--config FILE` does."""
+    from colo_kit import train
+
+    seen = {}
+
+    def run_grpo(model, mode, **kwargs):
+        seen.update(kwargs, mode=mode)
+        return types.SimpleNamespace(rewards=[0.0], elapsed_s=0.0, to_dict=dict)
+
+    monkeypatch.setattr(train, "run_grpo", run_grpo)
+    recipe = tmp_path / "r.yaml"
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--per-device-batch", "16", "--recommend", "--out", str(recipe)]) == 0
+    assert main(["train", f"--config={recipe}", "--max_steps", "2", "--bucketed-push"]) == 0
+    assert seen["mode"] == "colocate" and seen["per_device_batch"] == 16 and seen["max_steps"] == 2
+    assert seen["sleep"] is False and seen["push_bucket_mb"] == 0
+    assert seen["gradient_checkpointing"] is False and seen["generation_kwargs"] == {"detokenize": False}
+    assert "per_device_train_batch_size" not in seen and "use_vllm" not in seen
 
 
 def test_build_model_keeps_one_folder_per_seed(tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ from colo_kit import lab, planner
 from colo_kit.models import PRESETS
 from colo_kit.paths import REPO_ROOT, results_dir
 from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fits
+from colo_kit.recipe import recipe, to_yaml
 
 # %% [markdown]
 # ## 1 · What takes memory in one GRPO step
@@ -230,7 +231,8 @@ else:
 # ## 6 · Your turn: the control panel
 #
 # Pick a model, GPU count, batch, lengths, ZeRO stage, sleep level and offload; the bars show the parts of each phase
-# (modelled). Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate
+# (modelled), and below them the recipe for your model, GPUs and batch: `GRPOConfig` fields in TRL's names, each
+# with the reason it was chosen (from the planner and the measured runs of section 7). Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate
 # at per-device batch 64 and 256-token completions needs about 149 GiB per GPU instead of about 82 (modelled), more
 # than an H200 has. The kit's first H200 ping-pong sweep ran with it forced off by mistake, and its batch-64 colocate
 # runs failed (measured, `results/pingpong_gpu_partial.json`).
@@ -276,6 +278,13 @@ def show(*_):
         print(rec["why"])
         for note in r["notes"]:
             print("note:", note)
+        rcp = recipe(model=model_w.value, gpus=gpus_w.value, gpu_mem_gib=mem_w.value, per_device_batch=batch_w.value,
+                     prompt_length=256, completion_length=completion_w.value, zero_stage=zero_w.value,
+                     offload_optimizer=offload_w.value and zero_w.value > 0)
+        if rcp["fits"]:
+            print("\nThe recipe for this model, GPU count and batch (`colo-kit plan --recommend` writes it; "
+                  "TRL's TrlParser reads it):\n")
+            print(to_yaml(rcp))
 
 
 for w in (model_w, gpus_w, zero_w, sleep_w, offload_w, util_w, tp_w, mem_w, ckpt_w, batch_w, completion_w):

@@ -15,8 +15,8 @@ export PYTHONPATH="${PYTHONPATH:-.}:." HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 SMOKE=${1:-}
 MODEL=${SPEED_MODEL:-qwen2.5-1.5b}
-BUDGET=${SPEED_BUDGET_S:-45}
-CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 no_grad_ckpt:0 no_detokenize:0 bucketed_push:0 spg8:0,1 batch32:0,1"}
+BUDGET=${SPEED_BUDGET_S:-60}
+CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 recipe:0,1 no_grad_ckpt:0 no_detokenize:0 bucketed_push:0 spg8:0,1 batch32:0,1"}
 RESULT=${SPEED_RESULT:-results/speed_1xh200.json}
 DEADLINE=$(( $(date +%s) + ${SPEED_DEADLINE_S:-560} ))
 if [ "$SMOKE" = "--smoke" ]; then

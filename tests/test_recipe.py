@@ -1,0 +1,82 @@
+"""colo_kit.recipe / `colo-kit plan --recommend`: GRPOConfig fields in TRL's names that TRL's own parser loads,
+each with its reason, sized by the planner; its predicted peak against the H200 run of the same settings."""
+
+import json
+from dataclasses import fields
+
+import pytest
+
+from colo_kit.paths import REPO_ROOT
+from colo_kit.planner import SAFE_FRACTION
+from colo_kit.recipe import recipe, to_yaml
+
+
+def _parse(tmp_path, text):
+    from trl import GRPOConfig, TrlParser
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(
+        ["--config", str(path), "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"])
+    return config
+
+
+@pytest.mark.parametrize("settings", [dict(model="qwen2.5-1.5b"), dict(model="qwen2.5-7b"),
+                                      dict(model="qwen2.5-72b", gpus=8, zero_stage=3, offload_optimizer=True),
+                                      dict(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_batch=16)])
+def test_trls_parser_loads_every_field_with_its_reason(settings, tmp_path):
+    from trl import GRPOConfig
+
+    r = recipe(**settings)
+    assert r["fits"]
+    text = to_yaml(r)
+    config = _parse(tmp_path, text)
+    names = {f.name for f in fields(GRPOConfig)}
+    lines = text.splitlines()
+    for name, value, why in r["fields"]:
+        assert name in names
+        if name != "bf16":  # the command line above turns bf16 off, as the kit does on a CPU
+            assert getattr(config, name) == value or (name == "steps_per_generation" and value is None)
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{name}:"))
+        assert lines[at - 1].startswith("# ") and len(why) > 10  # the reason sits right above its field
+    assert r["peak_gib_per_gpu"] <= SAFE_FRACTION * r["plan"].gpu_mem_gib
+
+
+def test_speed_choices_follow_what_fits():
+    roomy = dict(recipe(model="qwen2.5-1.5b")["fields"] and {k: v for k, v, _ in recipe(model="qwen2.5-1.5b")["fields"]})
+    assert roomy["gradient_checkpointing"] is False and roomy["vllm_enable_sleep_mode"] is False
+    assert roomy["vllm_gpu_memory_utilization"] == 0.3 and roomy["steps_per_generation"] is None
+    # a 40 GiB GPU cannot hold 1.5B's fp32 training state, activations of batch 16 and a 0.3 engine at once
+    tight = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_batch=16)["fields"]}
+    assert tight["vllm_gpu_memory_utilization"] != 0.3 or tight["vllm_enable_sleep_mode"] \
+        or tight["gradient_checkpointing"]
+
+
+def test_server_mode_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="colocate mode"):
+        recipe(model="qwen2.5-1.5b", mode="server")
+
+
+def test_recipe_peak_is_within_10pct_of_the_h200_run_of_its_settings():
+    """The recipe for 1.5B at batch 8 on one H200 is the speed chain's `bucketed_push` configuration
+    (no checkpointing, u 0.3, no sleep, one-call push): its NVML peak, measured, against the recipe's prediction."""
+    r = recipe(model="qwen2.5-1.5b", per_device_batch=8, completion_length=256)
+    chosen = {k: v for k, v, _ in r["fields"]}
+    assert (chosen["gradient_checkpointing"], chosen["vllm_gpu_memory_utilization"], chosen["vllm_enable_sleep_mode"]) \
+        == (False, 0.3, False)
+    result = json.loads((REPO_ROOT / "results" / "speed_1xh200.json").read_text())
+    peaks = [rec["nvml_peak_gib"] for rec in result["records"]
+             if rec["config"] == "bucketed_push" and rec["seed"] == 0]
+    assert peaks
+    for peak in peaks:
+        assert abs(r["peak_gib_per_gpu"] / peak - 1) <= 0.10, (r["peak_gib_per_gpu"], peak)
+
+
+def test_plan_recommend_prints_the_peak_and_writes_where_told(tmp_path, capsys):
+    from colo_kit.cli import main
+
+    out = tmp_path / "r.yaml"
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted peak" in printed and out.read_text() in printed
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--mode", "server"]) == 2
