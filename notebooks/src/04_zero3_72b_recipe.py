@@ -328,8 +328,8 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "configurati
 # - **Staleness is a cost.** `steps_per_generation=8` at batch 8 trains 3.3× more steps per second, but 7 of
 #   every 8 steps learn from completions of an older policy (PPO's clipping then limits the update): at
 #   learning rate 5e-4 it reached the threshold no sooner than the defaults, and one seed not at all.
-# - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.030 s per push instead
-#   of 0.052 s, and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is generation:
+# - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
+#   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is generation:
 #   256 decode steps of 8 sequences take about 0.6 s whatever else changes.
 # - **The planner holds:** every configuration's NVML peak (seed 0, the first trainer in its process) is within
 #   5% of the prediction.
