@@ -69,7 +69,10 @@ CHAIN = [
     ("batch32", "per_device_train_batch_size=32", {"per_device_train_batch_size": 32}, {}),
 ]
 NAMES = [c[0] for c in CHAIN]
-# Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8.
+# Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8; and the
+# two ways to sleep, each on top of `bucketed_push`: TRL's level 2, and the KV cache only (colo_kit.kv_sleep).
+SIDE = {"sleep_l2": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {}),
+        "sleep_kv": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True})}
 RECIPE = "recipe"
 RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
@@ -85,8 +88,12 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
             raise ValueError(f"no recipe for {model}: {r['why']}")
         fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
         return fields, {"push_bucket_mb": 0}
+    if name in SIDE:
+        base, extra_fields, extra_knobs = SIDE[name]
+        fields, knobs = config(base, model)
+        return {**fields, **extra_fields}, {**knobs, **extra_knobs}
     if name not in NAMES:
-        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + [RECIPE])}")
+        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + list(SIDE) + [RECIPE])}")
     fields, knobs = {}, {}
     for step_name, _, f, k in CHAIN[:NAMES.index(name) + 1]:
         fields.update(f)
@@ -140,7 +147,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     try:
         run = run_grpo(model, "colocate", per_device_batch=batch, seed=seed, num_prompts=num_prompts,
                        callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer,
-                       push_bucket_mb=knobs.get("push_bucket_mb"), **task, **fields)
+                       push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
+                       **task, **fields)
     finally:
         tl.unhook()
         samples = sampler.stop()
@@ -306,7 +314,9 @@ def _summarize_one(records: list[dict]) -> dict:
         runs = sorted(by[name], key=lambda r: r["seed"])
         tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
         ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
-        row = {"adds": dict((c[0], c[1]) for c in CHAIN).get(name), "seeds": [r["seed"] for r in runs],
+        adds = {**{c[0]: c[1] for c in CHAIN}, "sleep_l2": "bucketed_push + TRL's level-2 sleep",
+                "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend"}
+        row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
                "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
                "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
                "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],

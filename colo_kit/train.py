@@ -192,7 +192,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
              on_step=None, on_trainer=None, http_weight_sync: bool = False,
              vllm_enforce_eager: bool | None = None, push_bucket_mb: float | None = None,
-             **config_overrides) -> GRPORun:
+             kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
     `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
@@ -205,7 +205,8 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
     then starts in seconds instead of 50-90 s, at some decode speed (tests use it). `push_bucket_mb`
     (colocate mode): push the weights `push_bucket_mb` MiB per `load_weights` call, 0 for one call, instead of
-    TRL's one call per tensor (`colo_kit.bucketed_push`).
+    TRL's one call per tensor (`colo_kit.bucketed_push`). `kv_only_sleep` (with `sleep=True`, GPU): between
+    generations release only the KV cache and keep the weights mapped (`colo_kit.kv_sleep`).
     """
     from trl import GRPOTrainer
 
@@ -253,6 +254,12 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
             from colo_kit.bucketed_push import use_bucketed_push
 
             settings["bucketed_push"] = use_bucketed_push(trainer, push_bucket_mb)
+        if kv_only_sleep:
+            from colo_kit.kv_sleep import use_kv_sleep
+
+            if not sleep:
+                raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs sleep=True")
+            settings["kv_only_sleep"] = use_kv_sleep(trainer)
         if on_trainer is not None:
             on_trainer(trainer)
         t0 = time.perf_counter()

@@ -198,3 +198,38 @@ def test_level2_needs_the_trainers_weights_and_a_wrong_push_is_caught(cpu_engine
     with pytest.raises(SelfCheckFailed, match="greedy probe changed"):
         mgr.self_check(lost)  # other weights after the switch: the probe sees it
     engine.push_weights(original)
+
+
+# -- the KV cache only (colo_kit.kv_sleep) --------------------------------------------------------------------
+
+def test_kv_only_sleep_on_cpu_is_refused_naming_the_platform(monkeypatch):
+    from types import SimpleNamespace
+
+    from colo_kit.kv_sleep import use_kv_sleep
+
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="colocate", enable_sleep_mode=True, llm=None))
+    with pytest.raises(SleepModeUnavailable, match="KV-only sleep"):
+        use_kv_sleep(trainer)
+    trainer.vllm_generation.enable_sleep_mode = False  # nothing to change when TRL never sleeps
+    assert use_kv_sleep(trainer) is False
+
+
+@pytest.mark.gpu
+def test_kv_only_sleep_frees_the_kv_cache_and_keeps_the_weights(gpu_engine_and_model):
+    from colo_kit.kv_sleep import engine_core, kv_sleep
+    from colo_kit.sleep import device_memory_gib
+
+    engine, model = gpu_engine_and_model
+    if engine.asleep:
+        SleepManager(engine, level=2).wake(model=model)
+    engine.push_weights(model)
+    before = engine.probe()
+    used_awake = device_memory_gib(engine.device)["used_gib"]
+    freed = kv_sleep(engine.llm)
+    used_asleep = device_memory_gib(engine.device)["used_gib"]
+    assert freed > 0 and used_awake - used_asleep >= 0.8 * freed / 2**30
+    assert engine_core(engine.llm).model_executor.sleeping_tags == {"kv_cache"}
+    engine.llm.wake_up(tags=["kv_cache"])  # vLLM's own wake-up; no push: the weights never left
+    assert not engine_core(engine.llm).model_executor.is_sleeping
+    after = engine.probe()
+    assert after["token_ids"] == before["token_ids"]
