@@ -94,7 +94,11 @@ def cli_main(argv: list[str]) -> int:
                     help="write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "
                          "results/runs/recipe_<model>_<gpus>gpu.yaml), and print it")
     ap.add_argument("--write-configs", action="store_true",
-                    help="also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP yaml")
+                    help="also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP "
+                         "yaml; a file already there with other contents is kept, the new one written beside it "
+                         "(*.proposed.*)")
+    ap.add_argument("--replace-configs", action="store_true",
+                    help="with --write-configs: replace files that differ instead of writing beside them")
     args = ap.parse_args(argv)
     if args.validate:
         from colo_kit.cli import writable_file
@@ -126,8 +130,12 @@ def cli_main(argv: list[str]) -> int:
         from colo_kit.recipes import write_configs
 
         offload = report["recommendation"].get("offload_optimizer", args.offload_optimizer) or args.offload_optimizer
-        report["configs"] = {k: str(v) for k, v in write_configs(args.model, args.gpus, offload_optimizer=offload,
-                                                                 offload_params=args.offload_params,
-                                                                 gpus_per_node=args.gpus_per_node).items()}
+        written = write_configs(args.model, args.gpus, offload_optimizer=offload, offload_params=args.offload_params,
+                                gpus_per_node=args.gpus_per_node, replace=args.replace_configs)
+        report["configs"] = {k: str(v) for k, v in written.items()}
+        beside = [str(v) for v in written.values() if ".proposed." in v.name]
+        if beside:
+            report["notes"].append("kept the configs already there, which differ; the new ones are beside them: "
+                                   + ", ".join(beside) + " (--replace-configs replaces them)")
     print(json.dumps(report, indent=1) if args.json else _format(report))
     return 0

@@ -313,3 +313,35 @@ def test_gpu_script_is_valid_bash_and_launches_the_generated_config():
     text = script.read_text()
     assert "configs/accelerate/zero3_${MODEL}_${GPUS}gpu.yaml" in text and "--num_processes" in text
     assert (REPO_ROOT / "configs/accelerate/zero3_qwen2.5-7b_2gpu.yaml").exists()
+
+
+def test_writing_configs_keeps_a_different_file_and_writes_beside_it(tmp_path):
+    first = write_configs("qwen2.5-72b", 16, offload_optimizer=True, out=tmp_path)
+    yaml_before = first["accelerate_zero3"].read_text()
+    # the recommendation changed (no offload): the YAML now points at another JSON
+    second = write_configs("qwen2.5-72b", 16, offload_optimizer=False, out=tmp_path)
+    assert first["accelerate_zero3"].read_text() == yaml_before  # what was there is untouched
+    assert second["accelerate_zero3"].name == "zero3_qwen2.5-72b_16gpu.proposed.yaml"
+    assert "zero3.json" in second["accelerate_zero3"].read_text()
+    assert second["accelerate_ddp"] == first["accelerate_ddp"]  # same contents: written in place, no copy
+    third = write_configs("qwen2.5-72b", 16, offload_optimizer=False, out=tmp_path, replace=True)
+    assert third["accelerate_zero3"] == first["accelerate_zero3"]
+    assert "zero3.json" in first["accelerate_zero3"].read_text()
+
+
+def test_plan_write_configs_never_changes_the_committed_files(monkeypatch, capsys, tmp_path):
+    from colo_kit import recipes
+    from colo_kit.cli import main
+
+    committed = {p: p.read_text() for p in (REPO_ROOT / "configs").rglob("*") if p.is_file()}
+    monkeypatch.setattr(recipes, "CONFIGS", tmp_path)  # the command's default folder, as a copy of the repo's
+    for p, text in committed.items():
+        dst = tmp_path / p.relative_to(REPO_ROOT / "configs")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text)
+    assert main(["plan", "--model", "qwen2.5-72b", "--gpus", "16", "--zero-stage", "3", "--write-configs", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for p, text in committed.items():
+        assert (tmp_path / p.relative_to(REPO_ROOT / "configs")).read_text() == text
+    proposed = [v for v in report["configs"].values() if ".proposed." in v]
+    assert all(any(v in n for n in report["notes"]) for v in proposed)
