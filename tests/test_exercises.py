@@ -16,16 +16,41 @@ EXERCISES = lab.exercises()
 
 
 @pytest.mark.parametrize("key", sorted(EXERCISES))
-def test_each_check_accepts_its_solution_and_refuses_a_wrong_answer_with_a_hint(key, capsys):
+def test_each_check_accepts_its_solution_and_refuses_every_wrong_answer(key, capsys):
     ex = EXERCISES[key]
     assert lab.check(key, ex.solution) is True
     assert "✔ right" in capsys.readouterr().out
-    assert lab.check(key, ex.wrong) is False
-    out = capsys.readouterr().out
-    assert f"Hint: {ex.hint}" in out
+    assert len(ex.wrong) >= 5, f"{key}: list at least 5 plausible wrong answers"
+    for wrong in ex.wrong:
+        assert lab.check(key, wrong) is False, f"{key} accepted the wrong answer {wrong!r}"
+        out = capsys.readouterr().out
+        assert "✔" not in out
+        assert f"Hint: {ex.hint}" in out or "answer with one of" in out, out
     if isinstance(ex.solution, (int, float)) and not isinstance(ex.solution, bool):
         assert f"{ex.solution:g}" not in ex.hint.split(), f"{key}: the hint gives the answer away"
     assert lab.check(key, ...) is None  # the placeholder a cell starts with: Run All passes through
+
+
+@pytest.mark.parametrize("key", sorted(k for k, e in EXERCISES.items() if e.options))
+def test_a_choice_takes_only_its_options_or_their_letters(key, capsys):
+    ex = EXERCISES[key]
+    right = next(o for o in ex.options if ex.accept(o))
+    letter = "abcdefgh"[ex.options.index(right)]
+    assert lab.check(key, letter) is True and lab.check(key, right.upper()) is True
+    capsys.readouterr()
+    assert lab.check(key, f"I think {right}") is False  # free text around the option is not an option
+    out = capsys.readouterr().out
+    assert "answer with one of" in out and all(repr(o) in out for o in ex.options)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, e in EXERCISES.items() if e.options))
+def test_each_choice_cell_shows_its_options(key):
+    src = next(p for p in SRCS if p.stem.startswith(key[:2]))
+    cells = _cells(src)
+    at = next(i for i, c in enumerate(cells) if f'lab.check("{key}"' in c["source"])
+    shown = (cells[at - 1]["source"] + cells[at]["source"]).lower()
+    for option in EXERCISES[key].options:
+        assert option.lower() in shown, f"{src.name}: {key}'s question must list the option {option!r}"
 
 
 def _cells(src):

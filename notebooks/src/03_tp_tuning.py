@@ -181,10 +181,10 @@ tp.throughput_figure(gen_sweeps, title).show()
 # ### Exercise 1 · Break the seed rule
 #
 # Under TP 2, suppose rank 1 of a group got seed 1 while rank 0 has seed 0. What happens to the tokens the two
-# workers sample?
+# workers sample: a) they stay identical, b) they diverge?
 
 # %%
-answer = ...  # in a few words
+answer = ...  # "they stay identical" or "they diverge" (or a / b)
 lab.check("03.tp_seed", answer)
 
 # %% [markdown]

@@ -246,9 +246,13 @@ print(f"rank-1 adapter of Qwen2.5-1.5B: {gpu_run['adapter']['bytes'] / 1e6:.2f} 
 #
 # Why does TRL publish `trl-policy-v1`, `trl-policy-v2`, ... instead of loading every new adapter under one fixed
 # name?
+#
+# - a) vLLM refuses two loads under one name
+# - b) the prefix cache would reuse KV blocks of an older adapter
+# - c) a longer name is slower to route
 
 # %%
-answer = ...  # a few words
+answer = ...  # a, b or c
 lab.check("06.shared_name", answer)
 
 # %% [markdown]
