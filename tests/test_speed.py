@@ -159,3 +159,35 @@ def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
     assert recs["spg8"]["steps_per_generation"] == 8
     assert recs["spg8"]["steady"]["completion_tokens_per_s"] > 0
     assert all(r["rows"] and r["rows"][0]["reward"] < 0 for r in recs.values())
+
+
+# -- the speed knobs inside TRL's trainer, on a GPU (and the bucketed push on a CPU, where its load is vLLM's layer-wise reload)
+
+def _short_run(tmp_path, **kw):
+    from colo_kit.train import run_grpo
+
+    return run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_batch=8, max_completion_length=16,
+                    learning_rate=1e-3, output_dir=tmp_path, vllm_enforce_eager=True, **kw)
+
+
+def _gap(run) -> float:
+    return max(s.get("sampling/sampling_logp_difference/mean", 0.0) for s in run.steps)
+
+
+@pytest.mark.slow
+def test_bucketed_push_keeps_vllm_on_the_trainers_weights(tmp_path):
+    """A push that lost tensors would leave vLLM sampling from old weights: TRL's own log-prob gap between
+    vLLM and the trainer (sampling/sampling_logp_difference) would grow step by step (notebook 00's exercise)."""
+    run = _short_run(tmp_path, push_bucket_mb=0)
+    assert run.settings["bucketed_push"] is True
+    assert run.trainer.vllm_generation.push_calls >= 3  # one per optimizer step after the first
+    assert _gap(run) < 0.05, [s.get("sampling/sampling_logp_difference/mean") for s in run.steps]
+
+
+@pytest.mark.gpu
+def test_kv_only_sleep_inside_trls_trainer_keeps_vllm_on_the_trainers_weights(tmp_path):
+    run = _short_run(tmp_path, push_bucket_mb=0, sleep=True, kv_only_sleep=True)
+    assert run.settings["kv_only_sleep"] is True
+    executor = __import__("colo_kit.kv_sleep", fromlist=["x"]).engine_core(run.trainer.vllm_generation.llm).model_executor
+    assert executor.sleeping_tags == {"kv_cache"}  # after the last generation: asleep, weights kept
+    assert _gap(run) < 0.05, [s.get("sampling/sampling_logp_difference/mean") for s in run.steps]
