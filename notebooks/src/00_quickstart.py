@@ -30,6 +30,8 @@
 # (quoted; notebook 01 shows what the kit measured and modelled).
 
 # %%
+import math
+
 import colo_kit
 
 colo_kit.quiet()  # the libraries' start-up chatter off; their errors stay
@@ -161,6 +163,35 @@ print(f"vLLM vs trainer log-prob gap: first {gap[0]:.4f}, last {gap[-1]:.4f} (na
 print(f"importance-sampling ratio: first {ratio[0]:.3f}, last {ratio[-1]:.3f}")
 lab.see("00.sync", "the gap stays near 0 (well under 0.05 nats) and the ratio near 1: the engine samples from the "
         "trainer's current weights", last_gap=gap[-1], last_ratio=ratio[-1])
+
+# %% [markdown]
+# ### Break it · sample from a truncated distribution
+#
+# `GRPOConfig(top_p=...)` reaches vLLM's sampler: with `top_p < 1` vLLM draws each token from the smallest set
+# of tokens holding that much probability, renormalised, while the trainer scores the same tokens under its full
+# softmax. The cell trains three steps at the `top_p` below and three at 1.0 (one engine for both) and prints
+# what TRL's importance-sampling correction logs. Change `top_p` (0.5, 0.95, ...) and run it again.
+
+# %%
+from colo_kit.pitfalls import top_p_breaks_importance_sampling
+
+top_p = 0.8
+rows = top_p_breaks_importance_sampling(preset.name, top_ps=(top_p, 1.0), vllm_enforce_eager=not compiled_w.value)
+for r in rows:
+    print("  ".join(f"{k} {v:.4g}" for k, v in r.items()))
+broken = rows[0]
+print(f"\nper token vLLM's log-prob exceeds the trainer's by {broken['vLLM vs trainer log-prob gap (nats/token)']:.3f} "
+      f"nats; -ln(top_p) = {-math.log(top_p):.3f}. Over 32 tokens the sequence ratio is about "
+      f"exp(-32 x that) = {math.exp(-32 * broken['vLLM vs trainer log-prob gap (nats/token)']):.2g}")
+
+# %% [markdown]
+# What broke: on this near-uniform model each sampled token's probability under vLLM's truncated distribution is
+# its full-softmax probability divided by the kept mass (`top_p`), so the per-token gap is about −ln(`top_p`).
+# TRL's default correction (`vllm_importance_sampling_mode="sequence_mask"`) multiplies those ratios over the
+# whole completion: far below 1, so the loss of every sequence shrinks towards 0 and the policy barely learns.
+# The fix is the last row: sample from the distribution the trainer scores (`top_p=1.0`, TRL's default), or use a
+# token-level correction. On a trained model the kept mass is close to 1 and the effect is smaller but real: TRL
+# #6789 reports a ratio mean of 0.896 at kept mass 0.895 on Qwen2.5-1.5B (quoted).
 
 # %% [markdown]
 # ## What the trained policy writes now
