@@ -7,6 +7,9 @@ without, and returns one row per run for the notebook to print side by side:
   renormalised distribution, while the trainer scores the same tokens under its full softmax. TRL's
   importance-sampling correction sees the difference on every token; its sequence-level ratio (a product
   over the completion's tokens) collapses towards 0, and the loss of those sequences with it (TRL #6789).
+- `tp_seed_rule` (notebook 03): the two workers of a TP-2 engine sample with one seed (`rank // tp`, TRL's
+  rule) and then with one seed each (`rank`, the bug the post bisected, vLLM #15895); each worker reports the
+  tokens the whole group generated. Under one seed they are the same tokens; under two they drift apart.
 """
 
 from __future__ import annotations
@@ -38,4 +41,56 @@ def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int =
             del run
     finally:
         release_engines()
+    return rows
+
+
+SEED_RULES = {"seed = rank // tp (TRL's rule)": lambda rank, tp: rank // tp,
+              "seed = rank (one seed per worker)": lambda rank, tp: rank}
+
+
+def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -> dict:
+    """One rank of a TP-2 engine (inside `colo_kit.launch`): sample the group's prompts under each seed rule."""
+    import torch.distributed as dist
+
+    from colo_kit.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.tp import random_prompts, unique_cpu_shm_names
+
+    unique_cpu_shm_names()
+    rank, tp = dist.get_rank(), 2
+    engine = ColocatedEngine(model, ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=2,
+                                                     max_prompt_length=32, max_completion_length=max_tokens),
+                             enforce_eager=enforce_eager)
+    try:
+        prompts = random_prompts(2, 16, seed=rank)
+        samples = {}
+        for rule, seed_of in SEED_RULES.items():
+            # vLLM draws a request's tokens from a generator seeded with the request's seed: the same mechanism as
+            # the engine seed TRL sets, per request, so both rules run on one engine
+            out = engine.generate(prompts, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=False,
+                                  whole_group=True, seed=1000 + seed_of(rank, tp))
+            samples[rule] = out.completion_ids
+    finally:
+        engine.close()
+    return {"rank": rank, "samples": samples}
+
+
+def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool | None = True) -> list[dict]:
+    """Launch a TP-2 engine on two processes (2 GPUs, or 2 CPU processes) and compare what its two workers
+    sampled under each seed rule: one row per rule with the share of token positions where they agree."""
+    from colo_kit.launch import free_port, launch
+    from colo_kit.tp import remove_cpu_shm
+
+    port = free_port()
+    try:
+        ranks = launch(_seed_rule_worker, model, max_tokens, enforce_eager, num_processes=2, port=port,
+                       echo=False).results
+    finally:
+        remove_cpu_shm(port)
+    rows = []
+    for rule in SEED_RULES:
+        a, b = (r["samples"][rule] for r in ranks)
+        pairs = [(x, y) for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b)]
+        rows.append({"rule": rule, "positions": len(pairs),
+                     "same token on both workers": round(sum(x == y for x, y in pairs) / len(pairs), 3),
+                     "rank 0 first tokens": a[0][:6], "rank 1 first tokens": b[0][:6]})
     return rows

@@ -16,3 +16,12 @@ def test_top_p_below_one_collapses_trls_sequence_ratio_and_top_p_one_does_not():
     assert broken["IS ratio mean (TRL's log)"] < 0.05
     assert 0.9 < fixed["IS ratio mean (TRL's log)"] < 1.1
     assert fixed["vLLM vs trainer log-prob gap (nats/token)"] < 0.02
+
+
+@pytest.mark.slow
+def test_one_seed_per_tp_worker_makes_the_workers_disagree_and_trls_rule_does_not():
+    from colo_kit.pitfalls import tp_seed_rule
+
+    trl_rule, per_worker = tp_seed_rule("tiny", max_tokens=16)
+    assert trl_rule["same token on both workers"] == 1.0
+    assert per_worker["same token on both workers"] < 0.5

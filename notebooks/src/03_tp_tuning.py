@@ -195,6 +195,28 @@ lab.check("03.tp_seed", answer)
 # `seed = rank // tp` (`trl/generation/vllm_generation.py`, `colo_kit.engine.ColocatedEngine`).
 # </details>
 #
+# ### Break it · one seed per worker
+#
+# Now see it. The cell builds one TP-2 engine on two processes and samples the group's prompts twice: once with
+# one seed for the group (`rank // tp`, TRL's rule) and once with one seed per worker (`rank`). vLLM draws a
+# request's tokens from a generator seeded with the request's seed, the same mechanism as the engine seed, so both
+# rules run on one engine. Each worker reports the tokens the whole group generated.
+
+# %%
+from colo_kit.pitfalls import tp_seed_rule
+
+if TIER == "gpu" and MACHINE.gpus < 2:
+    MACHINE.say("a TP-2 engine needs two GPUs: run this cell on a CPU machine (two processes) or a 2-GPU node")
+else:
+    for r in tp_seed_rule("tiny"):
+        print(f"{r['rule']:<36} same token on both workers at {r['same token on both workers']:.0%} of "
+              f"{r['positions']} positions; rank 0 {r['rank 0 first tokens']} · rank 1 {r['rank 1 first tokens']}")
+
+# %% [markdown]
+# Under one seed the two workers agree on every token: they are one model. Under a seed each, they agree only
+# where the random draws happen to coincide, and each worker feeds its own token into the next step, so the
+# halves of every weight matrix compute on different sequences: the engine's output is garbage, with no error.
+#
 # ## 4 · Colocated GRPO with `vllm_tensor_parallel_size`
 #
 # The same comparison inside training: TRL's `GRPOTrainer`, `vllm_mode="colocate"`, on every GPU of the node,
