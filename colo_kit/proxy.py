@@ -7,7 +7,11 @@ like one server. This module serves that proxy on aiohttp; what it decides is `c
 - **Who may use it.** On loopback, any local process, as TRL's client sends no credentials. With
   `client_token_env` every request must carry `Authorization: Bearer <that token>` (401 otherwise);
   binding anything but loopback without it is refused at start. The client's header never travels
-  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none.
+  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none. A
+  replica URL's password is shown nowhere (`user:***@`).
+- **How long it waits for a client.** A request's head must arrive within `client_timeout_s` of
+  the connection opening (or of the previous answer), and its body within as long again; a socket
+  that sends nothing is closed, so idle sockets cannot use up the proxy's file descriptors.
 - **What it forwards.** The routes of `routing.ROUTES` only (404 otherwise, without touching a
   replica); paths are normalised first. Adapter loads need `adapter_root` and a path inside it.
   Bodies over `max_body_mb` get 413 before they are read whole; prompts are parsed and hashed off
@@ -40,14 +44,14 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-from colo_kit.routing import (ADAPTER_NAME, ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, check_adapter_load,
-                              choose_replica, load_bound, normalise_path, route_kind)
+from colo_kit.routing import (ADAPTER_NAME, ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, bearer_ok, choose_replica,
+                              load_bound, normalise_path, replica_base, route_kind, vet_adapter_load)
 
 log = logging.getLogger("colo_kit.proxy")
 
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (well under a millisecond)
+MAX_BODY_MB = 1024  # the proxy holds a whole body in memory; aiohttp needs the limit as an int of bytes
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the ones aiohttp recomputes
 # and the client's credentials (replaced by the replicas' own upstream).
@@ -80,30 +84,26 @@ class ProxyConfig:
     health_interval_s: float = 1.0
     health_failures_to_drop: int = 2  # consecutive failed polls; a refused connection drops at once
     connect_timeout_s: float = 2.0
+    client_timeout_s: float = 30.0  # a request's head, and then its body, from a client
     max_attempts: int = 3
     token: str | None = field(default=None, repr=False)
     client_token: str | None = field(default=None, repr=False)
+    # shown replica URL (password as ***) -> the URL requests go to, credentials and all
+    upstream_urls: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def validate(self) -> "ProxyConfig":
         """Check everything that can be checked before serving; raise ValueError naming the fix."""
         if not self.replicas:
             raise ValueError("no replicas: pass at least one --replica http://HOST:PORT (a vLLM OpenAI server)")
-        clean = []
+        clean, upstream = [], {}
         for url in self.replicas:
-            parts = urlsplit(str(url))
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"bad replica URL {url!r}: expected http://HOST:PORT, e.g. http://10.0.0.5:8000")
-            try:
-                parts.port
-            except ValueError:
-                raise ValueError(f"bad replica URL {url!r}: the port is not a number in 0-65535") from None
-            if parts.path not in ("", "/") or parts.query:
-                raise ValueError(f"bad replica URL {url!r}: give the server root (no path), e.g. "
-                                 f"{parts.scheme}://{parts.netloc}")
-            clean.append(f"{parts.scheme}://{parts.netloc}")
+            # validated before, a shown URL maps back to the real one
+            shown, base = replica_base(self.upstream_urls.get(url, str(url)), self.token_env)
+            clean.append(shown)
+            upstream[shown] = base
         if len(set(clean)) != len(clean):
             raise ValueError(f"replica listed twice in {clean}: each --replica must be a different server")
-        self.replicas = clean
+        self.replicas, self.upstream_urls = clean, upstream
         self.token = self._secret(self.token_env, "--token-env", "the replicas' --api-key")
         self.client_token = self._secret(self.client_token_env, "--client-token-env", "the key clients must send")
         if not self.client_token and not _is_loopback(self.host):
@@ -111,10 +111,13 @@ class ProxyConfig:
                              "drive the replicas; give --client-token-env NAME (clients then send that token), "
                              "or keep --host 127.0.0.1")
         for name in ("imbalance", "max_body_mb", "upstream_timeout_s", "request_timeout_s", "health_interval_s",
-                     "connect_timeout_s"):
+                     "connect_timeout_s", "client_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r}: give a finite number above 0")
+        if self.max_body_mb > MAX_BODY_MB:
+            raise ValueError(f"max_body_mb={self.max_body_mb:g}: give at most {MAX_BODY_MB} (the proxy holds a whole "
+                             "body in memory; TRL's requests are well under the default 16)")
         if self.imbalance < 1.0:
             raise ValueError(f"imbalance={self.imbalance}: the bound is max/mean in-flight load, >= 1.0 (e.g. 1.2)")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
@@ -134,6 +137,9 @@ class ProxyConfig:
         if self.adapter_root is not None and not os.path.isdir(self.adapter_root):
             raise ValueError(f"--adapter-root {self.adapter_root}: not a directory; give the shared directory the "
                              "trainer publishes adapters under")
+        if self.adapter_root is not None and os.path.realpath(self.adapter_root) == "/":
+            raise ValueError(f"--adapter-root {self.adapter_root}: the adapter root / would let any file on the "
+                             "machine be loaded; give the folder that holds your adapters")
         return self
 
     @staticmethod
@@ -161,8 +167,9 @@ def _is_loopback(host: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 class _Replica:
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, base: str):
+        self.url = url  # as shown: in logs, answers and metrics
+        self.base = base  # as requested: with the URL's credentials, if any
         self.healthy = True  # optimistic until the first poll says otherwise
         self.dead = asyncio.Event()  # set while out of rotation
         self.waiting: set[asyncio.Task] = set()  # upstream calls in flight: cancelled when it is taken out
@@ -214,7 +221,7 @@ class RoutingProxy:
         import aiohttp
         from aiohttp import web
 
-        self.replicas = {u: _Replica(u) for u in self.config.replicas}
+        self.replicas = {u: _Replica(u, self.config.upstream_urls[u]) for u in self.config.replicas}
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
@@ -223,7 +230,13 @@ class RoutingProxy:
         self.keyer = PrefixKeyer(self.config.block_size, self.config.max_prefix_blocks, self.config.tokenizer)
         app = web.Application(client_max_size=int(self.config.max_body_mb * 2**20))
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # aiohttp's keep-alive timer starts when a connection opens and closes it if no whole request
+        # head has come when it fires (web_protocol.py: connection_made, _process_keepalive): our head
+        # timeout. It also closes idle keep-alive connections, as vLLM's uvicorn does after 5 s, so
+        # clients already cope. Lingering (draining an unread body after the answer) is bounded too.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.config.client_timeout_s,
+                                     lingering_time=min(10.0, self.config.client_timeout_s))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         try:
@@ -299,7 +312,7 @@ class RoutingProxy:
         # replica's port must not be handed the replicas' token
         try:
             timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.upstream_timeout_s))
-            async with self._session.get(rep.url + "/health", timeout=timeout) as r:
+            async with self._session.get(rep.base + "/health", timeout=timeout) as r:
                 await r.read()
                 if r.status == 200:
                     rep.failed_polls = 0
@@ -373,7 +386,7 @@ class RoutingProxy:
 
         t0 = time.perf_counter()
         self.counters["requests"] += 1
-        if self.config.client_token and request.headers.get("Authorization") != f"Bearer {self.config.client_token}":
+        if self.config.client_token and not bearer_ok(request.headers.get("Authorization"), self.config.client_token):
             self.counters["refused"] += 1
             return _error(401, "missing or wrong Authorization: Bearer token for this proxy", "unauthorized")
         path = normalise_path(request.path)
@@ -387,10 +400,16 @@ class RoutingProxy:
             return _error(413, f"body of {length} bytes is over the proxy's {self.config.max_body_mb:g} MB "
                           "(--max-body-mb)", "too_large")
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), self.config.client_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             self.counters["refused"] += 1
             return _error(413, f"body over the proxy's {self.config.max_body_mb:g} MB (--max-body-mb)", "too_large")
+        except asyncio.TimeoutError:  # a client that stalls mid-body holds a socket and a handler: let both go
+            self.counters["refused"] += 1
+            resp = _error(408, f"the body did not arrive within {self.config.client_timeout_s:g} s; send it "
+                          "whole, or raise --client-timeout-s", "request_timeout")
+            resp.force_close()
+            return resp
         if kind == OWN:
             return await self._own(request, path)
         if kind == BROADCAST:
@@ -482,14 +501,14 @@ class RoutingProxy:
         import aiohttp
         from aiohttp import web
 
-        url = rep.url + path + (f"?{request.query_string}" if request.query_string else "")
+        url = rep.base + path + (f"?{request.query_string}" if request.query_string else "")
         t_send = time.perf_counter()
         upstream_cm = self._session.request(request.method, url, data=body, headers=headers)
         try:
             async with self._waiting_on(rep):
                 up = await upstream_cm.__aenter__()
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
-            raise _Retryable(type(exc).__name__) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # bytes that are not HTTP too
+            raise _Retryable(_describe(exc)) from exc
         try:
             resp_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
             if stream and up.status == 200:
@@ -497,8 +516,8 @@ class RoutingProxy:
             try:
                 async with self._waiting_on(rep):
                     data = await up.read()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                raise _Retryable(f"died mid-response ({type(exc).__name__})") from exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise _Retryable(f"died mid-response ({_describe(exc)})") from exc
             t_done = time.perf_counter()
             if up.status in (502, 503, 504):
                 raise _Retryable(f"HTTP {up.status}")
@@ -522,7 +541,7 @@ class RoutingProxy:
             try:
                 async with self._waiting_on(rep):
                     chunk = await up.content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retryable) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, _Retryable) as exc:
                 self._mark_dead(rep, type(exc).__name__)
                 self.counters["errors"] += 1
                 msg = {"error": {"message": f"colo_kit proxy: replica {rep.url} failed mid-stream "
@@ -579,13 +598,13 @@ class RoutingProxy:
         import aiohttp
 
         try:
-            async with self._session.request(method, url + path, data=body, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with self._session.request(method, self.config.upstream_urls.get(url, url) + path, data=body,
+                                             headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, (await r.read()).decode("utf-8", "replace")
         except asyncio.TimeoutError:
             return None, f"no answer within {timeout_s:g} s (--upstream-timeout-s)"
         except (aiohttp.ClientError, OSError) as exc:
-            return None, f"{type(exc).__name__}: {exc}"[:300]
+            return None, _describe(exc)
 
     async def _broadcast(self, request, path, body):
         from aiohttp import web
@@ -596,10 +615,12 @@ class RoutingProxy:
             payload = None
         name = payload.get("lora_name") if isinstance(payload, dict) else None
         if path == "/v1/load_lora_adapter":
-            why = check_adapter_load(payload, self.config.adapter_root)
+            why, resolved = vet_adapter_load(payload, self.config.adapter_root)
             if why:
                 self.counters["refused"] += 1
                 return _error(400, why, "invalid_adapter")
+            payload = {**payload, "lora_path": resolved}  # the path as checked, not as given
+            body = json.dumps(payload).encode()
         elif path == "/v1/unload_lora_adapter" and not (isinstance(name, str) and ADAPTER_NAME.fullmatch(name)):
             self.counters["refused"] += 1
             return _error(400, f"lora_name={name!r}: use letters, digits, '.', '_' and '-' only", "invalid_adapter")
@@ -701,6 +722,11 @@ class RoutingProxy:
                 "replicas": {u: {"healthy": r.healthy, "requests": r.requests, "inflight": r.inflight,
                                  "failures": r.failures, "affinity_hits": r.affinity_hits, "last_error": r.last_error}
                              for u, r in self.replicas.items()}}
+
+
+def _describe(exc: BaseException) -> str:
+    """An upstream error in one short line (aiohttp's parser errors span several)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
 def _content_type(text: str) -> str:

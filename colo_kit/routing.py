@@ -16,14 +16,17 @@ goes, and which adapter loads it lets through. `colo_kit.proxy` serves these dec
   preamble with different endings — go where that prefix is cached. A chain nobody has seen is
   placed by rendezvous hashing on its first block (`rendezvous_order`), under a bound on load
   (`choose_replica`: "consistent hashing with bounded loads", Mirrokni et al. 2018).
-- **Adapter loads.** A replica loads whatever path it is given. `check_adapter_load` accepts only
+- **Adapter loads.** A replica loads whatever path it is given. `vet_adapter_load` accepts only
   a plain adapter name (`[A-Za-z0-9._-]+`, TRL's `trl-policy-v{N}`) and a path that resolves inside
-  the shared adapter directory (`--adapter-root`).
+  the shared adapter directory (`--adapter-root`), and gives the resolved path to forward.
+- **Credentials.** `bearer_ok` checks a client's `Authorization` header as vLLM does; `replica_base`
+  checks a replica URL and hides its password (`redact_url`) wherever the URL is shown.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -31,7 +34,7 @@ import re
 import struct
 from collections import OrderedDict
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 OWN, ROUTED, BROADCAST, ANY = "own", "routed", "broadcast", "any"
 
@@ -217,20 +220,78 @@ def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, in
 # Adapter loads
 # ---------------------------------------------------------------------------------------------
 
-def check_adapter_load(body, adapter_root: str | None) -> str | None:
-    """Why a `/v1/load_lora_adapter` body must not reach the replicas, or None when it may."""
+def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | None]:
+    """(why a `/v1/load_lora_adapter` body must not reach the replicas, None) or (None, the resolved
+    lora_path to forward). Forwarding the path as checked, not as given, leaves no `..` or symlink
+    for the replica to resolve differently later."""
     if adapter_root is None:
         return ("adapter loads are refused: start the proxy with --adapter-root DIR, the shared directory "
-                "the trainer publishes its adapters under (TRL: <output_dir>/.vllm_lora)")
+                "the trainer publishes its adapters under (TRL: <output_dir>/.vllm_lora)"), None
     if not isinstance(body, dict):
-        return "the body must be a JSON object with lora_name and lora_path"
+        return "the body must be a JSON object with lora_name and lora_path", None
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
-        return f"lora_name={name!r}: use letters, digits, '.', '_' and '-' only (e.g. trl-policy-v3)"
+        return f"lora_name={name!r}: use letters, digits, '.', '_' and '-' only (e.g. trl-policy-v3)", None
     if not isinstance(path, str) or not path:
-        return f"lora_path={path!r}: give the adapter's directory under {adapter_root}"
+        return f"lora_path={path!r}: give the adapter's directory under {adapter_root}", None
+    if "\x00" in path:  # no file name holds one; Path.resolve would raise on it
+        return f"lora_path={path!r} holds a NUL byte: give the adapter's directory under {adapter_root}", None
     root = Path(adapter_root).resolve()
-    resolved = Path(path).resolve()
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        return f"lora_path={path!r} does not resolve ({type(exc).__name__}): give a directory under {root}", None
     if resolved != root and root not in resolved.parents:
-        return f"lora_path={path!r} resolves to {resolved}, outside --adapter-root {root}"
-    return None
+        return f"lora_path={path!r} resolves to {resolved}, outside --adapter-root {root}", None
+    return None, str(resolved)
+
+
+def check_adapter_load(body, adapter_root: str | None) -> str | None:
+    """Why a `/v1/load_lora_adapter` body must not reach the replicas, or None when it may."""
+    return vet_adapter_load(body, adapter_root)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Credentials
+# ---------------------------------------------------------------------------------------------
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    """Whether an `Authorization` header carries `token`. As vLLM's own check (vllm/entrypoints/serve/
+    middleware/authenticate.py): the scheme in any case (RFC 7235 2.1: `bearer` is `Bearer`), and the
+    tokens' SHA-256 compared in constant time, so a wrong token's timing tells nothing of the right one."""
+    scheme, _, given = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(given.strip().encode("utf-8", "surrogateescape")).digest()
+    return hmac.compare_digest(digest, hashlib.sha256(token.encode("utf-8")).digest())
+
+
+_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#]*@")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password, if it has one, shown as `***`: for logs, metrics and error messages."""
+    return _URL_PASSWORD.sub(r"\1:***@", str(url))
+
+
+def replica_base(url: str, token_env: str | None = None) -> tuple[str, str]:
+    """A `--replica` URL as (shown, base): the server root to send requests to, and the same with its
+    password as `***`; ValueError naming the fix when it is not a server root."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port
+    except ValueError:
+        raise ValueError(f"bad replica URL {shown!r}: expected http://HOST:PORT with a port in 0-65535, "
+                         "e.g. http://10.0.0.5:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"bad replica URL {shown!r}: expected http://HOST:PORT, e.g. http://10.0.0.5:8000")
+    base = f"{parts.scheme}://{parts.netloc}"
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"bad replica URL {shown!r}: give the server root (no path), e.g. {redact_url(base)}")
+    if token_env and (parts.username is not None or parts.password is not None):
+        # aiohttp refuses a request with both (ValueError: Cannot combine AUTHORIZATION header with AUTH
+        # argument or credentials encoded in URL): say so at start, not as a 500 per request
+        raise ValueError(f"replica URL {shown!r} with --token-env {token_env}: the URL's user:password and the "
+                         "token would both be the Authorization header; drop one (vLLM's --api-key wants --token-env)")
+    return redact_url(base), base

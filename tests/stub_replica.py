@@ -14,15 +14,26 @@ from pathlib import Path
 def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
     `delay_ms` from the request body, if any); `"stream": true` sends `chunks` SSE events
-    `chunk_delay_ms` apart; broadcast endpoints are recorded; `/_stub/state` reports everything;
-    `/_stub/fail` makes a path answer 500 (to test partial broadcast failure)."""
+    `chunk_delay_ms` apart; broadcast endpoints are recorded (with their Authorization header);
+    `/_stub/state` reports everything; `/_stub/fail` makes a path answer 500 (to test partial
+    broadcast failure); `/_stub/garbage` makes a path answer bytes that are not HTTP, as a port
+    taken over by another service (an SSH server, say) would."""
     import asyncio
     import json as _json
 
     from aiohttp import web
 
-    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "unauthorized": 0,
-             "health_auth_headers": 0}
+    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "garbage": [],
+             "unauthorized": 0, "health_auth_headers": 0}
+
+    @web.middleware
+    async def garbage(request, handler):
+        if request.path in state["garbage"]:
+            # not HTTP, and the connection stays open: the proxy's HTTP parser fails on the bytes
+            # themselves, not on a hang-up (which it always handled)
+            request.transport.write(b"SSH-2.0-OpenSSH_9.6 not-http\r\n\r\n")
+            await asyncio.sleep(3600)
+        return await handler(request)
 
     @web.middleware
     async def auth(request, handler):
@@ -72,7 +83,8 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
 
     async def record(request):
         body = await request.read()
-        state["calls"].append({"path": request.path, "query": request.query_string, "body": body.decode()})
+        state["calls"].append({"path": request.path, "query": request.query_string, "body": body.decode(),
+                               "auth": request.headers.get("Authorization")})
         await hang_if_told(request)
         if request.path in state["fail"]:
             return web.json_response({"error": f"{name} told to fail {request.path}"}, status=500)
@@ -98,7 +110,11 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         state["hang"] = [p for p in request.query.get("paths", "").split(",") if p]
         return web.json_response(state["hang"])
 
-    app = web.Application(middlewares=[auth])
+    async def set_garbage(request):
+        state["garbage"] = [p for p in request.query.get("paths", "").split(",") if p]
+        return web.json_response(state["garbage"])
+
+    app = web.Application(middlewares=[garbage, auth])
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", complete)
@@ -108,6 +124,7 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     app.router.add_get("/_stub/state", get_state)
     app.router.add_post("/_stub/fail", set_fail)
     app.router.add_post("/_stub/hang", set_hang)
+    app.router.add_post("/_stub/garbage", set_garbage)
     app.router.add_post("/{tail:.*}", record)
     return app
 
