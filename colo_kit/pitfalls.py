@@ -10,6 +10,10 @@ without, and returns one row per run for the notebook to print side by side:
 - `tp_seed_rule` (notebook 03): the two workers of a TP-2 engine sample with one seed (`rank // tp`, TRL's
   rule) and then with one seed each (`rank`, the bug the post bisected, vLLM #15895); each worker reports the
   tokens the whole group generated. Under one seed they are the same tokens; under two they drift apart.
+- `lost_buffers` (notebook 02): vLLM #16564, where level-2 sleep lost the model's buffers (the rotary
+  embedding's cos/sin table) and `load_weights` brings back parameters only. The loss is played by overwriting
+  the engine's buffers with arbitrary values (on a CPU there is no sleep to lose them), then the trainer's weights are
+  pushed, the greedy probe is compared, the buffers restored from a snapshot, and the probe compared again.
 """
 
 from __future__ import annotations
@@ -93,4 +97,35 @@ def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool 
         rows.append({"rule": rule, "positions": len(pairs),
                      "same token on both workers": round(sum(x == y for x, y in pairs) / len(pairs), 3),
                      "rank 0 first tokens": a[0][:6], "rank 1 first tokens": b[0][:6]})
+    return rows
+
+
+def lost_buffers(engine, trainer_model) -> list[dict]:
+    """On a live `ColocatedEngine`: the greedy probe before, after losing the buffers and pushing the weights,
+    and after restoring the buffers from a snapshot taken beforehand (what `SleepManager` keeps). A random model's
+    greedy tokens often repeat one token whatever the positions say, so the rows compare log-probabilities too."""
+    import torch
+
+    def gap(probe, ref) -> float:
+        return round(max(abs(a - b) for a, b in zip(probe["logprobs"], ref["logprobs"])), 4)
+
+    before = engine.probe()
+    buffers = dict(engine.vllm_model.named_buffers())
+    snapshot = {name: b.detach().clone() for name, b in buffers.items()}
+    rows = [{"step": "awake, as built", "buffers": ", ".join(buffers) or "none", "greedy tokens": before["token_ids"][:6],
+             "same tokens": True, "max |log-prob change|": 0.0}]
+    noise = torch.Generator().manual_seed(0)  # the same "garbage" every run
+    with torch.no_grad():
+        for b in buffers.values():  # freed memory mapped again holds whatever it holds
+            b.copy_(torch.randn(b.shape, generator=noise).to(b.dtype) * 100)
+    engine.push_weights(trainer_model)  # parameters only: load_weights does not touch buffers
+    for step, probe_of in (("buffers lost, weights pushed", None), ("buffers restored from the snapshot", snapshot)):
+        if probe_of is not None:
+            with torch.no_grad():
+                for name, b in buffers.items():
+                    b.copy_(probe_of[name])
+        probe = engine.probe()
+        rows.append({"step": step, "buffers": "overwritten" if probe_of is None else "restored",
+                     "greedy tokens": probe["token_ids"][:6], "same tokens": probe["token_ids"] == before["token_ids"],
+                     "max |log-prob change|": gap(probe, before)})
     return rows

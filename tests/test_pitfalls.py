@@ -25,3 +25,23 @@ def test_one_seed_per_tp_worker_makes_the_workers_disagree_and_trls_rule_does_no
     trl_rule, per_worker = tp_seed_rule("tiny", max_tokens=16)
     assert trl_rule["same token on both workers"] == 1.0
     assert per_worker["same token on both workers"] < 0.5
+
+
+@pytest.mark.slow
+def test_lost_buffers_change_the_probe_and_restoring_them_brings_it_back():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colo_kit.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.pitfalls import lost_buffers
+
+    engine = ColocatedEngine("tiny", ColocateSettings(max_prompt_length=64, max_completion_length=16),
+                             enforce_eager=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16)
+        built, lost, restored = lost_buffers(engine, model)
+        assert "rotary_emb" in built["buffers"]
+        assert lost["max |log-prob change|"] > 0.1
+        assert restored["same tokens"] and restored["max |log-prob change|"] == 0.0
+    finally:
+        engine.close()

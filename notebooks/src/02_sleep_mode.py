@@ -192,6 +192,20 @@ lab.check("02.no_buffer_restore", answer)
 # the CPU, and `wake_up()` copies them back. `SleepManager.restore_buffers` is the post's workaround, still there for
 # older vLLM; `SleepManager(...).self_check(model)` is how you would see it fail on one.
 # </details>
+#
+# ### Break it · lose the buffers
+#
+# What losing them does, on the engine built above. A level-2 sleep on an old vLLM left the memory of the model's
+# buffers (here the rotary embedding's cos/sin table) unrestored: memory mapped again holds whatever it holds. On a
+# CPU there is no sleep, so the cell plays the loss by overwriting the buffers with arbitrary values. Then it pushes
+# the trainer's weights (parameters only, as `load_weights` does), compares the greedy probe with the one before,
+# restores the buffers from a snapshot taken before (what `SleepManager` keeps), and compares again. A random
+# model's greedy output repeats one token whatever the positions say, so the log-probabilities are compared too.
+
+# %%
+from colo_kit.pitfalls import lost_buffers
+
+display(pd.DataFrame(lost_buffers(engine, trainer_model)).set_index("step"))
 
 # %%
 try:
