@@ -39,6 +39,7 @@ colo_kit.quiet()
 from colo_kit import lab, planner
 from colo_kit.models import PRESETS
 from colo_kit.paths import REPO_ROOT, results_dir
+from colo_kit.planner import SAFE_FRACTION as SAFE
 from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fits
 from colo_kit.recipe import recipe, to_yaml
 
@@ -337,6 +338,36 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "configurati
 #   token repeated (reward about -236, the same for all eight completions, so GRPO learns nothing more) instead of
 #   learning to stop early (reward near 0). Which happens, and when, varies by seed — read the spread between
 #   seeds before reading a ratio.
+
+# %% [markdown]
+# ### Break it · pick the memory share by hand
+#
+# `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Pick it by hand
+# for the fastest row above (batch 32, no checkpointing) and ask the planner; then ask it for its own share. The
+# prediction stands on a measurement: the same plan at 0.3 peaked where the planner said it would. Change
+# `u_by_hand` and run it again.
+
+# %%
+from colo_kit.planner import recommend
+
+u_by_hand = 0.6
+fast = dict(model="qwen2.5-1.5b", per_device_batch=32, gradient_checkpointing=False, completion_length=256)
+hand = estimate(**fast, vllm_gpu_memory_utilization=u_by_hand)
+print(f"by hand, u = {u_by_hand}: peak {hand['peak_gib_per_gpu']:.1f} GiB per GPU of {planner.H200_GIB} -> "
+      f"{'fits' if hand['fits'] else 'out of memory'} (modelled)")
+anchor = next(r for r in speed_result["records"] if r["config"] == "batch32" and r["seed"] == 0)
+print(f"the same plan at u = 0.3: NVML peak {anchor['nvml_peak_gib']:.1f} GiB, planner "
+      f"{estimate(**fast, vllm_gpu_memory_utilization=0.3)['peak_gib_per_gpu']:.1f} GiB "
+      f"(measured, results/speed_1xh200.json; modelled)")
+rec = recommend(**fast)
+print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {rec['peak_gib_per_gpu']:.1f} GiB, "
+      f"{SAFE:.0%} of the GPU at most (modelled)")
+
+# %% [markdown]
+# Each 0.1 of `u` is 14 GiB of an H200 that the engine reserves at start-up, whatever it needs: at 0.6 the engine
+# and this trainer together want more than the GPU has, and the run dies in vLLM's memory profiler or in the first
+# backward pass. The planner's share is the largest that keeps the predicted peak under its safety margin; the
+# recipe (`colo-kit plan --recommend`) goes further and keeps 0.3 when that already holds a generation's sequences.
 
 # %% [markdown]
 # ## Closing note

@@ -112,6 +112,23 @@ lab.check("05.checker", answer)
 # </details>
 
 # %% [markdown]
+# ### Break it · reward by string comparison
+#
+# What a reward built on `==` would teach, over all 222 labelled cases: every right answer it scores 0 is a
+# completion GRPO pushes the policy *away* from. The cell scores them with each function in `scorers`; take
+# `is_correct` out of the list, or add your own scorer, and run it again.
+
+# %%
+scorers = [plain_compare, is_correct]
+right = [c for c in cases if c["verdict"]]
+for score in scorers:
+    missed = [c for c in right if not score(c["completion"], c["gold"])]
+    fooled = [c for c in cases if not c["verdict"] and score(c["completion"], c["gold"])]
+    print(f"{score.__name__:<14} right answers scored 0: {len(missed):>3} of {len(right)} · wrong answers scored 1: "
+          f"{len(fooled)}" + (f" · e.g. gold {missed[0]['gold']!r}, boxed {last_boxed(missed[0]['completion'])!r}"
+                              if missed else ""))
+
+# %% [markdown]
 # On the whole labelled set (222 cases, labels decided by reading, not by running any checker), and what
 # the committed benchmark (`scripts/bench_checker.py` → `results/math500_checker.json`) measured: agreement,
 # checks per second on one core, and the worst time of any input under fuzzing (random and adversarial
