@@ -404,6 +404,9 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     for b in batches:
         if b % num_generations:
             raise ValueError(f"batch {b} is not a multiple of num_generations={num_generations}")
+    if server is None and "server" in modes and not (isinstance(server_port, int) and 1 <= server_port <= 65535):
+        raise ValueError(f"server_port={server_port!r}: give a TCP port from 1 to 65535")
+    resolve_model(model, build=False)  # a bad name fails here, not once per run
     gpu = has_cuda()
     shared = False
     if gpu:

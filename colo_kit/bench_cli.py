@@ -35,7 +35,8 @@ def _check_overrides(extra: dict, error) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, fraction, positive_float, positive_int, writable_file
+    from colo_kit.cli import ArgumentParser, UsageError, fraction, port, positive_float, positive_int, writable_file
+    from colo_kit.models import resolve_model
 
     ap = ArgumentParser(prog="colo-kit bench", description=sweep.__doc__)
     ap.add_argument("--model", default="tiny")
@@ -45,7 +46,7 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--max-completion-length", type=positive_int, default=32)
     ap.add_argument("--n-devices", type=positive_int, default=None)
     ap.add_argument("--server-gpus", default="1")
-    ap.add_argument("--port", type=positive_int, default=8000)
+    ap.add_argument("--port", type=port, default=8000, help="the vLLM server's port")
     ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
     ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
     ap.add_argument("--modes", default="server,colocate", help="server, colocate, or both (comma separated)")
@@ -78,6 +79,10 @@ def cli_main(argv: list[str]) -> int:
         raise UsageError(f"--extra-colocate {a.extra_colocate!r}: give a JSON object of {{label: {{option: value}}}}")
     if extra:
         _check_overrides(extra, UsageError)
+    try:  # every run would fail on it, one after the other, and the summary then on none having run
+        resolve_model(a.model, build=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     out = writable_file(a.out or runs_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json", "--out")
     res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
                 max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,

@@ -18,7 +18,7 @@ from pathlib import Path
 COMMANDS = {
     "build-model": ("colo_kit.models:cli_main", "build a preset model (random weights, local tokenizer)"),
     "data": ("colo_kit.data:cli_main", "regenerate the offline prompt sets under data/"),
-    "train": ("colo_kit.train:cli_main", "GRPO with TRL, colocate or server mode"),
+    "train": ("colo_kit.train_cli:cli_main", "GRPO with TRL, colocate or server mode"),
     "demo": ("colo_kit.notebook:cli_demo", "execute notebooks/00_quickstart.ipynb headless, save it and an HTML copy"),
     "run-notebooks": ("colo_kit.notebook:cli_main", "execute notebooks headless"),
     "env": ("colo_kit.env:cli_main", "print the tier, hardware and versions as JSON"),
@@ -60,6 +60,9 @@ nonneg_int = _typed(lambda t: int(t) if int(t) >= 0 else None, "a whole number o
 positive_float = _typed(lambda t: float(t) if math.isfinite(float(t)) and float(t) > 0 else None,
                         "a finite number above 0")
 fraction = _typed(lambda t: float(t) if 0 < float(t) <= 1 else None, "a fraction in (0, 1], e.g. 0.3")
+# numpy's seed range: TRL's and transformers' set_seed seed numpy too, which refuses anything else
+seed_int = _typed(lambda t: int(t) if 0 <= int(t) <= 2**32 - 1 else None, "a whole number from 0 to 2**32 - 1")
+port = _typed(lambda t: int(t) if 1 <= int(t) <= 65535 else None, "a TCP port from 1 to 65535")
 
 
 def writable_file(path: str | Path, flag: str) -> Path:
@@ -74,6 +77,21 @@ def writable_file(path: str | Path, flag: str) -> Path:
         raise UsageError(f"{flag} {path}: is a directory; give a file name")
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable; choose a writable path")
+    return path
+
+
+def writable_dir(path: str | Path, flag: str) -> Path:
+    """`path` as a Path once it is sure to be a folder files can be written in (made if need be): checked
+    before a run, as `writable_file` is."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path}: is a file, not a folder; give a folder (it is made if need be)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create it ({exc.strerror}); choose a writable folder") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: not writable; choose a writable folder")
     return path
 
 

@@ -197,6 +197,24 @@ def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
     return reports
 
 
+def _check_tp(tp: int, model: str, error) -> None:
+    """vLLM's tensor_parallel_size is GPUs here; it would fail only after its engine starts (on CPU, vLLM
+    binds one worker per NUMA node and refuses more)."""
+    from colo_kit.env import gpu_count
+    from colo_kit.models import PRESETS
+
+    gpus = gpu_count()
+    if not gpus:
+        raise error(f"--tp {tp}: the CPU tier runs the evaluation with TP 1 (one vLLM process on the cores); "
+                    "drop --tp, or use it on a GPU machine")
+    if tp > gpus:
+        raise error(f"--tp {tp}: only {gpus} GPU(s) visible; give --tp {gpus} or less")
+    preset = PRESETS.get(str(model).lower())
+    if preset is not None and preset.num_attention_heads % tp:
+        raise error(f"--tp {tp}: {preset.name}'s {preset.num_attention_heads} attention heads do not split "
+                    f"evenly over {tp} GPUs; give a --tp that divides {preset.num_attention_heads}")
+
+
 def cli_main(argv: list[str]) -> int:
     from colo_kit.cli import ArgumentParser, UsageError, positive_int, writable_file
     from colo_kit.models import resolve_model
@@ -212,6 +230,8 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--tp", type=positive_int, default=1, help="vLLM tensor_parallel_size (GPUs)")
     ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
     args = ap.parse_args(argv)
+    if args.tp > 1:
+        _check_tp(args.tp, args.model, UsageError)
     out = writable_file(args.out, "--out")
     try:
         resolve_model(args.model, build=False)

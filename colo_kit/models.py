@@ -279,20 +279,25 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
 
-    tokenizer = build_tokenizer(preset.vocab_size, preset.bpe_vocab)
-    config = qwen2_config(preset)
-    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config.bos_token_id = None
+    try:
+        tokenizer = build_tokenizer(preset.vocab_size, preset.bpe_vocab)
+        config = qwen2_config(preset)
+        config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        config.bos_token_id = None
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed,
-                                                    "dtype": dtype, "random_weights": True}, indent=1))
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed,
+                                                        "dtype": dtype, "random_weights": True}, indent=1))
+    except BaseException:  # a failed or interrupted build leaves no half-written folder behind
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         import shutil
         shutil.rmtree(out)
@@ -335,12 +340,12 @@ def default_preset() -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, nonneg_int
+    from colo_kit.cli import ArgumentParser, UsageError, seed_int
     from colo_kit.paths import cache_dir
 
     ap = ArgumentParser(prog="colo-kit build-model", description=build_model.__doc__)
     ap.add_argument("preset", nargs="?", default="tiny", choices=sorted(n for n, p in PRESETS.items() if p.buildable))
-    ap.add_argument("--seed", type=nonneg_int, default=0, help="random weights from this seed (one cached folder per seed)")
+    ap.add_argument("--seed", type=seed_int, default=0, help="random weights from this seed (one cached folder per seed)")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = ap.parse_args(argv)
     try:

@@ -226,7 +226,7 @@ def _find_nbconvert_templates() -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError
+    from colo_kit.cli import ArgumentParser, UsageError, writable_dir
 
     ap = ArgumentParser(prog="colo-kit run-notebooks")
     ap.add_argument("notebooks", nargs="*", help="paths (default: every notebooks/NN_*.ipynb)")
@@ -249,20 +249,21 @@ def cli_main(argv: list[str]) -> int:
             nbformat.read(p, as_version=4)
         except Exception as exc:  # nbformat raises several kinds for a file that is not a notebook
             raise UsageError(f"{p}: not a Jupyter notebook ({type(exc).__name__}); give an .ipynb file") from None
+    out = writable_dir(args.out, "--out") if args.out else None
     for p in paths:
-        r = execute(p, Path(args.out) if args.out else None)
+        r = execute(p, out)
         print(f"executed {r['notebook']} in {r['seconds']} s -> {r['executed']}" + (f" and {r['html']}" if "html" in r else ""))
     return 0
 
 
 def cli_demo(argv: list[str]) -> int:
     """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
-    from colo_kit.cli import ArgumentParser
+    from colo_kit.cli import ArgumentParser, writable_dir
 
     ap = ArgumentParser(prog="colo-kit demo", description=cli_demo.__doc__)
     ap.add_argument("--out", default=str(runs_dir() / "demo"))
     args = ap.parse_args(argv)
-    r = execute(NOTEBOOKS / "00_quickstart.ipynb", Path(args.out))
+    r = execute(NOTEBOOKS / "00_quickstart.ipynb", writable_dir(args.out, "--out"))
     print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n"
           f"  HTML copy:         {r['html']}")
     return 0

@@ -9,13 +9,16 @@ completion back, or None where the reward does not apply (TRL then ignores that 
   characters. It needs no model quality at all, so even a random-weight model learns it within
   a few dozen steps: the reward curve visibly rises, which is what the quickstart shows.
 - `math500_reward`: 1.0 if the completion's final answer matches the gold `answer` column,
-  0.0 if not, None if the gold answer is missing or cannot be parsed (a broken label should not
-  punish the policy) or if the checker ran out of time (it learned nothing about the answer).
+  0.0 if not, None if the gold answer is missing, is no string or number (NaN, bytes, a dict) or
+  cannot be parsed (a broken label should not punish the policy) or if the checker ran out of time
+  (it learned nothing about the answer). A number is checked as its string form.
   The checking is `colo_kit.math500.is_correct`, built on math-verify.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 
@@ -56,24 +59,34 @@ def make_length_reward(target: int = 20):
     return length_reward_
 
 
+def _gold_text(gold) -> str | None:
+    """The gold answer as the checker reads it, or None for a label that is no answer: missing, NaN (pandas'
+    empty cell), a bool, bytes, a dict or list. A number is checked as its string form (`2` as "2")."""
+    if isinstance(gold, str):
+        return gold
+    if isinstance(gold, numbers.Real) and not isinstance(gold, bool):
+        return str(gold) if math.isfinite(gold) else None
+    return None
+
+
 def math500_reward(completions, answer, **kwargs) -> list[float | None]:
     """1.0 / 0.0 per completion against the gold `answer` column; None where gold is unparseable."""
     from colo_kit.math500 import CheckerTimeout, UnparseableGold, is_correct
 
     completions = _completion_list(completions)
-    if isinstance(answer, str) or answer is None:
-        answer = [answer] * len(completions)
+    if isinstance(answer, (str, bytes, bytearray, dict, numbers.Number)) or not hasattr(answer, "__len__"):
+        answer = [answer] * len(completions)  # one gold answer for every completion (None included)
     if len(answer) != len(completions):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers; TRL passes one "
                          "`answer` per completion (the dataset needs an `answer` column)")
     rewards: list[float | None] = []
     for completion, gold in zip(completions, answer):
-        text = completion_text(completion)
-        if gold is None or not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
+        text, gold = completion_text(completion), _gold_text(gold)
+        if gold is None:
             rewards.append(None)  # no usable label: TRL ignores the entry instead of punishing the policy
             continue
         try:
-            rewards.append(1.0 if is_correct(text, str(gold)) else 0.0)
+            rewards.append(1.0 if is_correct(text, gold) else 0.0)
         except (UnparseableGold, CheckerTimeout):
             # a checker that ran out of time knows nothing about the answer: None, never a 0.0 reward
             rewards.append(None)

@@ -1,0 +1,126 @@
+"""More bad input, answered as tests/test_cli.py's cases are: one line naming the value and the fix, exit code 2,
+before any model is loaded or any run starts. Each case here once ended in a traceback after the model loaded
+(or after TRL's 240 s wait for a server), or was taken and run."""
+
+import pytest
+
+from colo_kit.cli import main
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "temperature.yaml").write_text("temperature: -1\n")
+    (tmp_path / "beta.yaml").write_text("beta: [1, 2]\n")
+    (tmp_path / "seed.yaml").write_text("seed: -1\n")
+    (tmp_path / "a_file").write_text("not a folder\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 4096}')
+    return tmp_path
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """A case the checks let through fails here at once, instead of loading a model for a minute."""
+    from colo_kit import bench_cli, math500_eval, models, notebook, train
+
+    def ran(*args, **kwargs):
+        raise AssertionError(f"the bad input was taken: the run started with {args} {kwargs}")
+
+    for module, name in ((train, "run_grpo"), (bench_cli, "sweep"), (math500_eval, "evaluate"),
+                         (notebook, "execute"), (models, "build_model")):
+        monkeypatch.setattr(module, name, ran)
+
+
+CASES = [
+    (["train", "--target-length", "-5"], "argument --target-length: '-5': give a whole number of at least 0"),
+    (["train", "--seed", "-1"], "argument --seed: '-1': give a whole number from 0 to 2**32 - 1"),
+    (["train", "--seed", "4294967296"], "'4294967296': give a whole number from 0 to 2**32 - 1"),
+    (["train", "--config", "{files}/seed.yaml"], "seed=-1: give a whole number from 0 to 4294967295"),
+    (["train", "--loss_type", "bogus"], "loss_type='bogus': TRL implements grpo, dr_grpo"),
+    (["train", "--per-device-batch", "1000000000"], "per_device_batch=1000000000: more than 65536 completions"),
+    (["train", "--per_device_train_batch_size", "131072"], "per_device_batch=131072: more than 65536"),
+    (["train", "--max-completion-length", "1000000000000"],
+     "max_completion_length=1000000000000: longer than tiny's context (max_position_embeddings=2048)"),
+    (["train", "--model", "{files}/model", "--max-completion-length", "5000"], "(max_position_embeddings=4096)"),
+    (["train", "--model", "no-such-org/no-such-model", "--max-completion-length", "2000000"],
+     "max_completion_length=2000000: above 1048576 tokens"),
+    (["train", "--max_completion_length", "0"], "max_completion_length=0: give a whole number of at least 1"),
+    (["train", "--server-url", "notaurl"], "server_url='notaurl': give an http(s) URL with a host"),
+    (["train", "--mode", "server", "--server-url", "localhost:8000"], "server_url='localhost:8000'"),
+    (["train", "--vllm_server_base_url", "http://"], "server_url='http://': give an http(s) URL"),
+    (["train", "--config", "{files}/temperature.yaml"], "temperature=-1: give a finite number above 0"),
+    (["train", "--temperature", "0"], "temperature=0.0: give a finite number above 0"),
+    (["train", "--config", "{files}/beta.yaml"], "beta=[1, 2]: GRPOConfig's beta is float, not list"),
+    (["train", "--beta", "-1"], "beta=-1.0: the KL coefficient is a finite number of at least 0"),
+    (["train", "--learning_rate", "-1"], "learning_rate=-1.0: give a finite number above 0"),
+    (["bench", "--model", "nope"], "'nope' is neither a local folder"),
+    (["bench", "--port", "70000"], "argument --port: '70000': give a TCP port from 1 to 65535"),
+    (["bench", "--port", "0"], "'0': give a TCP port"),
+    (["run-notebooks", "--out", "/proc/nope"], "--out /proc/nope: cannot create it"),
+    (["run-notebooks", "--out", "{files}/a_file"], "a_file: is a file, not a folder"),
+    (["demo", "--out", "/proc/nope"], "--out /proc/nope: cannot create it"),
+    (["demo", "--out", "{files}/a_file"], "a_file: is a file, not a folder"),
+    (["build-model", "--seed", "100000000000000000000"], "give a whole number from 0 to 2**32 - 1"),
+    (["build-model", "--seed", "4294967296"], "'4294967296'"),
+    (["build-model", "--seed", "1e20"], "'1e20'"),
+]
+
+
+@pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, words, files, nothing_runs, capsys):
+    argv = [a.replace("{files}", str(files)) for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"colo-kit {argv[0]}: ") and words.replace("{files}", str(files)) in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("gpus, argv, words", [
+    (0, ["--tp", "8"], "--tp 8: the CPU tier runs the evaluation with TP 1"),
+    (0, ["--tp", "2"], "--tp 2: the CPU tier"),
+    (2, ["--tp", "8"], "--tp 8: only 2 GPU(s) visible; give --tp 2 or less"),
+    (8, ["--tp", "4", "--model", "qwen2.5-0.5b"], "qwen2.5-0.5b's 14 attention heads do not split evenly over 4"),
+])
+def test_eval_math500_tp_fits_the_machine(gpus, argv, words, nothing_runs, monkeypatch, capsys):
+    from colo_kit import env
+
+    monkeypatch.setattr(env, "gpu_count", lambda: gpus)
+    assert main(["eval-math500", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_good_train_settings_still_reach_the_run(monkeypatch, tmp_path):
+    """The checks refuse only what would fail: edge values and TRL's own fields pass through."""
+    import types
+
+    from colo_kit import train
+
+    seen = {}
+
+    def run_grpo(model, mode, **kwargs):
+        seen.update(kwargs, mode=mode)
+        return types.SimpleNamespace(rewards=[0.0], elapsed_s=0.0, to_dict=dict)
+
+    monkeypatch.setattr(train, "run_grpo", run_grpo)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-3\ngeneration_kwargs: {detokenize: false}\ntemperature: 0.7\nbeta: 0\n")
+    assert main(["train", "--config", str(recipe), "--seed", "4294967295", "--loss_type", "dr_grpo",
+                 "--max-completion-length", "2048", "--per-device-batch", "65536", "--mode", "server",
+                 "--server-url", "https://gpu-host:8000"]) == 0
+    assert (seen["seed"], seen["loss_type"], seen["max_completion_length"], seen["per_device_batch"]) == \
+        (4294967295, "dr_grpo", 2048, 65536)
+    assert (seen["learning_rate"], seen["temperature"], seen["beta"], seen["generation_kwargs"]) == \
+        (1e-3, 0.7, 0, {"detokenize": False})
+
+
+def test_a_failed_build_leaves_no_partial_folder(tmp_path, monkeypatch):
+    from colo_kit.models import build_model, model_dir
+
+    monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))
+    with pytest.raises((ValueError, RuntimeError, OverflowError)):
+        build_model("tiny", seed=10**20)  # past what torch.manual_seed takes: fails mid-build
+    folder = model_dir("tiny-seed" + str(10**20))
+    assert not folder.exists() and not folder.with_name(folder.name + ".partial").exists()
