@@ -261,3 +261,33 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
     fig.update_layout(title=title, xaxis_title="per-device batch", yaxis_title="colocate / server",
                       legend_orientation="h")
     return fig
+
+
+def costs_from_speed(result: dict, learning_rate: str = "lr=0.005") -> PhaseCosts:
+    """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
+    without a committed ping-pong sweep: generation seconds per generation call at 8, 64 and 256 completions
+    (TRL's defaults, steps_per_generation=8 at batch 8 and at batch 32), training (forward, backward, optimizer,
+    no checkpointing) at batch 8 and 32, and TRL's weight push. The runs at learning rate 5e-3 are used: their
+    completions stayed at the 256-token limit, so every generation call made the same tokens per completion.
+
+    Two assumptions, named in `notes` and wherever the costs are shown: a server's generation costs what the
+    colocated engine's did (it had 0.3 of the GPU, a server 0.9: more KV cache, which these batches do not need),
+    and server mode's weight sync costs what the colocated push did."""
+    configs = result["summary"]["qwen2.5-1.5b"][learning_rate]["configs"]
+    recs = {(r["config"], r["seed"]): r for r in result["records"]
+            if f"lr={r['grpo_config'].get('learning_rate')}" == learning_rate}
+    gen_points, train_points = [], []
+    for name in ("trl_defaults", "spg8", "batch32"):
+        rec = recs[(name, 0)]
+        per_gen = rec["completions_per_generation"]
+        gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
+    for name in ("no_grad_ckpt", "batch32"):
+        rec = recs[(name, 0)]
+        train_points.append((rec["grpo_config"]["per_device_batch"], configs[name]["phase_s_per_step"]["training"]))
+    fixed, per_sample = _line(train_points)
+    push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
+    notes = ["measured on one H200 (results/speed_1xh200.json); a server generates as fast as the colocated engine "
+             "did, and its weight sync costs what the colocated push did (assumptions)"]
+    return PhaseCosts(gen_points=_merge_points(gen_points), train_fixed_s=fixed, train_per_sample_s=per_sample,
+                      sync_server_s=push, sync_colocate_s=push, tokens_per_sample=256.0,
+                      source="results/speed_1xh200.json", notes=notes)

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from colo_kit.bench import load_result
+from colo_kit import pingpong
 from colo_kit.pingpong import PhaseCosts, fit_costs, predict, project_post, speedup, validate
 
 
@@ -89,3 +90,23 @@ def test_model_within_10pct_on_committed_gpu_runs():
     assert max(abs(r["error_pct"]) for r in rows) <= 10.0, rows
     proj = project_post(fit_costs(res["runs"], res.get("gen_probe", [])))
     assert all(p["normalised"] > 0 for p in proj)
+
+
+def test_costs_from_the_h200_speed_runs_are_gpu_costs_the_projection_can_use():
+    """Without a committed ping-pong sweep, notebook 01 projects from these (never from CPU costs)."""
+    import json
+
+    from colo_kit.paths import REPO_ROOT
+
+    result = json.loads((REPO_ROOT / "results" / "speed_1xh200.json").read_text())
+    costs = pingpong.costs_from_speed(result)
+    batches = [b for b, _ in costs.gen_points]
+    assert batches == [8, 64, 256]
+    times = [t for _, t in costs.gen_points]
+    assert times == sorted(times) and times[0] > 0.1  # decoding 256 tokens takes a while, more so for more sequences
+    assert costs.train_per_sample_s > 0 and costs.sync_server_s > 0
+    assert "assumption" in costs.notes[0]
+    # one trainer per server: the same per-device work in both modes, so the per-device ratio is 1
+    assert pingpong.speedup(costs, 2, 64)["normalised"] == pytest.approx(1.0)
+    # one server for seven trainers: it generates 7b while they wait
+    assert all(r["normalised"] > 1 for r in pingpong.project_post(costs))

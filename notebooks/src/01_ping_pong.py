@@ -37,6 +37,7 @@
 # who waits for whom but no GPU sits idle; the committed H200 measurements are shown beside them.
 
 # %%
+import json
 import os
 
 import ipywidgets as widgets
@@ -50,6 +51,7 @@ from colo_kit import bench, lab, pingpong
 from colo_kit.env import Machine, vllm_version
 from colo_kit.launch import free_port
 from colo_kit.models import PRESETS
+from colo_kit.paths import REPO_ROOT
 from colo_kit.timeline import Timeline, gantt
 
 MACHINE = Machine.here()
@@ -153,29 +155,7 @@ else:
 # processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps here moved by 2× and more
 # (measured, not committed as a series).
 
-# %%
-display(pd.DataFrame(mine["summary"]).assign(source="this notebook"))
-committed = {name: bench.load_result(name) for name in ("pingpong_cpu", "pingpong_gpu")}
-for name, res in committed.items():
-    if res is None:
-        print(f"results/{name}.json: not committed yet")
-        continue
-    s = res["settings"]
-    bench.throughput_figure(res, f"{name}: {s['model']}, N={s['n_devices']}, k={s['k_server']}").show()
-    display(pd.DataFrame(res["summary"]).assign(source=name))
-    if res.get("colocate_variants"):
-        display(Markdown("**Kit's best colocate config vs TRL's default colocate config** (same batch, model, lengths):"))
-        display(pd.DataFrame(res["colocate_variants"]))
-
 # %% [markdown]
-# ### What two devices can and cannot show
-#
-# With one trainer per server, the server generates exactly the batch one colocated GPU generates: each mode spends
-# gen(b) + train(b) per step per training GPU, so after the ×2 normalisation the modes should about tie (modelled
-# below; colocated vLLM is a bit slower: less memory, a shared device). The post's **1.43×** (1.5B) and **1.35×**
-# (7B), quoted, come from **one vLLM GPU serving seven trainers**: it must generate 7·b completions while all seven
-# wait, and gen(7b) > gen(b). Two GPUs cannot show that directly; the model below can, from costs measured on GPUs.
-#
 # ### Exercise 1 · Two GPUs
 #
 # Two GPUs, server mode = 1 trains + 1 serves. After the post's normalisation, is colocate clearly faster,
@@ -209,6 +189,29 @@ lab.check("01.eight_gpus", answer)
 # section 4 models it from measured costs.
 # </details>
 
+# %%
+display(pd.DataFrame(mine["summary"]).assign(source="this notebook"))
+committed = {name: bench.load_result(name) for name in ("pingpong_cpu", "pingpong_gpu")}
+for name, res in committed.items():
+    if res is None:
+        print(f"results/{name}.json: not committed yet")
+        continue
+    s = res["settings"]
+    bench.throughput_figure(res, f"{name}: {s['model']}, N={s['n_devices']}, k={s['k_server']}").show()
+    display(pd.DataFrame(res["summary"]).assign(source=name))
+    if res.get("colocate_variants"):
+        display(Markdown("**Kit's best colocate config vs TRL's default colocate config** (same batch, model, lengths):"))
+        display(pd.DataFrame(res["colocate_variants"]))
+
+# %% [markdown]
+# ### What two devices can and cannot show
+#
+# With one trainer per server, the server generates exactly the batch one colocated GPU generates: each mode spends
+# gen(b) + train(b) per step per training GPU, so after the ×2 normalisation the modes should about tie (modelled
+# below; colocated vLLM is a bit slower: less memory, a shared device). The post's **1.43×** (1.5B) and **1.35×**
+# (7B), quoted, come from **one vLLM GPU serving seven trainers**: it must generate 7·b completions while all seven
+# wait, and gen(7b) > gen(b). Two GPUs cannot show that directly; the model below can, from costs measured on GPUs.
+
 # %% [markdown]
 # ## 4 · The ping-pong model
 #
@@ -230,35 +233,37 @@ lab.check("01.eight_gpus", answer)
 
 # %%
 data = committed["pingpong_gpu"] or committed["pingpong_cpu"] or mine
-source = "pingpong_gpu" if committed["pingpong_gpu"] else ("pingpong_cpu" if committed["pingpong_cpu"] else "this notebook")
-GPU_COSTS = source == "pingpong_gpu"
-display(Markdown(f"costs from **{source}**" + ("" if GPU_COSTS else
-                 " — CPU processes, a demonstration of the machinery: no projection to GPUs is made from them")))
+checked = "pingpong_gpu" if committed["pingpong_gpu"] else ("pingpong_cpu" if committed["pingpong_cpu"] else "this notebook")
+display(Markdown(f"validation on **{checked}**" + ("" if checked == "pingpong_gpu" else
+                 " — CPU processes, a demonstration of the machinery: no projection is made from their costs")))
 display(pd.DataFrame(pingpong.validate(data["runs"], data.get("gen_probe", []))))
 display(pd.DataFrame(pingpong.validate(mine["runs"], mine.get("gen_probe", []))).assign(source="this notebook"))
-costs = pingpong.fit_costs(data["runs"], data.get("gen_probe", []))
-pd.DataFrame(costs.gen_points, columns=["completions", "server generation s"])
+# Projections are made from GPU costs only: the H200 ping-pong sweep when committed, else the colocated H200 costs
+# of notebook 04's speed runs (1.5B, 256 tokens), whose assumptions the costs' notes name.
+if committed["pingpong_gpu"]:
+    costs, source = pingpong.fit_costs(data["runs"], data.get("gen_probe", [])), "results/pingpong_gpu.json"
+    measured = data["settings"]["model"]
+else:
+    costs = pingpong.costs_from_speed(json.loads((REPO_ROOT / "results" / "speed_1xh200.json").read_text()))
+    source, measured = "results/speed_1xh200.json (H200, measured)", "qwen2.5-1.5b"
+    display(Markdown("costs for the projections: " + "; ".join(costs.notes)))
+pd.DataFrame(costs.gen_points, columns=["completions", "generation s (one call)"])
 
 # %% [markdown]
 # **Projection to the post's 8-GPU experiments** (7 train + 1 vLLM, modelled), beside the post's quoted numbers at
-# its largest batch — made only from costs measured on GPUs. The 7B curve scales every measured cost by the
-# parameter ratio: an assumption (compute and weight traffic both grow with size), not a measurement. Without a
-# committed GPU sweep the cell shows the model's machinery on the CPU costs instead, labelled as such.
+# its largest batch — made only from costs measured on GPUs: the H200 ping-pong sweep when it is committed, else the
+# colocated H200 costs of notebook 04's speed runs. The 7B curve scales every measured cost by the parameter ratio:
+# an assumption (compute and weight traffic both grow with size), not a measurement.
 
 # %%
 ratio_7b = PRESETS["qwen2.5-7b"].num_params() / PRESETS["qwen2.5-1.5b"].num_params()
 batches = [8, 16, 32, 64]
 proj = pingpong.project_post(costs, batches)
-if GPU_COSTS:
-    pingpong.projection_figure(proj, pingpong.POST_SPEEDUPS["qwen2.5-1.5b"],
-                               "modelled from results/pingpong_gpu.json: 8 GPUs, 7 train + 1 vLLM, 1.5B").show()
-    proj_7 = pingpong.project_post(costs.scaled(ratio_7b, f"x{ratio_7b:.1f} (7B/1.5B params)"), batches)
-    pingpong.projection_figure(proj_7, pingpong.POST_SPEEDUPS["qwen2.5-7b"],
-                               "same, every cost scaled to 7B by parameter count (assumption)").show()
-else:
-    MACHINE.say("no GPU sweep committed (results/pingpong_gpu.json): the curve below is the model run on CPU "
-                "costs, a demonstration of the machinery, not a projection of the post's GPUs")
-    pingpong.projection_figure(proj, None, f"model machinery on CPU costs ({source}): not a GPU projection").show()
+pingpong.projection_figure(proj, pingpong.POST_SPEEDUPS["qwen2.5-1.5b"],
+                           f"modelled from {source}: 8 GPUs, 7 train + 1 vLLM, 1.5B").show()
+proj_7 = pingpong.project_post(costs.scaled(ratio_7b, f"x{ratio_7b:.1f} (7B/1.5B params)"), batches)
+pingpong.projection_figure(proj_7, pingpong.POST_SPEEDUPS["qwen2.5-7b"],
+                           "same, every cost scaled to 7B by parameter count (assumption)").show()
 two = pingpong.speedup(costs, 2, batches[-1])
 display(Markdown(
     f"Modelled from {source} costs, at batch {batches[-1]}: 2 devices (1+1) → raw **{two['raw']}×**, normalised "
@@ -279,7 +284,6 @@ wide = {"description_width": "initial"}
 w_n = widgets.IntSlider(value=8, min=2, max=64, description="N devices", style=wide)
 w_k = widgets.IntSlider(value=1, min=1, max=8, description="k serving", style=wide)
 w_b = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=64, description="batch per device", style=wide)
-measured = data["settings"]["model"]
 sizes = [n for n, p in PRESETS.items() if n.startswith("qwen2.5")]
 w_m = widgets.Dropdown(options=sizes, value="qwen2.5-1.5b" if "qwen2.5-1.5b" in sizes else sizes[0],
                        description="model", style=wide)
