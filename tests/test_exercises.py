@@ -130,3 +130,41 @@ def test_every_numeric_claim_carries_its_label(path):
         if CLAIM.search(para) and not LABEL.search(para):
             unlabelled.append(para.strip()[:160])
     assert not unlabelled, f"{path.name}: numbers without quoted/modelled/measured and a source: {unlabelled[:3]}"
+
+
+# Phrases that give an exercise's answer away. Run All runs every cell, so none of them may appear in a cell
+# before the exercise's question (checked on the sources: prose, code and the comments in code).
+REVEALS = {
+    "00.prompts_per_step": ["two prompts", "2 prompts"],
+    "00.broken_sync": ["gap grows", "would grow"],
+    "00.reward_value": ["-|20 - 20|", "−|20 − 20|"],
+    "01.two_gpus": ["about tie", "normalised **1.0", "~1× per device"],
+    "01.eight_gpus": ["gen(7b) > gen(b)", "gen(7·b) > gen(b)"],
+    "02.max_num_seqs": ["8 × 2 × 4", "**64**"],
+    "02.no_buffer_restore": ["PR #16889", "copies every named buffer"],
+    "03.tp_seed": ["they diverge", "drift apart"],
+    "03.amdahl": ["1.30", "1.3×", "FloatSlider(value=1.5"],  # a slider set to the question's g shows the answer
+    "04.bytes_per_param": ["16 bytes"],
+    "04.host_memory": ["16 bytes × 72.7B", "1.1 TiB", "more than its 560"],
+    "05.checker": ["½ and 0.5 are one number", "1/2 and 0.5"],
+    "05.none_gold": ["TRL ignores a None", "None where gold"],
+    "06.slots": ["max-loras 6", "max_staleness + 2", "6 loaded at once"],
+    "06.shared_name": ["keys cached KV blocks by", "by the adapter's name"],
+    "06.best_hit_rate": ["7/8", "0.875"],
+}
+
+
+def test_every_exercise_lists_what_would_give_it_away():
+    assert set(REVEALS) == set(EXERCISES)
+
+
+@pytest.mark.parametrize("key", sorted(EXERCISES))
+def test_no_answer_shows_before_its_question(key):
+    src = next(p for p in SRCS if p.stem.startswith(key[:2]))
+    cells = _cells(src)
+    at = next(i for i, c in enumerate(cells) if f'lab.check("{key}"' in c["source"])
+    question = at - 1  # the markdown cell that asks; what it says before its "### Exercise" heading comes first too
+    head = cells[question]["source"].split("### Exercise")[0]
+    before = "\n".join([c["source"] for c in cells[:question]] + [head])
+    for phrase in REVEALS[key]:
+        assert phrase not in before, f"{src.name}: {phrase!r} appears before {key}'s question"

@@ -272,6 +272,28 @@ display(Markdown(
     f"and the vLLM device {proj[-1]['server_vllm_idle']:.0%}."))
 
 # %% [markdown]
+# ### Break it · project from the wrong costs
+#
+# Why projections use GPU costs only: run the same 8-GPU projection on the costs of the two-process run this
+# notebook just made (`mine`). On a CPU the "server" and the "trainer" share the same cores, so the costs carry
+# the contention the model assumes away. Set `project_from = "gpu"` to go back.
+
+# %%
+project_from = "this run"
+cpu_costs = pingpong.fit_costs(mine["runs"], mine.get("gen_probe", []))
+for name, c in (("this run", cpu_costs), ("gpu", costs)):
+    p8 = pingpong.project_post(c, [batches[-1]])[0]
+    p2 = pingpong.speedup(c, 2, batches[-1])
+    mark = "<- project_from" if name == project_from else ""
+    print(f"{name:>9} costs: 2 devices normalised {p2['normalised']}x, 8 devices normalised {p8['normalised']}x {mark}")
+
+# %% [markdown]
+# The two-device line is the test: with one trainer per server the model must say about 1× per training device,
+# whatever the hardware, if its costs describe independent devices. The GPU costs do; on a CPU the run's own costs
+# usually do not (the server process slows the trainer it shares cores with), and every projection built on them
+# inherits that error.
+
+# %% [markdown]
 # ## 5 · Explore the model
 #
 # N devices, k of them serving, per-device batch, model size (costs scaled by parameter count from the measured

@@ -174,9 +174,8 @@ title = "generation throughput, this machine" + ("" if TIER == "gpu" else " — 
 tp.throughput_figure(gen_sweeps, title).show()
 
 # %% [markdown]
-# At TP 1 the two engines have seeds 0 and 1 (two independent samplers); at TP 2 both ranks have seed 0: the
-# workers of one TP group must draw the same random numbers or their sequences drift apart — the bug the post
-# bisected in vLLM #15895.
+# At TP 1 the two engines have seeds 0 and 1 (two independent samplers); at TP 2 both ranks have seed 0, one
+# seed per TP group — the rule the post bisected its way to in vLLM #15895. Why it matters is the exercise.
 #
 # ### Exercise 1 · Break the seed rule
 #
@@ -284,6 +283,23 @@ for row in tp.ratios_table(GPU_RESULTS):
 tp.why_figure().show()
 
 # %% [markdown]
+# ### Exercise 2 · Diluted by training
+#
+# Generation gets 1.5× faster with TP and takes 70% of a GRPO step. What speed-up does the whole step get? Two
+# decimals. Predict here; the sliders below then let you check it and explore.
+
+# %%
+answer = ...  # a number
+lab.check("03.amdahl", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **1.30** = 1 / ((1 − 0.7) + 0.7 / 1.5). Training does not get faster with TP, so the 30% of the step it takes
+# dilutes the generation gain — one reason a generation-only ratio and a GRPO-step ratio differ.
+# </details>
+
+# %% [markdown]
 # **With the ping-pong model** (`colo_kit.pingpong`, notebook 01): a colocated step is generation and
 # training taking turns, `step = gen + train + sync + other`. TP only changes `gen`, so a generation speed-up
 # `g` on a step that spends a share `f` generating gives `1 / ((1 − f) + f / g)` on the whole step — GRPO's
@@ -292,8 +308,8 @@ tp.why_figure().show()
 
 # %%
 wide = {"description_width": "initial"}
-g_w = widgets.FloatSlider(value=1.5, min=0.5, max=2.5, step=0.05, description="generation speed-up g", style=wide)
-f_w = widgets.FloatSlider(value=0.7, min=0.0, max=1.0, step=0.05, description="generation share f", style=wide)
+g_w = widgets.FloatSlider(value=1.2, min=0.5, max=2.5, step=0.05, description="generation speed-up g", style=wide)
+f_w = widgets.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="generation share f", style=wide)
 amdahl = widgets.Output()
 
 
@@ -313,23 +329,6 @@ g_w.observe(show_amdahl, "value")
 f_w.observe(show_amdahl, "value")
 display(widgets.HBox([g_w, f_w]), amdahl)
 show_amdahl()
-
-# %% [markdown]
-# ### Exercise 2 · Diluted by training
-#
-# Generation gets 1.5× faster with TP and takes 70% of a GRPO step. What speed-up does the whole step get? Two
-# decimals; the sliders above will tell you, but predict first.
-
-# %%
-answer = ...  # a number
-lab.check("03.amdahl", answer)
-
-# %% [markdown]
-# <details><summary>Solution (click)</summary>
-#
-# **1.30** = 1 / ((1 − 0.7) + 0.7 / 1.5). Training does not get faster with TP, so the 30% of the step it takes
-# dilutes the generation gain — one reason a generation-only ratio and a GRPO-step ratio differ.
-# </details>
 
 # %% [markdown]
 # ## 7 · Closing note: measured against the post

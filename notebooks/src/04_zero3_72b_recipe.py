@@ -46,6 +46,25 @@ from colo_kit.recipe import recipe, to_yaml
 # %% [markdown]
 # ## 1 · What takes memory in one GRPO step
 #
+# Before the parts, one number to predict.
+#
+# ### Exercise 1 · Bytes per parameter
+#
+# Full fine-tuning with AdamW, everything in fp32 as TRL loads a model given by path: how many bytes per parameter
+# do the weights, the gradients and both Adam moments take?
+
+# %%
+answer = ...  # a number
+lab.check("04.bytes_per_param", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **16** = 4 (weights) + 4 (gradients) + 4 + 4 (Adam's first and second moments). Offloading the optimizer moves
+# this state to the host's memory, which is why host memory decides the 72B recipe.
+# </details>
+
+# %% [markdown]
 # A GRPO step has two phases on each GPU, and the peak is the larger:
 #
 # | phase | the vLLM engine | the trainer |
@@ -99,10 +118,29 @@ lab.see("04.planner", "every colocate row within 10% (the server-mode row is the
 # %% [markdown]
 # ## 3 · What does the 72B recipe need?
 #
+# Predict first, then read the table.
+#
+# ### Exercise 2 · One node?
+#
+# Qwen2.5-Math-72B, ZeRO-3 with the optimizer offloaded to the CPU, on one 8-GPU node with 560 GiB of host memory:
+# does the offloaded state fit? Answer yes or no; the table below then shows it.
+
+# %%
+answer = ...  # "yes" or "no"
+lab.check("04.host_memory", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **No.** 16 bytes × 72.7B parameters ≈ 1.1 TiB of fp32 master weights, Adam moments and gradients on the host,
+# twice the node's 560 GiB. Spread over two nodes it is about 540 GiB each (modelled): the recipe below spans them.
+# </details>
+
+# %% [markdown]
 # Qwen2.5-Math-72B (72.7B parameters), full fine-tuning, ZeRO-3, vLLM TP = 4 (its bf16 weights are 135 GiB, modelled:
 # one GPU cannot hold them), 8 completions per GPU of up to 512 + 1024 tokens. The host column is CPU memory per
 # 8-GPU node: optimizer offload keeps DeepSpeed's fp32 master weights, Adam moments and gradients there —
-# 16 bytes per parameter, spread over the nodes. The lent 8×H200 machine has 560 GiB.
+# 16 bytes per parameter, spread over the nodes. An 8×H200 node here has 560 GiB of host memory.
 
 # %%
 RECIPE_72B = dict(vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
@@ -141,39 +179,6 @@ display(Markdown(
     f"GPUs: {no_offload['gpus']} GPUs hold it at {no_offload['peak_gib_per_gpu']:.0f} GiB each.\n"
     "- **Server mode** needs the same training GPUs **plus** a TP-sized group for the vLLM server: here 4 more "
     "GPUs, the post's \"4 fewer GPUs\" for colocate (quoted, with ~1.26× faster on top)."))
-
-# %% [markdown]
-# ### Exercise 1 · Bytes per parameter
-#
-# Full fine-tuning with AdamW, everything in fp32 as TRL loads a model given by path: how many bytes per parameter
-# do the weights, the gradients and both Adam moments take?
-
-# %%
-answer = ...  # a number
-lab.check("04.bytes_per_param", answer)
-
-# %% [markdown]
-# <details><summary>Solution (click)</summary>
-#
-# **16** = 4 (weights) + 4 (gradients) + 4 + 4 (Adam's first and second moments). Offloading the optimizer moves
-# this state to the host's memory, which is why host memory decides the 72B recipe.
-# </details>
-#
-# ### Exercise 2 · One node?
-#
-# Qwen2.5-Math-72B, ZeRO-3 with the optimizer offloaded to the CPU, on one 8-GPU node with 560 GiB of host memory:
-# does the offloaded state fit? Answer yes or no, then compare with the table.
-
-# %%
-answer = ...  # "yes" or "no"
-lab.check("04.host_memory", answer)
-
-# %% [markdown]
-# <details><summary>Solution (click)</summary>
-#
-# **No.** 16 bytes × 72.7B parameters ≈ 1.1 TiB of fp32 master weights, Adam moments and gradients on the host,
-# twice the node's 560 GiB. Spread over two nodes it is about 540 GiB each (modelled): the recipe below spans them.
-# </details>
 
 # %% [markdown]
 # ## 4 · The configs, generated
