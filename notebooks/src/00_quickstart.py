@@ -25,7 +25,7 @@
 # | `colocate` | inside every training process, on the same GPU | generation and training take turns on one device; nobody waits for another machine |
 #
 # Colocation (TRL PR #3394) starts vLLM with `distributed_executor_backend="external_launcher"`, so each
-# training rank owns an engine in the same `torch.distributed` group. The first post quotes it up to
+# training rank owns an engine in the same `torch.distributed` group. [The first post](https://huggingface.co/blog/vllm-colocate) quotes it up to
 # **1.43×** faster (1.5B) and **1.35×** (7B) than server mode on 8 GPUs, and running a 72B model on 4 fewer GPUs
 # (quoted; notebook 01 shows what the kit measured and modelled).
 

@@ -11,7 +11,7 @@
 # (`results/cpu_check.json`, `results/gpu_check.json`).
 # **Before this:** `00_quickstart` (a colocated GRPO run and what TRL logs).
 #
-# Post 1's core claim. In **server mode** (TRL before 0.18, `trl vllm-serve`) vLLM runs on its own device and the
+# The core claim of [the first post](https://huggingface.co/blog/vllm-colocate). In **server mode** (TRL before 0.18, `trl vllm-serve`) vLLM runs on its own device and the
 # trainers talk to it over HTTP. TRL's loop is synchronous: **while vLLM generates, the training devices wait; while
 # they train, the vLLM device waits** — ping-pong. In **colocate mode** (TRL PR #3394) every training process holds
 # its own vLLM engine on its own device; generation and training take turns there, and no device waits for another.
@@ -130,10 +130,9 @@ else:
     if bench.load_result("pingpong_gpu") is None:
         display(Markdown(
             "**Partial sweep** (measured, `results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a "
-            "record. That run had gradient checkpointing forced off (a kit bug, since fixed: GPU runs keep TRL's "
-            "default), and colocate at batch 64 then needs ~149 GiB per GPU (modelled by the planner, notebook 04), "
-            "more than an H200 has; its colocate batch-32 and -64 configurations failed and the worker dropped their "
-            "error records (also fixed)."))
+            "record. That run had gradient checkpointing turned off (the kit now keeps TRL's default on a GPU), and "
+            "colocate at batch 64 then needs ~149 GiB per GPU (modelled by the planner, notebook 04), more than an "
+            "H200 has; its colocate batch-32 and -64 configurations failed before they could be recorded."))
     for mode in ("server", "colocate"):
         runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
         if runs:
@@ -288,7 +287,7 @@ for name, c in (("this run", cpu_costs), ("gpu", costs)):
     print(f"{name:>9} costs: 2 devices normalised {p2['normalised']}x, 8 devices normalised {p8['normalised']}x {mark}")
 
 # %% [markdown]
-# The two-device line is the test: with one trainer per server the model must say about 1× per training device,
+# The two-device line is the test: with one trainer per server the model must say about 1× per training device (modelled),
 # whatever the hardware, if its costs describe independent devices. The GPU costs do; on a CPU the run's own costs
 # usually do not (the server process slows the trainer it shares cores with), and every projection built on them
 # inherits that error.

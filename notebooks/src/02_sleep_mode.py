@@ -11,7 +11,7 @@
 # (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device.
 # **Before this:** `00_quickstart`; `01_ping_pong` helps (why colocation at all).
 #
-# In colocate mode (post 1, TRL PR #3394) every training process holds its own vLLM engine, built with
+# In colocate mode ([the first post](https://huggingface.co/blog/vllm-colocate), TRL PR #3394) every training process holds its own vLLM engine, built with
 # `distributed_executor_backend="external_launcher"` inside the trainer's `torch.distributed` group. Training and
 # generation then take turns on the same GPU, so the engine must **give its memory back while the trainer runs**:
 #

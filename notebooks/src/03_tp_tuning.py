@@ -12,7 +12,7 @@
 # **Before this:** `02_sleep_mode` (the colocated engine).
 #
 # Colocated vLLM (TRL's `vllm_mode="colocate"`) can shard each engine over several GPUs with
-# `vllm_tensor_parallel_size` (TP). The first post swept it with GRPO on 8 GPUs and reports two opposite trends
+# `vllm_tensor_parallel_size` (TP). [The first post](https://huggingface.co/blog/vllm-colocate) swept it with GRPO on 8 GPUs and reports two opposite trends
 # (quoted):
 #
 # - **Qwen2.5-1.5B** (experiment 2): more TP is **slower** — "avoid sharding small models".
@@ -23,7 +23,7 @@
 # started from a cell with accelerate's `notebook_launcher` through `colo_kit.launch`, which keeps the kernel
 # safe. Then it explains the flip: communication against room for the KV cache.
 #
-# **On a CPU** (this machine in CI) the same cells run the kit's tiny model on 2 processes over gloo: a
+# **On a CPU** (a laptop, or the kit's test machine) the same cells run the kit's tiny model on 2 processes over gloo: a
 # *functional demo* of the code path — 2 processes, TP groups, the same seed inside a group — **not a speed
 # result**. The H200 numbers come from the committed `results/tp_gpu.json`.
 
@@ -276,8 +276,8 @@ for row in tp.ratios_table(GPU_RESULTS):
 #
 # **What the kit measured does not settle it.** Generation alone on 2×H200 came out *slower* at TP 2 for both
 # models (0.67× for 1.5B, 0.59× for 7B, measured in `results/tp_gpu.json`, eager engines). The post measured whole
-# GRPO steps on 8 GPUs; more KV room pays off only when the batch needs it, and the kit's colocated GRPO TP runs on
-# two GPUs are still owed. Read the explanation as the hypothesis the GRPO runs will test.
+# GRPO steps on 8 GPUs; more KV room pays off only when the batch needs it, and the kit has not yet measured
+# colocated GRPO at TP 1 against TP 2 on two GPUs. Read the explanation as the hypothesis those runs will test.
 
 # %%
 tp.why_figure().show()

@@ -11,7 +11,7 @@
 # (`results/cpu_check.json`, `results/gpu_check.json`). No GPU needed: the planner is arithmetic.
 # **Before this:** `02_sleep_mode` (what sleep frees).
 #
-# The first post's last experiment trained **Qwen2.5-Math-72B** with colocated vLLM: it used **4 fewer GPUs**
+# The last experiment of [the first post](https://huggingface.co/blog/vllm-colocate) trained **Qwen2.5-Math-72B** with colocated vLLM: it used **4 fewer GPUs**
 # than plain TRL (whose vLLM server needed its own GPUs) and was still **~1.26× faster**, with nearly identical
 # reward curves (quoted). Two things made 72B fit beside a vLLM engine on the same GPUs:
 #
@@ -238,10 +238,11 @@ else:
 #
 # Pick a model, GPU count, batch, lengths, ZeRO stage, sleep level and offload; the bars show the parts of each phase
 # (modelled), and below them the recipe for your model, GPUs and batch: `GRPOConfig` fields in TRL's names, each
-# with the reason it was chosen (from the planner and the measured runs of section 7). Try gradient checkpointing too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate
-# at per-device batch 64 and 256-token completions needs about 149 GiB per GPU instead of about 82 (modelled), more
-# than an H200 has. The kit's first H200 ping-pong sweep ran with it forced off by mistake, and its batch-64 colocate
-# runs failed (measured, `results/pingpong_gpu_partial.json`).
+# with the reason it was chosen (from the planner and the measured runs of section 7). Try gradient checkpointing
+# too (TRL's `GRPOConfig` turns it on by default): with it off, 1.5B colocate at per-device batch 64 and 256-token
+# completions needs about 149 GiB per GPU instead of about 82 (modelled), more than an H200 has. The kit's first
+# H200 ping-pong sweep ran with it off, and its batch-64 colocate runs failed (measured,
+# `results/pingpong_gpu_partial.json`).
 
 # %%
 wide = {"description_width": "initial"}

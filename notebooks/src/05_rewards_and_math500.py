@@ -12,7 +12,7 @@
 # **Before this:** `00_quickstart`.
 #
 # GRPO learns from a **reward function**: TRL calls it with the completions of a step (and the
-# dataset's other columns) and wants one number per completion back. The first post uses two:
+# dataset's other columns) and wants one number per completion back. [The first post](https://huggingface.co/blog/vllm-colocate) uses two:
 #
 # 1. a **length reward**, `-abs(20 - len(completion))` — a smoke test any model, even a random one,
 #    learns in a few dozen steps;
@@ -233,7 +233,7 @@ else:
 # for several models on **one** engine — the colocate trainer's own vLLM — loading each model's weights
 # into it in turn, the same weight push colocation does every step.
 #
-# **Offline** (no hub, as in CI) this uses the kit's stand-in problems (`data/math_problems.jsonl`) and
+# **Offline** (no hub) this uses the kit's stand-in problems (`data/math_problems.jsonl`) and
 # random-weight models: accuracy is **~0 by construction** — the point is the mechanics. **Online**, set the
 # model to a hub id (the post: `Qwen/Qwen2.5-Math-72B`; small: `Qwen/Qwen2.5-Math-1.5B`) and train with
 # `reward="math500"` on a math set; `load_math()` then reads `HuggingFaceH4/MATH-500` from the hub.
@@ -301,4 +301,5 @@ lab.check("05.none_gold", answer)
 # The command-line version: `colo-kit eval-math500 --model <preset|folder|hub id> --limit 500`, or
 # `--data your_problems.jsonl` for a set of your own.
 #
-# **Next:** `06_async_lora_proxy` — the second post: async GRPO with LoRA adapters behind a routing proxy.
+# **Next:** `06_async_lora_proxy` — [the second post](https://huggingface.co/blog/asyncgrpo-lora-hfjobs): async GRPO
+# with LoRA adapters behind a routing proxy.

@@ -12,7 +12,7 @@
 # (`results/cpu_check.json`, `results/gpu_check.json`).
 # **Before this:** `00_quickstart`; `02_sleep_mode` for what a replica's memory holds.
 #
-# The second post moves generation **off** the training GPUs: one trainer job (TRL's `AsyncGRPOTrainer`, LoRA,
+# [The second post](https://huggingface.co/blog/asyncgrpo-lora-hfjobs) moves generation **off** the training GPUs: one trainer job (TRL's `AsyncGRPOTrainer`, LoRA,
 # FSDP) and two vLLM jobs, a storage bucket mounted at the same path in all three, and a proxy beside the
 # trainer that makes the two vLLM jobs look like one server.
 #
