@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast lab clean-venv data
+.PHONY: venv demo test test-fast lab lab-reset clean-venv data
 
 venv: $(STAMP)
 
@@ -27,14 +27,20 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not slow and not notebook"
 
-# JupyterLab on notebooks/. LAB_IP=0.0.0.0 to listen beyond this machine (then set LAB_TOKEN, or use the
-# printed one); as root (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
+# JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
+# JupyterLab's autosaves land there (ignored by git), never in the tracked notebooks. `make lab-reset` puts
+# fresh copies back. LAB_IP=0.0.0.0 to listen beyond this machine (then `export LAB_TOKEN=...` first: it
+# reaches JupyterLab through its environment, not its command line, where `ps` would show it); as root
+# (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
-LAB_ARGS = --ip=$(LAB_IP) --port=$(LAB_PORT) $(if $(LAB_TOKEN),--IdentityProvider.token=$(LAB_TOKEN)) \
-	$(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS = --ip=$(LAB_IP) --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: venv
-	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
+	@mkdir -p lab && for nb in notebooks/*.ipynb; do [ -e "lab/$$(basename $$nb)" ] || cp "$$nb" lab/; done
+	@if [ -n "$$LAB_TOKEN" ]; then export JUPYTER_TOKEN="$$LAB_TOKEN"; fi; $(BIN)/jupyter lab lab/ $(LAB_ARGS)
+
+lab-reset:
+	@mkdir -p lab && rm -f lab/*.ipynb && cp notebooks/*.ipynb lab/ && echo "lab/: fresh copies of notebooks/"
 
 data: venv
 	$(BIN)/python -m colo_kit data

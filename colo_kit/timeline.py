@@ -300,8 +300,9 @@ def gantt(tl: Timeline, title: str = "", skip_steps: int = 0):
         fig.add_bar(y=[label[iv.device] for iv in ivs], x=[iv.end_s - iv.start_s for iv in ivs],
                     base=[iv.start_s - lo for iv in ivs], orientation="h", name=phase,
                     marker_color=COLORS.get(phase), hovertext=[f"step {iv.step}, rank {iv.rank}" for iv in ivs])
-    fig.update_layout(barmode="overlay", title=title, xaxis_title="seconds", height=180 + 40 * len(label),
-                      legend_orientation="h")
+    # the legend above the plot: below it, a horizontal legend sits on the x axis and its title
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="seconds", height=220 + 40 * len(label),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), margin=dict(t=110))
     return fig
 
 

@@ -422,12 +422,14 @@ def why_figure(rows: list[dict] | None = None):
     rows = rows or kv_room()
     fig = make_subplots(rows=1, cols=2, subplot_titles=("room: KV-cache tokens per GPU (vLLM at 0.3 of an H200)",
                                                         "communication: all-reduce bytes per generated token"))
-    for m in sorted({r["model"] for r in rows}):
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    for i, m in enumerate(sorted({r["model"] for r in rows})):
         mine = [r for r in rows if r["model"] == m]
+        color = palette[i % len(palette)]  # one colour per model in both panels, as the one legend entry says
         fig.add_bar(name=m, x=[f"TP {r['tp']}" for r in mine], y=[r["kv_tokens"] for r in mine], row=1, col=1,
-                    legendgroup=m)
+                    legendgroup=m, marker_color=color)
         fig.add_bar(name=m, x=[f"TP {r['tp']}" for r in mine],
                     y=[allreduce_bytes_per_token(m, r["tp"]) for r in mine], row=1, col=2, legendgroup=m,
-                    showlegend=False)
+                    showlegend=False, marker_color=color)
     fig.update_layout(height=380, barmode="group")
     return fig

@@ -1,9 +1,10 @@
-"""`make lab` where labs run: the command the Makefile gives JupyterLab, started for real on a free
-port, answers its API with the token, as root too (containers), where JupyterLab refuses to start
-without --allow-root."""
+"""`make lab` where labs run: the commands the Makefile gives the shell, run for real in a scratch folder on a free
+port. JupyterLab serves a working copy of the notebooks (so a lab never dirties the tracked ones), answers its
+API with the token given through the environment (never on a command line `ps` shows), and runs as root too
+(containers), where JupyterLab refuses to start without --allow-root."""
 
 import os
-import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -14,30 +15,34 @@ from colo_kit.launch import free_port
 from colo_kit.paths import REPO_ROOT
 
 
-def _lab_command(**make_vars) -> list[str]:
+def _lab_script(**make_vars) -> str:
+    """The shell lines `make lab` runs, with this interpreter's JupyterLab in place of the venv's."""
     out = subprocess.run(["make", "-n", "lab", *(f"{k}={v}" for k, v in make_vars.items())], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    line = next(ln for ln in out.splitlines() if " lab notebooks/" in ln)
-    argv = shlex.split(line)
-    return [sys.executable, "-m", "jupyterlab", *argv[2:]]  # this interpreter's JupyterLab, the Makefile's flags
+    lines = [ln for ln in out.splitlines() if "notebooks/" in ln or "jupyter lab" in ln]
+    return "\n".join(ln.replace(".venv/bin/jupyter lab", f"{sys.executable} -m jupyterlab") for ln in lines)
 
 
 def test_lab_flags_follow_the_user_and_the_variables():
-    argv = _lab_command(LAB_IP="0.0.0.0", LAB_PORT="8123", LAB_TOKEN="s3cret")
-    assert "--ip=0.0.0.0" in argv and "--port=8123" in argv and "--IdentityProvider.token=s3cret" in argv
-    assert ("--allow-root" in argv) is (os.geteuid() == 0)
-    assert not any("token" in a for a in _lab_command())  # no token given: JupyterLab makes one and prints it
+    script = _lab_script(LAB_IP="0.0.0.0", LAB_PORT="8123")
+    assert "--ip=0.0.0.0" in script and "--port=8123" in script and " lab/" in script
+    assert ("--allow-root" in script) is (os.geteuid() == 0)
+    assert "token" not in script.split("jupyterlab", 1)[1].lower()  # the token goes through the environment
 
 
 @pytest.mark.slow
-def test_make_lab_serves_the_notebooks_with_the_token(tmp_path):
+def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_alone(tmp_path):
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed in this environment")
     import httpx
 
+    shutil.copytree(REPO_ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("src"))
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "00_quickstart.ipynb").write_text("{}")  # a learner's edited copy: kept, not replaced
     port, token = free_port(), "colo-kit-test-token"
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
-    proc = subprocess.Popen(_lab_command(LAB_PORT=port, LAB_TOKEN=token) + ["--no-browser"], cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "LAB_TOKEN": token, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    proc = subprocess.Popen(["bash", "-c", _lab_script(LAB_PORT=port) + " --no-browser"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 90
         while time.time() < deadline:
@@ -54,6 +59,16 @@ def test_make_lab_serves_the_notebooks_with_the_token(tmp_path):
         names = {item["name"] for item in r.json()["content"]}
         assert "00_quickstart.ipynb" in names and "06_async_lora_proxy.ipynb" in names
         assert httpx.get(f"http://127.0.0.1:{port}/api/contents/", timeout=5).status_code == 403  # no token
+        assert (tmp_path / "lab" / "00_quickstart.ipynb").read_text() == "{}"
+        assert (tmp_path / "lab" / "06_async_lora_proxy.ipynb").read_bytes() == \
+            (tmp_path / "notebooks" / "06_async_lora_proxy.ipynb").read_bytes()
+        import psutil
+
+        shell = psutil.Process(proc.pid)  # bash, or JupyterLab itself when bash exec'd its last command
+        cmdlines = [" ".join(p.cmdline()) for p in [shell, *shell.children(recursive=True)]]
+        assert any("jupyterlab" in c for c in cmdlines) and not any(token in c for c in cmdlines)  # `ps` shows none
     finally:
-        proc.terminate()
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)

@@ -59,7 +59,7 @@ model_w = widgets.Dropdown(options=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
                            description="model", style=wide)
 batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per-device batch", style=wide)
 util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.9, step=0.05, description="vllm_gpu_memory_utilization",
-                             style=wide)
+                             style=wide, layout=widgets.Layout(width="560px"))  # wide enough to drag past its long label
 level_w = widgets.ToggleButtons(options=[1, 2], value=2, description="sleep level", style=wide)
 steps_w = widgets.IntSlider(value=3, min=1, max=10, description="switch steps", style=wide)
 display(widgets.VBox([model_w, batch_w, util_w, level_w, steps_w]))

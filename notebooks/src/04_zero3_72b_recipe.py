@@ -254,7 +254,7 @@ sleep_w = widgets.Dropdown(options=[("no sleep", 0), ("level 1", 1), ("level 2",
                            description="sleep", style=wide)
 offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU", style=wide)
 util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vllm_gpu_memory_utilization",
-                             style=wide)
+                             style=wide, layout=widgets.Layout(width="560px"))  # wide enough to drag past its long label
 tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP", style=wide)
 mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU",
                          style=wide)
