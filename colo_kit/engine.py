@@ -1,9 +1,11 @@
 """Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code.
 
 TRL's colocate mode lives in `trl/generation/vllm_generation.py`, class `VLLMGeneration`. The kit's
-`ColocatedEngine` runs that code — its `generate`, its weight walk and its `sync_weights` — around
-an engine the kit builds with the same `LLM(...)` arguments, so what a learner reads here is what
-TRL does. `where_in_trl()` finds each idea's line in the TRL installed here:
+`ColocatedEngine` is that object, made by TRL's own `__init__` (`build_trl_generation`): TRL makes the
+TP groups, picks the seed and calls `LLM(...)`; the kit changes only the `LLM` arguments named in
+`kit_llm_overrides`, each beside the TRL argument it replaces. Generation, the weight walk and
+`sync_weights` are TRL's too, so what a learner reads here is what TRL does. `where_in_trl()` finds
+each idea's line in the TRL installed here:
 
 1. **Join the trainer's process group** (`VLLMGeneration._init_vllm`).
    `LLM(..., distributed_executor_backend="external_launcher")` starts no workers of its own: every
@@ -168,41 +170,66 @@ def ensure_process_group() -> bool:
     return made
 
 
-def tp_groups(world_size: int, tp: int) -> list[list[int]]:
-    """Consecutive ranks: world 4, tp 2 -> [[0, 1], [2, 3]] (the enumeration TRL gives
-    `torch.distributed.new_subgroups_by_enumeration`)."""
-    return [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
+def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
+                      max_num_batched_tokens: int | None = None) -> dict:
+    """What the kit changes in the `LLM(...)` call TRL's `VLLMGeneration._init_vllm` makes, each with the TRL
+    argument it replaces (`tests/test_engine.py` fails if anything else differs):
 
-
-def llm_kwargs(model_path: str, settings: ColocateSettings, rank: int, *, dtype: str = "auto",
-               enforce_eager: bool | None = None, max_num_batched_tokens: int | None = None) -> dict:
-    """The `LLM(...)` arguments of a colocated engine on `rank`: TRL's (`VLLMGeneration._init_vllm`),
-    value for value, plus two of the kit's. `tests/test_engine.py` runs TRL's own code and fails
-    when they part. Where the kit differs, and why:
-
-    - `max_num_batched_tokens`: TRL's 4096, raised to `max_model_len` when that is longer: vLLM
-      refuses a smaller value whenever chunked prefill is off (vLLM's CPU backend turns it off).
-    - `dtype` and `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s
-      at start-up and buys nothing for a tiny model.
+    - `max_num_batched_tokens` (TRL: `max_num_batched_tokens=4096`): raised to `max_model_len` when that is
+      longer; vLLM refuses a smaller value whenever chunked prefill is off (its CPU backend turns it off).
+    - `dtype`, `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s at start-up and
+      buys nothing for a tiny model.
+    - `enable_sleep_mode` (TRL: `enable_sleep_mode=self.enable_sleep_mode`, then `self.llm.sleep(level=2)` at once
+      and after every generation): the kit builds the engine with sleep mode when asked but leaves TRL's own
+      sleeping off; `colo_kit.sleep` puts it to sleep by tags, so a notebook can time each part.
     """
-    tp = settings.tensor_parallel_size
-    return dict(
-        model=model_path,
-        tensor_parallel_size=tp,
-        gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        enable_sleep_mode=settings.enable_sleep_mode,
-        model_impl="auto",
-        distributed_executor_backend="external_launcher",
-        seed=rank // tp,  # vLLM #15895: one seed per TP group
-        max_num_batched_tokens=max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, settings.max_model_len),
-        logprobs_mode="processed_logprobs",  # log-probs after temperature: what GRPO's ratios compare
-        quantization=None,  # TRL sets "bitsandbytes" for a 4-bit trainer model; the kit loads from a path
-        trust_remote_code=False,
-        dtype=dtype,
-        enforce_eager=vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
-    )
+    return {"max_num_batched_tokens": max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                          settings.max_model_len),
+            "dtype": dtype,
+            "enforce_eager": vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
+            "enable_sleep_mode": settings.enable_sleep_mode}
+
+
+class _Accelerator(SimpleNamespace):
+    """What TRL's `VLLMGeneration` reads from accelerate's `Accelerator`, for a process group the kit (or
+    torchrun) made without one: ranks, the ZeRO/FSDP state `DistributedBackend` detects, and a barrier."""
+
+    def wait_for_everyone(self):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+
+def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
+                         world_size: int, **overrides):
+    """TRL's `VLLMGeneration` in colocate mode, made by TRL's own `__init__` (so TRL's `_init_vllm` makes the TP
+    groups, sets RANK/WORLD_SIZE/MASTER_*, picks the seed and calls `LLM(...)`), with `kit_llm_overrides` applied
+    to that one call. Returns (the generation object, the arguments TRL passed, the arguments the engine got)."""
+    import torch
+    from trl.generation import vllm_generation
+
+    real_llm, seen = vllm_generation.LLM, {}
+
+    def llm_with_the_kits_overrides(**trl_kwargs):
+        seen["trl"] = dict(trl_kwargs)
+        seen["built"] = {**trl_kwargs, **overrides}
+        return real_llm(**seen["built"])
+
+    stand_in = torch.nn.Module()  # TRL reads the model's path from it, and scans it for bitsandbytes layers
+    stand_in.name_or_path = model_path
+    accelerator = _Accelerator(process_index=rank, local_process_index=local_rank, num_processes=world_size,
+                               is_main_process=rank == 0, state=_backend_state(stand_in))
+    vllm_generation.LLM = llm_with_the_kits_overrides
+    try:
+        gen = vllm_generation.VLLMGeneration(
+            stand_in, accelerator, None, mode="colocate", tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
+            max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+            enable_sleep_mode=False)  # TRL's own sleeping stays off: colo_kit.sleep sleeps by tags
+    finally:
+        vllm_generation.LLM = real_llm
+    return gen, seen.get("trl", {}), seen.get("built", {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,28 +268,6 @@ def _backend_state(model) -> SimpleNamespace:
     parameters DeepSpeed has partitioned (`ds_id`), with or without accelerate."""
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     return SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3) if zero3 else None, fsdp_plugin=None)
-
-
-def trl_colocate(llm, *, tensor_parallel_size: int, tp_group, rank: int, local_rank: int, world_size: int):
-    """TRL's `VLLMGeneration` in colocate mode, driving `llm` (built by the kit).
-
-    `VLLMGeneration.__init__` would build an engine of its own (`_init_vllm`), so the object is
-    made without it and given the fields its `generate`, `_iter_named_params` and `sync_weights`
-    read. Sleep stays off here: `colo_kit.sleep` manages it by tags."""
-    import torch
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    gen = VLLMGeneration.__new__(VLLMGeneration)
-    gen.llm, gen.mode = llm, "colocate"
-    gen.tensor_parallel_size, gen.tp_group = tensor_parallel_size, tp_group
-    gen.enable_sleep_mode, gen._llm_weights_sleeping = False, False
-    gen.structured_outputs_regex = None
-    # the trainer's model during a push; between pushes an empty module: TRL asks
-    # `is_peft_model(self.model)` while it generates (a barrier for PEFT under TP, TRL #3671)
-    gen.model = torch.nn.Module()
-    gen.accelerator = SimpleNamespace(process_index=rank, local_process_index=local_rank, num_processes=world_size,
-                                      is_main_process=rank == 0)
-    return gen
 
 
 # Each idea of the module docstring, found in the TRL installed here: idea | TRL function | text on the line.
@@ -343,7 +348,9 @@ class ColocatedEngine:
     def __init__(self, model: str = "tiny", settings: ColocateSettings | None = None, *,
                  enforce_eager: bool | None = None, dtype: str = "auto",
                  max_num_batched_tokens: int | None = None, **extra_llm_kwargs):
+        import torch
         import torch.distributed as dist
+
         from colo_kit.models import resolve_model
 
         self.model_path = resolve_model(model)
@@ -358,28 +365,27 @@ class ColocatedEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         s = self.settings.validate(self.world_size, model_max_len(self.model_path))
         self.tp = s.tensor_parallel_size
-        self.tp_group = None
-        if self.tp > 1:
-            # A collective over the whole world: every rank makes every group, keeps its own.
-            self.tp_group, _ = dist.new_subgroups_by_enumeration(tp_groups(self.world_size, self.tp))
-        kwargs = llm_kwargs(self.model_path, s, self.rank, dtype=dtype, enforce_eager=enforce_eager,
-                            max_num_batched_tokens=max_num_batched_tokens)
-        kwargs.update(extra_llm_kwargs)
-        self.seed = kwargs["seed"]
+        overrides = {**kit_llm_overrides(s, dtype=dtype, enforce_eager=enforce_eager,
+                                         max_num_batched_tokens=max_num_batched_tokens), **extra_llm_kwargs}
 
         # external_launcher runs its engine core in this process (it asserts so; vLLM >= 0.31 also
         # switches it off by itself): one scheduler per rank, in step with the trainer.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
         t0 = time.perf_counter()
         make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
         with stdout_with_fd():
-            self.llm = LLM(**kwargs)
+            self.trl, self.trl_llm_kwargs, self.llm_kwargs = build_trl_generation(
+                self.model_path, s, rank=self.rank, local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),
+                world_size=self.world_size, **overrides)
         self.startup_s = time.perf_counter() - t0
+        self.llm = self.trl.llm
+        self.tp_group = getattr(self.trl, "tp_group", None)  # TRL makes it only for TP > 1
+        self.seed = self.llm_kwargs["seed"]
         self.tokenizer = self.llm.get_tokenizer()
-        self.trl = trl_colocate(self.llm, tensor_parallel_size=self.tp, tp_group=self.tp_group, rank=self.rank,
-                                local_rank=int(os.environ.get("LOCAL_RANK", self.rank)), world_size=self.world_size)
+        self.trl.processing_class = self.tokenizer
+        # the trainer's model during a push; between pushes an empty module: TRL asks
+        # `is_peft_model(self.model)` while it generates (a barrier for PEFT under TP, TRL #3671)
+        self.trl.model = torch.nn.Module()
         self.asleep: set[str] = set()  # tags whose memory is released; kept up to date by colo_kit.sleep
         _LIVE.add(self)
         # a weak reference: an engine nobody holds must be collectable before exit, not kept by atexit

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from colo_kit.engine import ColocateSettings, model_max_len, tp_groups
+from colo_kit.engine import ColocateSettings, model_max_len
 from colo_kit.paths import REPO_ROOT
 
 
@@ -20,8 +20,6 @@ def test_settings_follow_the_post():
     assert s.max_num_seqs == 4 * 2 * 3
     assert s.max_model_len == 128
     assert s.validate(world_size=4) is s
-    assert tp_groups(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert tp_groups(4, 4) == [[0, 1, 2, 3]]
 
 
 def test_settings_from_trl_grpo_config(tmp_path):
@@ -244,44 +242,43 @@ class _RecordingLLM:
         pass
 
 
-@pytest.mark.parametrize("tp, rank, completion", [(1, 0, 32), (2, 3, 64), (2, 2, 6000)])
-def test_llm_arguments_are_trls_own_but_for_the_named_differences(monkeypatch, tiny_model_path, tp, rank, completion):
-    """Runs TRL's `VLLMGeneration.__init__` (colocate mode) with a recording LLM and compares its
-    arguments with `colo_kit.engine.llm_kwargs`: a TRL upgrade that changes one fails here."""
-    import types
-
+@pytest.mark.parametrize("tp, rank, completion, sleep", [(1, 0, 32, False), (2, 3, 64, True), (2, 2, 6000, False)])
+def test_the_engine_is_trls_own_but_for_the_named_llm_arguments(monkeypatch, tiny_model_path, tp, rank, completion,
+                                                                   sleep):
+    """The engine is built by TRL's `VLLMGeneration.__init__` (here with a recording LLM): TRL makes the TP groups
+    over consecutive ranks and picks the seed, and the `LLM` gets TRL's arguments with only the kit's named
+    overrides changed. A TRL upgrade that changes an argument still reaches the engine; one the kit overrides
+    fails here."""
     import torch.distributed
     import trl.generation.vllm_generation as vg
 
-    from colo_kit.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, llm_kwargs
+    from colo_kit.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, build_trl_generation, kit_llm_overrides
 
     world = 4
     settings = ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                max_prompt_length=64, max_completion_length=completion)
+                                max_prompt_length=64, max_completion_length=completion, enable_sleep_mode=sleep)
     groups = []
     monkeypatch.setattr(vg, "LLM", _RecordingLLM)
     monkeypatch.setattr(torch.distributed, "new_subgroups_by_enumeration", lambda g: (groups.append(g), None))
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     _RecordingLLM.calls = []
-    accelerator = types.SimpleNamespace(num_processes=world, process_index=rank, local_process_index=rank,
-                                        state=types.SimpleNamespace(deepspeed_plugin=None), wait_for_everyone=lambda: None)
-    model = types.SimpleNamespace(name_or_path=tiny_model_path, named_modules=lambda: [])
-    vg.VLLMGeneration(model, accelerator, None, mode="colocate", tensor_parallel_size=tp,
-                      gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
-                      max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs)
-    (trl,) = _RecordingLLM.calls
-    kit = llm_kwargs(tiny_model_path, settings, rank)
-
-    assert set(kit) - set(trl) == {"dtype", "enforce_eager"}  # the kit's two additions, nothing else
-    assert set(trl) <= set(kit)
-    differ = {k for k in trl if kit[k] != trl[k]}
+    overrides = kit_llm_overrides(settings)
+    gen, trl, built = build_trl_generation(tiny_model_path, settings, rank=rank, local_rank=rank, world_size=world,
+                                           **overrides)
+    assert vg.LLM is _RecordingLLM  # TRL's LLM is given back
+    (engine_args,) = _RecordingLLM.calls
+    assert engine_args == built
+    assert set(built) - set(trl) == {"dtype", "enforce_eager"}  # added by the kit, nothing else
+    differ = {k for k in trl if built[k] != trl[k]}
+    expect = {"enable_sleep_mode"} if sleep else set()
     if settings.max_model_len > DEFAULT_MAX_NUM_BATCHED_TOKENS:  # vLLM refuses fewer without chunked prefill
-        assert differ == {"max_num_batched_tokens"}
-        assert (trl["max_num_batched_tokens"], kit["max_num_batched_tokens"]) == (4096, settings.max_model_len)
-    else:
-        assert differ == set(), {k: (kit[k], trl[k]) for k in differ}
-    assert groups == ([tp_groups(world, tp)] if tp > 1 else [])
+        expect.add("max_num_batched_tokens")
+        assert (trl["max_num_batched_tokens"], built["max_num_batched_tokens"]) == (4096, settings.max_model_len)
+    assert differ == expect, {k: (built[k], trl[k]) for k in differ}
+    assert trl["seed"] == rank // tp and trl["max_num_seqs"] == settings.max_num_seqs
+    assert groups == ([[list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]] if tp > 1 else [])
+    assert gen.enable_sleep_mode is False and gen.mode == "colocate"  # TRL's own sleeping stays off
 
 
 def test_each_idea_the_engine_teaches_is_found_in_the_installed_trl():
@@ -311,7 +308,7 @@ def test_trls_weight_walk_gives_the_base_models_names_for_a_peft_model(hf_model)
     from peft import LoraConfig, get_peft_model
     from trl.distributed import DistributedBackend
 
-    from colo_kit.engine import trl_colocate
+    from trl.generation.vllm_generation import VLLMGeneration
 
     plain_names = [n for n, _ in hf_model.named_parameters()]
     q_before = hf_model.model.layers[0].self_attn.q_proj.weight.detach().clone()
@@ -321,7 +318,7 @@ def test_trls_weight_walk_gives_the_base_models_names_for_a_peft_model(hf_model)
             for name, p in peft_model.named_parameters():
                 if "lora_B" in name:
                     p.fill_(0.1)
-        gen = trl_colocate(None, tensor_parallel_size=1, tp_group=None, rank=0, local_rank=0, world_size=1)
+        gen = VLLMGeneration.__new__(VLLMGeneration)  # only the walk runs here: no engine is needed
         gen.model = peft_model
         gen._dist = DistributedBackend(types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=None)))
         walked = {n: t.detach().clone() for n, t in gen._iter_named_params()}
