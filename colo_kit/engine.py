@@ -45,6 +45,7 @@ import logging
 import os
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,34 +202,46 @@ class _Accelerator(SimpleNamespace):
             dist.barrier()
 
 
+@contextmanager
+def trl_llm_overrides(**overrides):
+    """While this block runs, the `LLM(...)` call in TRL's `VLLMGeneration._init_vllm` gets `overrides` on top of
+    TRL's own arguments (the one place the kit changes how TRL builds an engine: `ColocatedEngine` here, and
+    `colo_kit.train.run_grpo` for TRL's trainer). Yields a dict that then holds both: `"trl"` (TRL's arguments)
+    and `"built"` (what `LLM` got). TRL's `LLM` is put back on the way out, also when the build fails."""
+    from trl.generation import vllm_generation
+
+    real_llm, seen = vllm_generation.LLM, {}
+
+    def llm_with_overrides(*args, **trl_kwargs):
+        seen["trl"] = dict(trl_kwargs)
+        seen["built"] = {**trl_kwargs, **overrides}
+        return real_llm(*args, **seen["built"])
+
+    vllm_generation.LLM = llm_with_overrides
+    try:
+        yield seen
+    finally:
+        vllm_generation.LLM = real_llm
+
+
 def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
                          world_size: int, **overrides):
     """TRL's `VLLMGeneration` in colocate mode, made by TRL's own `__init__` (so TRL's `_init_vllm` makes the TP
     groups, sets RANK/WORLD_SIZE/MASTER_*, picks the seed and calls `LLM(...)`), with `kit_llm_overrides` applied
     to that one call. Returns (the generation object, the arguments TRL passed, the arguments the engine got)."""
     import torch
-    from trl.generation import vllm_generation
-
-    real_llm, seen = vllm_generation.LLM, {}
-
-    def llm_with_the_kits_overrides(**trl_kwargs):
-        seen["trl"] = dict(trl_kwargs)
-        seen["built"] = {**trl_kwargs, **overrides}
-        return real_llm(**seen["built"])
+    from trl.generation.vllm_generation import VLLMGeneration
 
     stand_in = torch.nn.Module()  # TRL reads the model's path from it, and scans it for bitsandbytes layers
     stand_in.name_or_path = model_path
     accelerator = _Accelerator(process_index=rank, local_process_index=local_rank, num_processes=world_size,
                                is_main_process=rank == 0, state=_backend_state(stand_in))
-    vllm_generation.LLM = llm_with_the_kits_overrides
-    try:
-        gen = vllm_generation.VLLMGeneration(
+    with trl_llm_overrides(**overrides) as seen:
+        gen = VLLMGeneration(
             stand_in, accelerator, None, mode="colocate", tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
             max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
             enable_sleep_mode=False)  # TRL's own sleeping stays off: colo_kit.sleep sleeps by tags
-    finally:
-        vllm_generation.LLM = real_llm
     return gen, seen.get("trl", {}), seen.get("built", {})
 
 

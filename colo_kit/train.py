@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 import types
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,25 +73,6 @@ def use_layerwise_reload(trainer) -> bool:
 
     gen.sync_weights = types.MethodType(sync_weights, gen)
     return True
-
-
-@contextmanager
-def trl_llm_kwargs(**kwargs):
-    """While this block runs, TRL's colocated `LLM(...)` gets `kwargs` too (e.g. `enforce_eager`,
-    which `GRPOConfig` does not expose); TRL's own `LLM` is put back on the way out."""
-    if not kwargs:
-        yield
-        return
-    import functools
-
-    from trl.generation import vllm_generation
-
-    current = vllm_generation.LLM
-    vllm_generation.LLM = functools.partial(current, **kwargs)
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = current
 
 
 def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: int = 20,
@@ -192,6 +172,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
     from colo_kit.data import load_tldr
     from colo_kit.models import resolve_model
+    from colo_kit.engine import trl_llm_overrides
     from colo_kit.vllm_compat import make_room_for_an_engine, stdout_with_fd
 
     model_path = resolve_model(model)
@@ -226,7 +207,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
             vllm_enforce_eager = settings["vllm_enforce_eager"] = True
         extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
         # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
-        with stdout_with_fd(), trl_llm_kwargs(**extra_llm_kwargs):
+        with stdout_with_fd(), trl_llm_overrides(**extra_llm_kwargs):
             trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
                                   train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
         settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
