@@ -1,42 +1,6 @@
-"""Math500's answer checker: the judge behind the math reward (the evaluation runner is
-`colo_kit.math500_eval`, the deadline pool `colo_kit.checker_pool`).
-
-The first post closes with "both trained models beat the base model on Math500 and colocate matches
-plain". Reproducing that takes a checker and an evaluation; this module is the checker.
-
-1. **A checker** — `is_correct(completion, gold)`: is the final answer of a completion the gold
-   answer? It is math-verify (which parses LaTeX to sympy and compares values, not strings) plus
-   what a MATH grader does around it:
-   - the answer is the content of the **last** `\\boxed{}` (or `\\fbox{}`), braces matched by
-     depth, so `\\boxed{\\frac{\\sqrt{3}}{2}}` is read whole; without a box, only an answer the text
-     *states* ("the answer is ...", "Final answer: ...") counts — a random model's noise that
-     happens to contain the number does not;
-   - forms math-verify does not cover are normalised first: repeating decimals
-     (`0.\\overline{3}`), `\\pm` written out, `°`, `\\varnothing`, a sentence's full stop inside the
-     box, and percent signs (compared as the number in front of them, so `25\\%` = `25`, but
-     `0.25` is not `25\\%`);
-   - intervals are compared with the inequalities that describe them (`(2,5)` = `2<x<5`);
-   - plain numbers and tuples of them are compared exactly without parsing LaTeX, and constant
-     expressions that clearly differ in value are settled by evaluating them, before math-verify's
-     slower parser and simplify() run (checks per second are a bar here: GRPO checks every sample).
-   `data/math500_checker_cases.jsonl` holds the hand-labelled cases it is measured on
-   (`scripts/bench_checker.py`; the numbers are in `results/math500_checker.json`).
-
-   **Time bound.** math-verify bounds its own time with `signal.alarm`, which works only in the main
-   thread; TRL may call reward functions elsewhere. Here those timeouts are off, and time is bounded
-   twice: cheap guards refuse what the parser or sympy cannot finish (answers over 400 characters,
-   brackets nested deeper than 8 — parsing time grows exponentially with depth —, functions nested
-   deeper than 3, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
-   `is_correct` runs the comparison in a worker process with a deadline (`colo_kit.checker_pool`): a
-   call that overruns it has no verdict (`CheckerTimeout`) and its worker is killed and replaced.
-   Each concurrent call gets its own worker (threads never wait for each other), and a forked child
-   process starts its own.
-
-   **Gold that cannot be parsed** (empty, over-long, or nothing math-verify can read) raises
-   `UnparseableGold` from `is_correct`; `parse_gold(gold)` returns None for it. The reward turns it
-   into None (TRL then ignores that sample) instead of punishing the policy for a broken label.
-
-2. **An evaluation runner** — `colo_kit.math500_eval.evaluate(model, ...)`.
+"""The comparison behind `colo_kit.math500.is_correct`, with no processes of its own: `check(completion, gold)`
+reads the completion's final answer and compares it with the gold one (`Verdict`), with the normalisation and
+the refusals `colo_kit.math500` describes. `is_correct` runs it in a worker process with a deadline.
 """
 
 from __future__ import annotations
@@ -430,19 +394,3 @@ def check(completion: str, gold: str) -> Verdict:
         return Verdict(False, answer, "different-value")
     ok = verify(gold_parsed, pred, allow_set_relation_comp=True, timeout_seconds=None)
     return Verdict(bool(ok), answer, "math-verify")
-
-
-def is_correct(completion: str, gold: str) -> bool:
-    """True if the completion's final answer equals the gold answer (see the module docstring).
-    Safe in threads and processes; no comparison takes longer than the deadline (4 s), whatever the
-    input. Raises `UnparseableGold` if the gold answer cannot be read, and `CheckerTimeout` if the
-    comparison ran out of time (it says nothing about the answer)."""
-    from colo_kit.checker_pool import default_checker
-
-    verdict = default_checker().check(completion, gold)
-    if verdict.timed_out:
-        raise CheckerTimeout(f"the comparison took longer than {default_checker().deadline_s} s ({verdict.reason})")
-    if not verdict.gold_ok:
-        raise UnparseableGold(f"gold answer {gold!r} cannot be parsed (empty, over {MAX_ANSWER_CHARS} "
-                              "characters, or not LaTeX math-verify reads); fix the dataset's `answer` column")
-    return verdict.correct

@@ -12,7 +12,7 @@ import math
 import time
 from pathlib import Path
 
-from colo_kit.checker_pool import Checker, default_checker
+from colo_kit.math500 import Checker, default_checker
 
 
 

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import colo_kit  # noqa: E402,F401
 from colo_kit.env import describe  # noqa: E402
-from colo_kit.checker_pool import Checker  # noqa: E402
-from colo_kit.math500 import check  # noqa: E402
+from colo_kit.math500 import Checker  # noqa: E402
+from colo_kit.answer_check import check  # noqa: E402
 from colo_kit.paths import data_dir, results_dir  # noqa: E402
 
 TOKENS = [r"\frac", r"\dfrac", r"\sqrt", "{", "}", "{", "}", "(", ")", "[", "]", "^", "_", "+", "-", r"\cdot",

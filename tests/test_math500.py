@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from colo_kit.checker_pool import Checker
+from colo_kit.math500 import Checker
 from colo_kit.math500 import UnparseableGold, check, is_correct, last_boxed, parse_gold, simple_number
 from colo_kit.math500_eval import score, wilson_interval
 from colo_kit.paths import REPO_ROOT, data_dir
@@ -183,7 +183,7 @@ def test_a_timeout_is_no_reward_not_a_wrong_one(monkeypatch):
         def check(self, completion, gold):
             return math500.Verdict(False, None, "timeout after 4.0 s", timed_out=True)
 
-    from colo_kit import checker_pool
+    from colo_kit import math500 as checker_pool
 
     monkeypatch.setattr(checker_pool, "default_checker", lambda: Stuck())  # the verdict a deadline overrun gives
     with pytest.raises(math500.CheckerTimeout):

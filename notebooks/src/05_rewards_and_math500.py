@@ -71,7 +71,7 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # careful grader gives, a plain string comparison of the boxed answer, and the checker.
 
 # %%
-from colo_kit.checker_pool import default_checker
+from colo_kit.math500 import default_checker
 from colo_kit.math500 import is_correct, last_boxed
 
 cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
