@@ -9,9 +9,7 @@ Modules, one idea each:
   train     GRPO runs with TRL, server or colocate, that the notebooks share
 """
 
-from colo_kit.env import apply_defaults as _apply_defaults
-from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet())
-
-_apply_defaults()
+from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())
+from colo_kit.env import setup  # noqa: F401  (the runtime defaults: an explicit call, never an import's side effect)
 
 __version__ = "0.1.0"

@@ -99,6 +99,9 @@ def cli_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import colo_kit
+
+    colo_kit.setup()
     if len(sys.argv) >= 3 and sys.argv[1] == "worker":
         raise SystemExit(_worker_main(sys.argv[2]))
     if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...

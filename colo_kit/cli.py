@@ -104,6 +104,9 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import colo_kit
+
+    colo_kit.setup()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

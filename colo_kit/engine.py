@@ -51,7 +51,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.vllm_compat import load_weights, make_room_for_an_engine, model_runner, shutdown, stdout_with_fd
 
@@ -363,6 +362,10 @@ class ColocatedEngine:
                  max_num_batched_tokens: int | None = None, **extra_llm_kwargs):
         import torch
         import torch.distributed as dist
+
+        import colo_kit
+
+        colo_kit.setup()  # before vLLM builds an engine: its CPU settings, thread counts
 
         from colo_kit.models import resolve_model
 

@@ -64,4 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import colo_kit
+
+    colo_kit.setup()
     raise SystemExit(main())

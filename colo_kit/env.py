@@ -120,6 +120,20 @@ class Machine:
         print(f"[{self}] {what}", flush=True)
 
 
+_SET_UP = False
+
+
+def setup() -> None:
+    """The kit's runtime defaults, once per process: thread counts and vLLM's CPU settings in the environment
+    (children inherit them), the kit's log lines, and the libraries' knobs below. Importing a kit module does
+    none of this: the CLI, the notebooks' first cell (`colo_kit.quiet()`), the test suite and each function that
+    builds an engine call it, and it does nothing the second time."""
+    global _SET_UP
+    if not _SET_UP:
+        _SET_UP = True
+        apply_defaults()
+
+
 def apply_defaults() -> None:
     gpu = has_cuda()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -196,6 +210,7 @@ def quiet() -> None:
     vLLM triggers with `torch.distributed.reduce_op`."""
     import warnings
 
+    setup()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

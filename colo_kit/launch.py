@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import colo_kit  # noqa: F401  (environment defaults before torch)
 from colo_kit.env import gpu_count, has_cuda
 from colo_kit.paths import runs_dir
 
@@ -202,6 +201,9 @@ class _Worker:
         InteractiveShell.clear_instance()
 
     def __call__(self, *args):
+        import colo_kit
+
+        colo_kit.setup()  # a forked worker has its launcher's settings; a spawned one starts without them
         rank = int(os.environ.get("RANK", 0))
         self._detach_from_kernel()
         self._redirect_output(rank)
@@ -477,4 +479,7 @@ def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool
 
 
 if __name__ == "__main__":
+    import colo_kit
+
+    colo_kit.setup()
     raise SystemExit(_fresh_process_main(sys.argv[1]))

@@ -110,6 +110,9 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
     plain `vllm.LLM` is started here and shut down after. The prompt is
     the training template (`colo_kit.data.math_prompt`) through the model's chat template.
     `problems` overrides the dataset (default `colo_kit.data.load_math(source=source)`)."""
+    import colo_kit
+
+    colo_kit.setup()
     from colo_kit.data import load_math, math_prompt
     from colo_kit.env import describe
 

@@ -137,6 +137,9 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     (default: on CPU only) makes the server load weights from files (see the module docstring):
     the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks on one device.
     """
+    import colo_kit
+
+    colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
     from colo_kit.models import resolve_model
 
     if not 0 < gpu_memory_utilization <= 1:

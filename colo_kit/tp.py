@@ -35,7 +35,6 @@ import statistics
 import time
 from pathlib import Path
 
-import colo_kit  # noqa: F401  (environment defaults before torch/vLLM)
 from colo_kit.env import has_cuda
 from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
@@ -58,7 +57,9 @@ GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_batch=16, num_generations=8, ma
 # On a CPU the kernel imports vLLM once and every forked worker inherits it (importing it costs each
 # worker 10-60 s on 2 busy cores). On a GPU the workers import it themselves: nothing that might
 # touch CUDA runs in the kernel.
-_PREIMPORT = ("vllm", "vllm.entrypoints.llm", "colo_kit.engine") if not has_cuda() else ()
+def _preimport() -> tuple[str, ...]:
+    """What a CPU launch's workers import before the fork (vLLM's import is slow; each worker would pay it)."""
+    return ("vllm", "vllm.entrypoints.llm", "colo_kit.engine") if not has_cuda() else ()
 CPU_LABEL = "functional demo on CPU (tiny model, gloo): proves the code path, not a speed result"
 
 
@@ -231,7 +232,7 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
         tp_sizes, generation_worker, summarize_generation,
         lambda tp: (model_path, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization, enforce_eager,
                     repeats),
-        num_processes=num_processes, echo=echo, preimport=_PREIMPORT)
+        num_processes=num_processes, echo=echo, preimport=_preimport())
     return out
 
 
@@ -314,7 +315,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
         lambda tp: (model_path, tp, max_steps, per_device_batch, num_generations, max_completion_length,
                     gpu_memory_utilization, overrides, enforce_eager),
         num_processes=num_processes, echo=echo,
-        preimport=_PREIMPORT + (("trl", "colo_kit.train") if not gpu else ()))
+        preimport=_preimport() + (("trl", "colo_kit.train") if not gpu else ()))
     return out
 
 

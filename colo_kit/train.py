@@ -168,6 +168,9 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     TRL's one call per tensor (`colo_kit.bucketed_push`). `kv_only_sleep` (with `sleep=True`, GPU): between
     generations release only the KV cache and keep the weights mapped (`colo_kit.kv_sleep`).
     """
+    import colo_kit
+
+    colo_kit.setup()  # before TRL builds an engine: vLLM-CPU's settings, thread counts
     from trl import GRPOTrainer
 
     from colo_kit.data import load_tldr

@@ -30,7 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import colo_kit  # noqa: E402,F401
+import colo_kit  # noqa: E402
+
+colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 from colo_kit.env import describe  # noqa: E402
 from colo_kit.math500 import Checker  # noqa: E402
 from colo_kit.answer_check import check  # noqa: E402

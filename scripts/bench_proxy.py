@@ -32,7 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the stand-in replica lives there
 
-import colo_kit  # noqa: E402,F401
+import colo_kit  # noqa: E402
+
+colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 
 os.environ["COLO_KIT_BENCH_TOKEN"] = "bench-token"  # the stand-ins' and replicas' API key
 from colo_kit.env import describe  # noqa: E402

@@ -26,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import colo_kit  # noqa: E402,F401
+import colo_kit  # noqa: E402
+
+colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 
 
 def main(argv=None) -> int:

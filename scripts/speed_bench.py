@@ -30,6 +30,9 @@ def _commit() -> str | None:
 
 
 def run(args) -> int:
+    import colo_kit
+
+    colo_kit.setup()
     from colo_kit.bench import release_engines, reuse_engines
     from colo_kit.env import describe
     from colo_kit.speed import run_seed

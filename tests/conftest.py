@@ -7,8 +7,10 @@ import signal
 
 import pytest
 
-import colo_kit  # noqa: F401  (applies env defaults)
+import colo_kit
 from colo_kit.env import gpu_count
+
+colo_kit.setup()  # the runtime defaults, before any test imports torch or vLLM
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 out of the cells while its errors still show. Run in a fresh interpreter, as a kernel is."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -39,10 +40,51 @@ def test_the_kits_lines_are_said_once_where_the_process_wants_them(setup, where)
     """The kit logs instead of printing. With no logging set up (a notebook kernel, a script) its
     INFO lines come out on stdout as `[colo_kit.<module>] ...`; once the process sets up logging
     (a CLI's basicConfig, an application), they go there instead, never both."""
-    code = setup + "import colo_kit, logging\nlogging.getLogger('colo_kit.data').info('using offline data/x')\n"
+    code = setup + ("import colo_kit, logging\ncolo_kit.setup()\n"
+                    "logging.getLogger('colo_kit.data').info('using offline data/x')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     said = {"stdout": proc.stdout, "stderr": proc.stderr}
     if where == "stdout":
         assert said["stdout"] == "[colo_kit.data] using offline data/x\n" and "using offline" not in said["stderr"]
     else:
         assert said["stderr"].count("using offline data/x") == 1 and "using offline" not in said["stdout"]
+
+
+def test_importing_any_kit_module_has_no_side_effects():
+    """Importing sets no environment variable, installs no log handler and probes no GPU: `colo_kit.setup()`
+    (the CLI, a notebook's `colo_kit.quiet()`, the test suite, every engine build) does that, explicitly."""
+    import json
+
+    from colo_kit.paths import REPO_ROOT
+
+    modules = sorted(p.stem for p in (REPO_ROOT / "colo_kit").glob("*.py") if p.stem not in ("__main__",))
+    code = (
+        "import json, os, sys, logging\n"
+        "before = dict(os.environ)\n"
+        f"for m in {modules!r}:\n"
+        "    __import__('colo_kit.' + m if m != '__init__' else 'colo_kit')\n"
+        "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+        "print(json.dumps({'changed': changed, 'handlers': [type(h).__name__ for h in "
+        "logging.getLogger('colo_kit').handlers], 'nvml': 'pynvml' in sys.modules}))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "COLO_KIT_QUIET"))}
+    for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_MODE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    # torch's own import sets nothing of ours; the kit's names are what setup() would have set
+    ours = {"OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "VLLM_TARGET_DEVICE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "WANDB_DISABLED", "WANDB_MODE",
+            "VLLM_USE_FLASHINFER_SAMPLER", "PYTORCH_NVML_BASED_CUDA_CHECK", "COLO_KIT_QUIET"}
+    assert not ours & set(seen["changed"]), seen["changed"]
+    assert seen["handlers"] == []
+
+
+def test_setup_sets_the_defaults_once_and_keeps_what_the_user_set():
+    code = ("import os\nos.environ['OMP_NUM_THREADS'] = '3'\nimport colo_kit\ncolo_kit.setup(); colo_kit.setup()\n"
+            "import logging\nprint(os.environ['OMP_NUM_THREADS'], os.environ.get('TOKENIZERS_PARALLELISM'), "
+            "len(logging.getLogger('colo_kit').handlers))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.stdout.split() == ["3", "false", "1"], out.stderr[-2000:]
