@@ -72,7 +72,12 @@ NAMES = [c[0] for c in CHAIN]
 # Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8; and the
 # two ways to sleep, each on top of `bucketed_push`: TRL's level 2, and the KV cache only (colo_kit.kv_sleep).
 SIDE = {"sleep_l2": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {}),
-        "sleep_kv": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True})}
+        "sleep_kv": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True}),
+        # less staleness than spg8: at batch 8 a step is mostly generation latency (0.6 s for 8 completions of 256
+        # tokens), so sharing one generation between 2 or 4 steps cuts most of it; whether the policy still
+        # learns as fast per step is what these measure
+        "spg2": ("bucketed_push", {"steps_per_generation": 2}, {}),
+        "spg4": ("bucketed_push", {"steps_per_generation": 4}, {})}
 RECIPE = "recipe"
 RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
@@ -315,6 +320,7 @@ def _summarize_one(records: list[dict]) -> dict:
         tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
         ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
         adds = {**{c[0]: c[1] for c in CHAIN}, "sleep_l2": "bucketed_push + TRL's level-2 sleep",
+                "spg2": "bucketed_push + steps_per_generation=2", "spg4": "bucketed_push + steps_per_generation=4",
                 "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend"}
         row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
                "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
