@@ -1,14 +1,17 @@
 """TRL's `AsyncGRPOTrainer` with a LoRA adapter, against a server URL (the routing proxy), as post 2
 runs it: `run_async_grpo(...)`. And what it takes on a machine without FlashAttention-3 (a CPU, or a
 GPU node with no access to the Hub): `cpu_async_grpo_patches`, which replaces exactly what stops it.
+On a shared machine, where the proxy asks its clients for a token (`--client-token-env`), TRL's
+clients, which send none, are made to send it by `trl_client_auth`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from colo_kit.lora import published_versions
 
@@ -94,6 +97,87 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
             setattr(module, name, original)
 
 
+class BearerRequests:
+    """The `requests` module as TRL 1.16's async-GRPO `VLLMClient` calls it (`requests.get`,
+    `requests.post`; trl/experimental/async_grpo/vllm_client.py), with `Authorization: Bearer
+    <token>` on every call. Everything else (`requests.ConnectionError`, ...) is requests' own."""
+
+    def __init__(self, token: str):
+        self._authorization = f"Bearer {token}"
+
+    def __getattr__(self, name):
+        import requests
+
+        return getattr(requests, name)
+
+    def request(self, method, url, **kwargs):
+        import requests
+
+        kwargs["headers"] = {**(kwargs.get("headers") or {}), "Authorization": self._authorization}
+        return requests.request(method, url, **kwargs)
+
+    def get(self, url, **kwargs):
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url, **kwargs):
+        return self.request("POST", url, **kwargs)
+
+    def __repr__(self) -> str:
+        return "BearerRequests(token=***)"
+
+
+def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
+    """TRL's rollout loop (`loop_cls`, built with TRL's own arguments) whose generation requests carry
+    `Authorization: Bearer $token_env`. It runs in the rollout worker's spawned child, which reads the
+    token from its environment (inherited from the trainer's): nothing secret is pickled. TRL makes
+    the loop's aiohttp session in `_run_loops` without headers and calls it from `_post` only
+    (trl/experimental/async_grpo/async_rollout_worker.py), so `_post` puts the header on that session."""
+    loop = loop_cls(**kwargs)
+    authorization = f"Bearer {os.environ.get(token_env, '')}"
+    post = loop._post
+
+    async def _post(*args, **kw):
+        loop.session.headers["Authorization"] = authorization  # the session's default headers, as TRL made it
+        return await post(*args, **kw)
+
+    loop._post = _post
+    return loop
+
+
+@contextmanager
+def trl_client_auth(token_env: str) -> Iterator[None]:
+    """Make TRL 1.16's AsyncGRPOTrainer send `Authorization: Bearer <token>` (the value of the
+    environment variable `token_env`, the proxy's `--client-token-env`) to its vLLM server, for the
+    duration of a `with` block; TRL's clients send no credentials and get 401 from such a proxy.
+    Two clients talk to the server, and both are covered:
+
+    1. the trainer's `VLLMClient` (health, `/server_info`, pause, resume, adapter loads) calls the
+       `requests` module of trl/experimental/async_grpo/vllm_client.py: that name is `BearerRequests`
+       within the block;
+    2. the rollout worker (TRL's default `AsyncRolloutWorker`) generates from a spawned child process
+       on an aiohttp session: its loop class (`_loop_cls`, pickled by reference into the child) is
+       wrapped by `bearer_rollout_loop`.
+
+    TRL's own objects are back when the block ends, even on an error. Build and train the trainer
+    inside the block (the worker is spawned by `train()`)."""
+    token = os.environ.get(token_env, "")
+    if not token:
+        raise ValueError(f"token_env={token_env!r}: the variable is missing or empty; export the proxy's client token "
+                         "(its --client-token-env) first")
+    from trl.experimental.async_grpo import async_rollout_worker, vllm_client
+
+    worker = async_rollout_worker.AsyncRolloutWorker
+    saved_requests, saved_loop = vllm_client.requests, worker.__dict__["_loop_cls"]
+    vllm_client.requests = BearerRequests(token)
+    # a staticmethod, so `self._loop_cls` is the partial itself, as it was the class
+    worker._loop_cls = staticmethod(functools.partial(bearer_rollout_loop, saved_loop, token_env))
+    try:
+        yield
+    finally:
+        vllm_client.requests = saved_requests
+        worker._loop_cls = saved_loop
+
+
 def prompt_word_reward(completions, prompts=None, **_):
     """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a
     completion's words that appear in its prompt. It varies between samples of a random-weight
@@ -125,10 +209,11 @@ def _bar_without_log_lines(trainer) -> None:
 def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
-                   lora_rank: int = 1, lora_alpha: int = 2, **config) -> dict:
+                   lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
     """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `server_url` (the
     proxy), adapters published to `<output_dir>/.vllm_lora/`. On CPU the three patches of
-    `cpu_async_grpo_patches` hold for the run. Returns the log history and what was patched."""
+    `cpu_async_grpo_patches` hold for the run; with `client_token_env` (a proxy started with
+    `--client-token-env`), `trl_client_auth` does. Returns the log history and what was patched."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
@@ -149,7 +234,8 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
                            save_strategy="no", **({"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
                                                     "heartbeat_stale_after_s": 120} if cpu else {}), **config)
     t0 = time.perf_counter()
-    with cpu_async_grpo_patches(tok) as patched:
+    auth = trl_client_auth(client_token_env) if client_token_env else nullcontext()
+    with auth, cpu_async_grpo_patches(tok) as patched:
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
                                    processing_class=tok,
                                    peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear"))

@@ -172,6 +172,9 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
 
     `api_key_env` names the variable holding the key; the key itself goes into the replica's
     environment as `VLLM_API_KEY` (read by vLLM), never onto its command line where `ps` shows it.
+    vLLM checks it under `/v1` only; `colo_kit.replica_auth.ReplicaAuthMiddleware` (`--middleware`)
+    asks for it on every other path but `/health` too (`/collective_rpc`, `/pause`, `/server_info`),
+    and proves to the proxy's health polls that the replica holds it.
     """
     max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
     check_slots(max_loras, max_staleness)
@@ -189,6 +192,10 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
             "--max-lora-rank", str(max_lora_rank_for(lora_rank)), "--enable-prefix-caching",
             # TRL's VLLMClient.get_sequence_logprobs asks for top_logprobs=100; vLLM's default allows 20
             "--max-logprobs", str(max_logprobs)]
+    if api_key_env:
+        from colo_kit.replica_auth import MIDDLEWARE
+
+        argv += ["--middleware", MIDDLEWARE]
     if block_size:
         argv += ["--block-size", str(block_size)]
     if max_model_len:

@@ -7,23 +7,30 @@ like one server. This module serves that proxy on aiohttp; what it decides is `c
 - **Who may use it.** On loopback, any local process, as TRL's client sends no credentials. With
   `client_token_env` every request must carry `Authorization: Bearer <that token>` (401 otherwise);
   binding anything but loopback without it is refused at start. The client's header never travels
-  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none. A
-  replica URL's password is shown nowhere (`user:***@`).
+  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none, but a
+  challenge: a replica that has proved it holds the key (`colo_kit.replica_auth`) is sent the token
+  only while it proves it, so a process that takes its port after it dies learns nothing. A
+  replica URL's password is shown nowhere (`user:***@`). Settings: `colo_kit.proxy_config`.
 - **How long it waits for a client.** A request's head must arrive within `client_timeout_s` of
   the connection opening (or of the previous answer), and its body within as long again; a socket
   that sends nothing is closed, so idle sockets cannot use up the proxy's file descriptors.
 - **What it forwards.** The routes of `routing.ROUTES` only (404 otherwise, without touching a
   replica); paths are normalised first. Adapter loads need `adapter_root` and a path inside it.
   Bodies over `max_body_mb` get 413 before they are read whole; prompts are parsed and hashed off
-  the event loop, so one huge prompt does not stall `/health` for everyone.
+  the event loop, and a text prompt is tokenised only as far as the blocks routing reads, so one
+  huge prompt does not stall `/health` for everyone.
 - **Where it sends.** A completion goes to the replica that holds the longest known prefix of its
   prompt (`routing.PrefixIndex`), within a bound on load; a broadcast goes to every healthy replica.
-- **Faults, bounded.** Broadcasts and health checks wait at most `upstream_timeout_s`. A replica that
-  misses one is taken out of rotation and reported in the answer; its in-flight requests fail over
-  at once; when `/health` answers again it is caught up (adapters, pause state) and taken back. A
-  replay that fails is logged and skipped: a replica is never locked out by one bad adapter.
-  A client that hangs up ends its upstream request and nothing more. Uniform answers of a
-  broadcast (every replica said 400, say) pass through as they are; 502 is for mixed results.
+- **Faults, bounded.** Broadcasts and health checks wait at most `upstream_timeout_s`. A request that
+  fails on a replica (a 502/503/504, a timeout, a broken answer) fails over alone, and the replica
+  gets no new requests until its next good health poll; the others it is answering carry on. A
+  replica whose health polls fail is dropped: its in-flight requests fail over at once. When
+  `/health` answers again it is caught up (adapters, pause state) and taken back. A replay that
+  fails is logged and skipped: a replica is never locked out by one bad adapter. A client that
+  hangs up closes its upstream connection (vLLM then aborts the request) and nothing more. Uniform
+  answers of a broadcast (every replica said 400, say) pass through as they are; 502 is for mixed
+  results, and a retry converges: "already loaded" (the same adapter) or "not found" (an unload)
+  counts as done where other replicas did it.
 - **What it tells.** `/health` (no secrets), `/metrics` (Prometheus text through
   `prometheus_client`, or JSON with `?format=json`): per-replica requests, in-flight, health,
   affinity hits, fallbacks, retries, load imbalance and the proxy's own handler time.
@@ -34,24 +41,22 @@ like one server. This module serves that proxy on aiohttp; what it decides is `c
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
-from colo_kit.routing import (ADAPTER_NAME, ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, bearer_ok, choose_replica,
-                              load_bound, normalise_path, replica_base, route_kind, vet_adapter_load)
+from colo_kit.proxy_config import ProxyConfig  # noqa: F401  (colo_kit.proxy.ProxyConfig, as before)
+from colo_kit.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, KeyProof, new_challenge
+from colo_kit.routing import (ADAPTER_NAME, ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, already_done, bearer_ok,
+                              choose_replica, load_bound, normalise_path, route_kind, vet_adapter_load)
 
 log = logging.getLogger("colo_kit.proxy")
 
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (well under a millisecond)
-MAX_BODY_MB = 1024  # the proxy holds a whole body in memory; aiohttp needs the limit as an int of bytes
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the ones aiohttp recomputes
 # and the client's credentials (replaced by the replicas' own upstream).
@@ -60,119 +65,18 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class ProxyConfig:
-    replicas: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    token_env: str | None = None  # the replicas' API key, sent upstream
-    client_token_env: str | None = None  # the key clients must send to the proxy
-    adapter_root: str | None = None  # the only directory adapter loads may point into
-    block_size: int | None = None  # None: ask the replicas (/server_info), else 16
-    max_prefix_blocks: int = 64
-    prefix_index_size: int = 65536
-    policy: str = "affinity"  # or "round_robin", the baseline the post compares against
-    imbalance: float = 1.2
-    slack: int = 8
-    tokenizer: str | None = None
-    max_body_mb: float = 16.0
-    upstream_timeout_s: float = 30.0  # broadcasts and health checks
-    request_timeout_s: float = 600.0  # one generation (thousands of tokens take minutes)
-    health_interval_s: float = 1.0
-    health_failures_to_drop: int = 2  # consecutive failed polls; a refused connection drops at once
-    connect_timeout_s: float = 2.0
-    client_timeout_s: float = 30.0  # a request's head, and then its body, from a client
-    max_attempts: int = 3
-    token: str | None = field(default=None, repr=False)
-    client_token: str | None = field(default=None, repr=False)
-    # shown replica URL (password as ***) -> the URL requests go to, credentials and all
-    upstream_urls: dict[str, str] = field(default_factory=dict, init=False, repr=False)
-
-    def validate(self) -> "ProxyConfig":
-        """Check everything that can be checked before serving; raise ValueError naming the fix."""
-        if not self.replicas:
-            raise ValueError("no replicas: pass at least one --replica http://HOST:PORT (a vLLM OpenAI server)")
-        clean, upstream = [], {}
-        for url in self.replicas:
-            # validated before, a shown URL maps back to the real one
-            shown, base = replica_base(self.upstream_urls.get(url, str(url)), self.token_env)
-            clean.append(shown)
-            upstream[shown] = base
-        if len(set(clean)) != len(clean):
-            raise ValueError(f"replica listed twice in {clean}: each --replica must be a different server")
-        self.replicas, self.upstream_urls = clean, upstream
-        self.token = self._secret(self.token_env, "--token-env", "the replicas' --api-key")
-        self.client_token = self._secret(self.client_token_env, "--client-token-env", "the key clients must send")
-        if not self.client_token and not _is_loopback(self.host):
-            raise ValueError(f"--host {self.host}: listening beyond this machine lets anyone who reaches the port "
-                             "drive the replicas; give --client-token-env NAME (clients then send that token), "
-                             "or keep --host 127.0.0.1")
-        for name in ("imbalance", "max_body_mb", "upstream_timeout_s", "request_timeout_s", "health_interval_s",
-                     "connect_timeout_s", "client_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r}: give a finite number above 0")
-        if self.max_body_mb > MAX_BODY_MB:
-            raise ValueError(f"max_body_mb={self.max_body_mb:g}: give at most {MAX_BODY_MB} (the proxy holds a whole "
-                             "body in memory; TRL's requests are well under the default 16)")
-        if self.imbalance < 1.0:
-            raise ValueError(f"imbalance={self.imbalance}: the bound is max/mean in-flight load, >= 1.0 (e.g. 1.2)")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise ValueError(f"block_size={self.block_size}: use the replicas' KV block size (vLLM's --block-size: "
-                             "16 on a GPU, 32 on vLLM-CPU), or leave it out to ask the replicas")
-        if self.policy not in ("affinity", "round_robin"):
-            raise ValueError(f"policy={self.policy!r}: choose 'affinity' or 'round_robin'")
-        if not (0 <= self.port < 65536):
-            raise ValueError(f"port={self.port}: choose 1-65535 (0 picks a free one)")
-        for name in ("max_attempts", "slack", "max_prefix_blocks", "prefix_index_size", "health_failures_to_drop"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "slack" else 1):
-                raise ValueError(f"{name}={value!r}: give a whole number of at least {0 if name == 'slack' else 1}")
-        if self.tokenizer and not os.path.exists(os.path.join(self.tokenizer, "tokenizer.json")):
-            raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there; pass the replicas' model "
-                             "folder, or leave it out to route text prompts by a byte stand-in")
-        if self.adapter_root is not None and not os.path.isdir(self.adapter_root):
-            raise ValueError(f"--adapter-root {self.adapter_root}: not a directory; give the shared directory the "
-                             "trainer publishes adapters under")
-        if self.adapter_root is not None and os.path.realpath(self.adapter_root) == "/":
-            raise ValueError(f"--adapter-root {self.adapter_root}: the adapter root / would let any file on the "
-                             "machine be loaded; give the folder that holds your adapters")
-        return self
-
-    @staticmethod
-    def _secret(env: str | None, flag: str, what: str) -> str | None:
-        if not env:
-            return None
-        value = os.environ.get(env, "")
-        if not value:
-            raise ValueError(f"{flag} {env}: the environment variable {env} is missing or empty; export it "
-                             f"({what}) before starting the proxy")
-        return value
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# ---------------------------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------------------------
 
 class _Replica:
-    def __init__(self, url: str, base: str):
+    def __init__(self, url: str, base: str, token: str | None):
         self.url = url  # as shown: in logs, answers and metrics
         self.base = base  # as requested: with the URL's credentials, if any
-        self.healthy = True  # optimistic until the first poll says otherwise
+        self.healthy = True  # optimistic until the first poll says otherwise; False: no new requests
+        self.dropped = False  # its health polls failed: the requests waiting on it were failed over
         self.dead = asyncio.Event()  # set while out of rotation
-        self.waiting: set[asyncio.Task] = set()  # upstream calls in flight: cancelled when it is taken out
+        self.waiting: set[asyncio.Task] = set()  # upstream calls in flight: cancelled when it is dropped
+        self.proof = KeyProof(token, base, url) if token else None  # has it proved it holds the replicas' key?
         self.inflight = 0
         self.requests = 0
         self.failures = 0
@@ -180,9 +84,22 @@ class _Replica:
         self.last_error: str | None = None
         self.failed_polls = 0
 
+    @property
+    def trusted(self) -> bool:
+        """False while what answers on its port cannot prove the key it proved before: never sent the token."""
+        return self.proof is None or self.proof.trusted
+
 
 class _Retryable(Exception):
     """The request never produced an answer on this replica: try another one."""
+
+
+class _HungUp(Exception):
+    """The caller hung up while its answer streamed: not the replica's fault."""
+
+    def __init__(self, response):
+        super().__init__("the caller hung up")
+        self.response = response
 
 
 class RoutingProxy:
@@ -221,7 +138,7 @@ class RoutingProxy:
         import aiohttp
         from aiohttp import web
 
-        self.replicas = {u: _Replica(u, self.config.upstream_urls[u]) for u in self.config.replicas}
+        self.replicas = {u: _Replica(u, self.config.upstream_urls[u], self.config.token) for u in self.config.replicas}
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
@@ -234,7 +151,10 @@ class RoutingProxy:
         # head has come when it fires (web_protocol.py: connection_made, _process_keepalive): our head
         # timeout. It also closes idle keep-alive connections, as vLLM's uvicorn does after 5 s, so
         # clients already cope. Lingering (draining an unread body after the answer) is bounded too.
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+        # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
+        # connection, and vLLM aborts a request whose connection closes (aiohttp's default since 3.9
+        # is to let the handler run on: the replica kept generating for nobody).
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      keepalive_timeout=self.config.client_timeout_s,
                                      lingering_time=min(10.0, self.config.client_timeout_s))
         await self._runner.setup()
@@ -306,26 +226,38 @@ class RoutingProxy:
 
     # -- health ------------------------------------------------------------------------------
     async def _probe(self, rep: _Replica) -> bool:
+        """One health poll: True when `rep` answered 200 and, once it has proved that it holds the
+        replicas' key, proved it again (colo_kit.replica_auth)."""
         import aiohttp
 
-        # no credentials: vLLM serves /health without them, and a process that took over a dead
-        # replica's port must not be handed the replicas' token
+        # No credentials: vLLM serves /health without them, and a process that took over a dead
+        # replica's port must not be handed the replicas' token. With a token, a fresh challenge:
+        # a replica started by colo_kit.lora.replica_launch answers it with a proof of the key, and
+        # one that has proved it once is taken back, and sent the token, only while it proves it.
+        challenge = new_challenge() if self.config.token else None
         try:
             timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.upstream_timeout_s))
-            async with self._session.get(rep.base + "/health", timeout=timeout) as r:
+            async with self._session.get(rep.base + "/health", timeout=timeout,
+                                         headers={CHALLENGE_HEADER: challenge} if challenge else None) as r:
                 await r.read()
-                if r.status == 200:
-                    rep.failed_polls = 0
-                    return True
-                raise RuntimeError(f"/health answered {r.status}")
+                if r.status != 200:
+                    raise RuntimeError(f"/health answered {r.status}")
+                answer = r.headers.get(PROOF_HEADER)
         except aiohttp.ClientConnectorError as exc:  # nothing listening: dead now
             rep.last_error = type(exc).__name__
             rep.failed_polls = self.config.health_failures_to_drop
             return False
-        except Exception as exc:  # slow or odd answer: dead only if it repeats (a busy host is not a dead one)
+        except Exception as exc:  # slow or odd answer: dropped only if it repeats (a busy host is not a dead one)
             rep.last_error = type(exc).__name__
             rep.failed_polls += 1
-            return rep.failed_polls < self.config.health_failures_to_drop and rep.healthy
+            return False
+        if challenge is not None and not rep.proof.verify(challenge, answer):  # colo_kit.replica_auth.KeyProof
+            rep.last_error = ("answers /health without the proof of the replicas' key it gave before: another "
+                              "process on its port? Not sent the token; restart the replica")
+            rep.failed_polls = self.config.health_failures_to_drop
+            return False
+        rep.failed_polls = 0
+        return True
 
     async def _poll_health(self):
         reps = list(self.replicas.values())
@@ -334,11 +266,12 @@ class RoutingProxy:
             if ok and not rep.healthy:
                 await self._resync(rep)
                 rep.healthy = True
+                rep.dropped = False
                 rep.dead.clear()
                 self.counters["recoveries"] += 1
                 log.warning("replica %s is back", rep.url)
-            elif not ok and rep.healthy:
-                self._mark_dead(rep, rep.last_error or "health check failed")
+            elif not ok and rep.failed_polls >= self.config.health_failures_to_drop:
+                self._mark_dead(rep, rep.last_error or "health check failed", drop=True)
 
     async def _health_loop(self):
         while True:
@@ -358,7 +291,8 @@ class RoutingProxy:
                 continue
             status, text = await self._send(rep.url, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(),
                                             headers, self.config.upstream_timeout_s)
-            if status == 200 or (status == 400 and "already" in text):
+            if status == 200 or (already_done("/v1/load_lora_adapter", status, text)
+                                 and await self._holds(rep, name, body.get("lora_path"))):
                 self._loaded.setdefault(name, set()).add(rep.url)
             else:  # logged and skipped: one bad adapter must not keep a replica out for good
                 self.counters["replay_failures"] += 1
@@ -367,14 +301,20 @@ class RoutingProxy:
             await self._send(rep.url, "POST", "/pause?mode=keep", b"", self._upstream_headers(),
                              self.config.upstream_timeout_s)
 
-    def _mark_dead(self, rep: _Replica, why: str):
+    def _mark_dead(self, rep: _Replica, why: str, *, drop: bool = False):
+        """Take `rep` out of rotation for new requests until a health poll finds it well again. With
+        `drop` (its health polls failed: it is gone or hung) the requests waiting on it fail over now,
+        not at their timeout. A single request's failure does not drop it: the other requests may
+        still be answered (one 503 once re-sent four six-second requests that were being served)."""
         was_healthy = rep.healthy
         rep.healthy = False
         rep.dead.set()
         rep.last_error = why
         if was_healthy:
             log.warning("replica %s out of rotation: %s", rep.url, why)
-            for task in list(rep.waiting):  # requests waiting on it fail over now, not at their timeout
+        if drop and not rep.dropped:
+            rep.dropped = True
+            for task in list(rep.waiting):
                 task.colo_kit_dead = rep.url
                 task.cancel()
         for names in self._loaded.values():  # it may come back without them
@@ -412,8 +352,8 @@ class RoutingProxy:
             return resp
         if kind == OWN:
             return await self._own(request, path)
-        if kind == BROADCAST:
-            return await self._broadcast(request, path, body)
+        if kind == BROADCAST:  # shielded: a caller hanging up must not leave it half-sent and unrecorded
+            return await asyncio.shield(self._broadcast(request, path, body))
         if kind == ANY:
             return await self._to_any(request, path, body)
         return await self._route(request, path, body, t0)
@@ -431,7 +371,7 @@ class RoutingProxy:
     def _pick(self, chain: list[bytes] | None, exclude: set[str]) -> tuple[_Replica, bool]:
         healthy = [u for u, r in self.replicas.items() if r.healthy and u not in exclude]
         if not healthy:  # everything looks dead: try the ones not yet tried rather than fail outright
-            healthy = [u for u in self.replicas if u not in exclude]
+            healthy = [u for u, r in self.replicas.items() if r.trusted and u not in exclude]
         if not healthy:
             raise LookupError("no replica left to try")
         if self.config.policy == "round_robin":
@@ -448,9 +388,9 @@ class RoutingProxy:
         return self.replicas[url], False
 
     async def _route(self, request, path, body, t0):
-        if len(body) <= INLINE_PARSE_BYTES:  # TRL's requests: a thread hop would cost more than the parse
+        if len(body) <= INLINE_PARSE_BYTES and not self.config.tokenizer:  # TRL's: a thread hop costs more
             chain, stream = self._parse(body)
-        else:  # a long prompt is hashed (and maybe tokenised) off the event loop, which keeps serving others
+        else:  # a long prompt is hashed, and a text one tokenised, off the event loop, which keeps serving others
             chain, stream = await asyncio.get_running_loop().run_in_executor(None, self._parse, body)
         headers = self._upstream_headers(request.headers)
         tried: set[str] = set()
@@ -469,10 +409,16 @@ class RoutingProxy:
             rep.requests += 1
             try:
                 return await self._forward(request, rep, path, body, headers, stream, t0, hit, chain)
-            except _Retryable as exc:
+            except _Retryable as exc:  # this request fails over; the others on `rep` carry on
                 last_error = f"{rep.url}: {exc}"
                 rep.failures += 1
                 self._mark_dead(rep, str(exc))
+            except _HungUp as exc:  # counted here only, once: a failed write is followed by the cancellation
+                self.counters["client_hangups"] += 1
+                return exc.response
+            except asyncio.CancelledError:  # the caller hung up (handler_cancellation), or the proxy stops
+                self.counters["client_hangups"] += 1
+                raise
             finally:
                 rep.inflight -= 1
         self.counters["errors"] += 1
@@ -481,9 +427,9 @@ class RoutingProxy:
 
     @asynccontextmanager
     async def _waiting_on(self, rep: _Replica):
-        """While the block awaits `rep`, `_mark_dead(rep)` cancels it and the block raises _Retryable
-        instead: requests waiting on a replica taken out of rotation fail over at once, not at their
-        timeout. A cancellation from elsewhere (the server shutting down) propagates."""
+        """While the block awaits `rep`, `_mark_dead(rep, drop=True)` cancels it and the block raises
+        _Retryable instead: requests waiting on a replica whose health polls failed fail over at once,
+        not at their timeout. A cancellation from elsewhere (the server shutting down) propagates."""
         me = asyncio.current_task()
         rep.waiting.add(me)
         try:
@@ -492,7 +438,7 @@ class RoutingProxy:
             if getattr(me, "colo_kit_dead", None) == rep.url:
                 me.colo_kit_dead = None
                 getattr(me, "uncancel", lambda: None)()  # Python 3.11+: the cancel was ours, and is spent
-                raise _Retryable("taken out of rotation while the request waited") from None
+                raise _Retryable("dropped by its health polls while the request waited") from None
             raise
         finally:
             rep.waiting.discard(me)
@@ -523,6 +469,9 @@ class RoutingProxy:
                 raise _Retryable(f"HTTP {up.status}")
             self._record(rep, hit, chain, (t_send - t0) + (time.perf_counter() - t_done))
             return web.Response(status=up.status, body=data, headers=resp_headers)
+        except asyncio.CancelledError:
+            up.close()  # not back to the pool: the replica sees the connection close and aborts the request
+            raise
         finally:
             up.release()
             await upstream_cm.__aexit__(None, None, None)
@@ -559,13 +508,12 @@ class RoutingProxy:
             try:
                 await resp.write(chunk)
             except (ConnectionError, RuntimeError):  # the caller hung up: not the replica's fault
-                self.counters["client_hangups"] += 1
                 up.close()
-                return resp
+                raise _HungUp(resp) from None
         try:
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
-            self.counters["client_hangups"] += 1
+            raise _HungUp(resp) from None
         return resp
 
     def _record(self, rep, hit, chain, own_s: float):
@@ -584,7 +532,7 @@ class RoutingProxy:
         from aiohttp import web
 
         query = f"?{request.query_string}" if request.query_string else ""
-        for rep in sorted(self.replicas.values(), key=lambda r: not r.healthy):
+        for rep in sorted((r for r in self.replicas.values() if r.trusted), key=lambda r: not r.healthy):
             status, text = await self._send(rep.url, request.method, path + query, body,
                                             self._upstream_headers(request.headers), self.config.upstream_timeout_s)
             if status is not None:
@@ -640,9 +588,16 @@ class RoutingProxy:
         for r, (s, t) in zip(targets, results):
             if s is None:
                 self._mark_dead(r, t)  # caught up by replay when /health answers again
-        ok = sorted(already | {u for u, (s, _) in answers.items() if s is not None and s < 300})
+        done = already | {u for u, (s, _) in answers.items() if s is not None and s < 300}
+        converged = set()  # "already loaded" (the same adapter) or "not found" where others did it
+        if done:  # when every replica says so, it is the caller's answer, passed through below
+            for u, (s, t) in answers.items():
+                if already_done(path, s, t) and (path != "/v1/load_lora_adapter"
+                                                 or await self._holds(self.replicas[u], name, payload["lora_path"])):
+                    converged.add(u)
+        ok = sorted(done | converged)
         missed = sorted({u for u, (s, _) in answers.items() if s is None} | set(skipped))
-        refused = {u: (s, t) for u, (s, t) in answers.items() if s is not None and s >= 300}
+        refused = {u: (s, t) for u, (s, t) in answers.items() if s is not None and s >= 300 and u not in converged}
         self._remember(path, name, payload, ok, refused)
         if refused and not ok:
             statuses = {s for s, _ in refused.values()}
@@ -658,11 +613,22 @@ class RoutingProxy:
                                       "succeeded": ok, "missed": missed}, status=502)
         if not ok:
             return _error(502, f"{path} reached no replica (missed: {missed})", "proxy_upstream_error")
-        first = next((answers[u] for u in ok if u in answers), (200, "{}"))
+        first = next((answers[u] for u in ok if u in answers and u not in converged), (200, '{"status": "ok"}'))
         if missed:  # the healthy ones have it; the others get it by replay when they are back
             return web.json_response({"status": "ok", "succeeded": ok, "missed": missed,
                                       "note": "missed replicas are out of rotation and catch up when healthy"})
         return web.Response(status=first[0], text=first[1], content_type=_content_type(first[1]))
+
+    async def _holds(self, rep: _Replica, name, lora_path) -> bool:
+        """Whether `rep` serves adapter `name` from `lora_path` (`/v1/models` lists each adapter with its
+        path): "already loaded" is success for the same adapter only, not for a stale one of that name."""
+        status, text = await self._send(rep.url, "GET", "/v1/models", b"", self._upstream_headers(),
+                                        self.config.upstream_timeout_s)
+        try:
+            return status == 200 and any(m.get("id") == name and m.get("root") == lora_path
+                                         for m in json.loads(text)["data"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
 
     def _remember(self, path, name, payload, ok, refused):
         if path == "/v1/load_lora_adapter" and ok and not refused:

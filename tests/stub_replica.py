@@ -13,18 +13,25 @@ from pathlib import Path
 
 def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
-    `delay_ms` from the request body, if any); `"stream": true` sends `chunks` SSE events
+    `delay_ms` from the request body, if any; a request whose connection closes while it waits is
+    counted in `aborted`, as vLLM aborts it), or at once the HTTP `answer_status` of the body (on the
+    replica named `fail_on` only, if given);
+    `"stream": true` sends `chunks` SSE events
     `chunk_delay_ms` apart; broadcast endpoints are recorded (with their Authorization header);
     `/_stub/state` reports everything; `/_stub/fail` makes a path answer 500 (to test partial
     broadcast failure); `/_stub/garbage` makes a path answer bytes that are not HTTP, as a port
-    taken over by another service (an SSH server, say) would."""
+    taken over by another service (an SSH server, say) would. With a token, `/health` answers the
+    proxy's challenge with the proof of it, as a replica started by `colo_kit.lora.replica_launch`
+    does (colo_kit.replica_auth); `auth_headers` counts the requests that carried any credentials."""
     import asyncio
     import json as _json
 
     from aiohttp import web
 
+    from colo_kit.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, replica_proof
+
     state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "garbage": [],
-             "unauthorized": 0, "health_auth_headers": 0}
+             "unauthorized": 0, "health_auth_headers": 0, "auth_headers": 0, "health_polls": 0, "aborted": 0}
 
     @web.middleware
     async def garbage(request, handler):
@@ -37,6 +44,8 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
 
     @web.middleware
     async def auth(request, handler):
+        if "Authorization" in request.headers and not request.path.startswith("/_stub"):
+            state["auth_headers"] += 1
         if token and not request.path.startswith(("/health", "/_stub")) and \
                 request.headers.get("Authorization") != f"Bearer {token}":
             state["unauthorized"] += 1
@@ -48,9 +57,14 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
             await asyncio.sleep(3600)
 
     async def health(request):
+        state["health_polls"] += 1
         if "Authorization" in request.headers:
             state["health_auth_headers"] += 1
         await hang_if_told(request)
+        challenge = request.headers.get(CHALLENGE_HEADER)
+        if token and challenge:
+            port = request.transport.get_extra_info("sockname")[1]
+            return web.Response(text="", headers={PROOF_HEADER: replica_proof(token, port, challenge)})
         return web.Response(text="")
 
     async def world_size(request):
@@ -68,8 +82,15 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         body = await request.json()
         state["requests"] += 1
         await hang_if_told(request)
+        if body.get("answer_status") and body.get("fail_on", name) == name:
+            return web.json_response({"error": f"{name} told to answer {body['answer_status']}"},
+                                     status=body["answer_status"])
         if body.get("delay_ms"):
-            await asyncio.sleep(body["delay_ms"] / 1000)
+            try:
+                await asyncio.sleep(body["delay_ms"] / 1000)
+            except asyncio.CancelledError:  # the connection closed (handler_cancellation): vLLM aborts the request
+                state["aborted"] += 1
+                raise
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -114,7 +135,7 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         state["garbage"] = [p for p in request.query.get("paths", "").split(",") if p]
         return web.json_response(state["garbage"])
 
-    app = web.Application(middlewares=[garbage, auth])
+    app = web.Application(middlewares=[garbage, auth], client_max_size=64 * 2**20)  # as vLLM: no 1 MB cap
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", complete)
@@ -144,16 +165,16 @@ def start_stub(port: int, name: str, token_env: str | None = None, log_path=None
         argv += ["--fail", ",".join(fail)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    for _ in range(200):
+    # a deadline, not a count of tries: on 2 busy cores the interpreter and aiohttp alone took 3-10 s
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.05)
-        if proc.poll() is not None:
-            break
     proc.kill()
-    raise RuntimeError(f"stub upstream on port {port} did not start")
+    raise RuntimeError(f"stub upstream on port {port} did not start within 60 s (exit code {proc.poll()})")
 
 
 def main(argv: list[str]) -> int:
@@ -176,7 +197,7 @@ def main(argv: list[str]) -> int:
         loop_factory = None
     kwargs = {"loop": loop_factory()} if loop_factory else {}
     web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host="127.0.0.1", port=a.port,
-                access_log=None, print=None, **kwargs)
+                access_log=None, print=None, handler_cancellation=True, **kwargs)
     return 0
 
 

@@ -182,3 +182,132 @@ def test_cpu_patches_hold_for_the_block_and_give_trl_its_functions_back():
             assert len(patched) == 2
             raise RuntimeError("stop")
     assert packing._flash_attn is fa3 and async_grpo_trainer.get_peak_flops_per_device is flops
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) The replica's own port asks for the key on every path but /health
+# ---------------------------------------------------------------------------------------------
+
+def _asgi(middleware, path, headers=(), method="POST", kind="http", port=8123):
+    """Call `middleware` once as uvicorn would: (status or websocket close code, response headers,
+    whether the app behind it ran)."""
+    import asyncio
+
+    ran, sent = [], []
+
+    async def app(scope, receive, send):
+        ran.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware.app = app
+    scope = {"type": kind, "method": method, "path": path, "root_path": "", "server": ("127.0.0.1", port),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+
+    async def receive():
+        return {"type": "websocket.connect"} if kind == "websocket" else {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(middleware(scope, receive, send))
+    start = sent[0]
+    return start.get("status", start.get("code")), dict(start.get("headers", [])), bool(ran)
+
+
+def test_the_replica_middleware_asks_for_the_key_everywhere_but_health(monkeypatch):
+    from colo_kit.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, ReplicaAuthMiddleware, proof_ok
+
+    monkeypatch.setenv("VLLM_API_KEY", "k-replica")  # the variable vLLM reads, and so the middleware
+    mw = ReplicaAuthMiddleware(None)
+    for path in ("/collective_rpc", "/pause", "/reset_prefix_cache", "/server_info", "/metrics", "/v1/models",
+                 "/health/", "//health", "/sleep"):
+        assert _asgi(mw, path)[0] == 401 and not _asgi(mw, path)[2], path
+        assert _asgi(mw, path, [("Authorization", "Bearer wrong")])[0] == 401, path
+    for header in ("Bearer k-replica", "bearer k-replica"):
+        assert _asgi(mw, "/collective_rpc", [("Authorization", header)])[::2] == (200, True)
+    assert _asgi(mw, "/health", method="GET")[::2] == (200, True)  # health checks carry no key
+    assert _asgi(mw, "/collective_rpc", method="OPTIONS")[::2] == (200, True)  # CORS preflight, as vLLM lets it
+    assert _asgi(mw, "/collective_rpc", kind="websocket")[0] == 1008
+    # the proof of the key for the port it listens on, for a challenge it was given
+    _, headers, _ = _asgi(mw, "/health", [(CHALLENGE_HEADER, "c1")], method="GET", port=8123)
+    proof = headers[PROOF_HEADER.lower().encode()].decode()
+    assert proof_ok("k-replica", 8123, "c1", proof)
+    assert not proof_ok("k-replica", 8124, "c1", proof) and not proof_ok("k-replica", 8123, "c2", proof)
+    assert not proof_ok("other-key", 8123, "c1", proof)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _asgi(ReplicaAuthMiddleware(None), "/collective_rpc")[::2] == (200, True)  # no key: as vLLM, open
+
+
+def test_the_launch_recipe_loads_the_middleware_with_a_key(monkeypatch):
+    import importlib
+
+    from colo_kit.replica_auth import ReplicaAuthMiddleware
+
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-123")
+    argv = replica_launch("/m", port=8001, api_key_env="COLO_KIT_TEST_KEY").argv
+    path = argv[argv.index("--middleware") + 1]
+    module, name = path.rsplit(".", 1)  # as vLLM imports it (vllm/entrypoints/serve/middleware/register.py)
+    assert getattr(importlib.import_module(module), name) is ReplicaAuthMiddleware
+    assert "--middleware" not in replica_launch("/m", port=8001).argv  # no key: nothing to ask for
+
+
+@pytest.mark.slow
+def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(tiny_model_path, tmp_path, monkeypatch):
+    """vLLM checks its key under /v1 only; a replica from the kit's recipe asks for it on its dev-mode
+    endpoints too, and proves to the proxy's health poll that it holds it."""
+    from colo_kit.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.replicas import launch_replicas
+
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-dev")
+    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=1, api_key_env="COLO_KIT_TEST_KEY",
+                            block_size=32, max_model_len=256, **gpu_share())
+    with launch_replicas([launch], tmp_path / "logs") as reps:
+        url, key = reps.urls[0], {"Authorization": "Bearer k-dev"}
+        assert httpx.get(url + "/health").status_code == 200
+        for method, path in [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/reset_prefix_cache"),
+                             ("GET", "/server_info"), ("GET", "/metrics"), ("GET", "/v1/models")]:
+            r = httpx.request(method, url + path, json={"method": "get_model_config"}, timeout=30)
+            assert r.status_code == 401, (path, r.status_code, r.text[:200])
+        assert httpx.get(url + "/server_info", headers=key, timeout=30).status_code == 200
+        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY")).start_in_thread()
+        try:
+            assert proxy.config.block_size == 32  # asked with the key
+            assert proxy.replicas[url].proof.proves is True  # the start's health poll got the proof
+            assert httpx.get(proxy.url + "/v1/models", timeout=30).status_code == 200
+        finally:
+            proxy.stop_thread()
+
+
+@pytest.mark.slow
+def test_async_grpo_trains_through_a_proxy_that_asks_for_a_client_token(tiny_model_path, tmp_path, monkeypatch):
+    """(8) The README's shared-machine setup: a proxy with --client-token-env. TRL's clients send no
+    credentials (401); with `client_token_env` the trainer and its spawned rollout worker send it."""
+    from colo_kit.async_grpo import run_async_grpo
+    from colo_kit.data import load_tldr
+    from colo_kit.lora import LORA_SUBDIR
+    from colo_kit.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.replicas import launch_replicas
+
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
+    monkeypatch.setenv("COLO_KIT_TEST_CLIENT_KEY", "k-client")
+    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=1, lora_rank=1,
+                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512, **gpu_share())
+    shared = tmp_path / "bucket"
+    (shared / LORA_SUBDIR).mkdir(parents=True)
+    with launch_replicas([launch], tmp_path / "logs") as reps:
+        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
+                                         client_token_env="COLO_KIT_TEST_CLIENT_KEY",
+                                         adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
+        try:
+            assert httpx.get(proxy.url + "/server_info").status_code == 401  # what TRL's clients got
+            prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
+            run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=2, num_generations=4,
+                                 per_device_train_batch_size=8, max_completion_length=8, max_staleness=1,
+                                 client_token_env="COLO_KIT_TEST_CLIENT_KEY")
+            assert [h["step"] for h in run["log_history"] if "loss" in h] == [1, 2]
+            snap = proxy.snapshot()
+            assert snap["routed"] >= 16 and snap["refused"] == 1, snap  # the worker's requests, and the one above
+            assert snap["adapters"] and published_versions(shared)
+        finally:
+            proxy.stop_thread()

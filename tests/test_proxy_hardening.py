@@ -1,20 +1,29 @@
 """What a prober found on the proxy over loopback, each one pinned: the Bearer scheme in any case,
 a replica that answers bytes that are not HTTP, one-line refusals of bad flags and bodies, replica
-passwords kept out of what the proxy prints and serves, and clients that open sockets and send
-nothing. Real HTTP servers on 127.0.0.1 (`tests/stub_replica.py`), as in tests/test_proxy.py."""
+passwords kept out of what the proxy prints and serves, clients that open sockets and send
+nothing; one failed request failing over alone, a client's hang-up ending its upstream request, a
+broadcast retry that converges, a huge text prompt tokenised only as far as routing reads, a
+process on a dead replica's port never sent the token, and TRL's clients sending a client token.
+Real HTTP servers on 127.0.0.1 (`tests/stub_replica.py`), as in tests/test_proxy.py."""
 
+import asyncio
 import base64
+import collections
 import json
+import os
+import pickle
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 from stub_replica import start_stub
 import test_proxy
-from test_proxy import CLIENT_ENV, CLIENT_TOKEN, H, _proxy, _state
+from test_proxy import CLIENT_ENV, CLIENT_TOKEN, TOKEN_ENV, H, _proxy, _state
 
 from colo_kit.launch import free_port
 from colo_kit.routing import PrefixKeyer, rendezvous_order
@@ -238,5 +247,262 @@ def test_silent_and_stalled_sockets_are_closed_after_the_client_timeout(stubs):
         # the proxy still serves, and a keep-alive client within the timeout is not cut off
         assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40}).status_code == 200
         assert p.snapshot()["errors"] == 0
+    finally:
+        p.stop_thread()
+
+
+# ---------------------------------------------------------------------------------------------
+# (6) One request's 502/503/504 fails over that request alone, not the others on its replica
+# ---------------------------------------------------------------------------------------------
+
+def test_one_failed_request_fails_over_alone_and_the_others_finish_where_they_are(stubs):
+    # Seen before: one 503 cancelled every request in flight on the replica, and all were sent again.
+    ports, _ = stubs
+    urls = [f"http://127.0.0.1:{x}" for x in ports]
+    body = {"model": "m", "prompt": [7] * 40}
+    first = rendezvous_order(PrefixKeyer(block_size=16).chain(body)[0], urls)[0]  # where the prompt goes
+    busy, other = (ports[0], ports[1]) if first == urls[0] else (ports[1], ports[0])
+    busy_name = _state(busy)["name"]
+    p = _proxy(ports)
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                slow = [asyncio.create_task(c.post(p.url + "/v1/completions", json={**body, "delay_ms": 3000}))
+                        for _ in range(4)]
+                deadline = time.monotonic() + 20
+                while (await c.get(f"http://127.0.0.1:{busy}/_stub/state")).json()["requests"] < 4:
+                    assert time.monotonic() < deadline, "the four slow requests never reached their replica"
+                    await asyncio.sleep(0.05)
+                failed = await c.post(p.url + "/v1/completions",
+                                      json={**body, "answer_status": 503, "fail_on": busy_name})
+                return failed, await asyncio.gather(*slow)
+        failed, slow = asyncio.run(run())
+        assert failed.status_code == 200 and failed.json()["replica"] != busy_name, failed.text  # failed over
+        assert [r.status_code for r in slow] == [200] * 4 and {r.json()["replica"] for r in slow} == {busy_name}
+        assert _state(busy)["requests"] == 5 and _state(other)["requests"] == 1  # nothing ran twice
+        assert p.snapshot()["retries"] == 1
+    finally:
+        p.stop_thread()
+
+
+# ---------------------------------------------------------------------------------------------
+# (7) A client that hangs up on a non-streamed request ends the upstream request
+# ---------------------------------------------------------------------------------------------
+
+def test_a_client_hanging_up_closes_its_upstream_request(stubs):
+    ports, _ = stubs
+    p = _proxy(ports)
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes its connection
+            httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [9] * 40, "delay_ms": 60_000},
+                       timeout=httpx.Timeout(30, read=1.0))
+        # the replica sees its request's connection close (vLLM aborts such a request), long before 60 s
+        _wait_for(lambda: sum(_state(x)["aborted"] for x in ports) == 1, 15, "the replica seeing the request end")
+        snap = p.snapshot()
+        assert snap["client_hangups"] == 1 and snap["errors"] == 0
+        assert all(r["healthy"] and r["inflight"] == 0 for r in snap["replicas"].values()), snap["replicas"]
+    finally:
+        p.stop_thread()
+
+
+# ---------------------------------------------------------------------------------------------
+# (10) A broadcast retry converges: "already loaded" (the same adapter) / "not found" count as done
+# ---------------------------------------------------------------------------------------------
+
+def test_a_broadcast_retry_converges_when_a_replica_already_did_it(stubs, adapters):
+    ports, _ = stubs
+    a, b = (f"http://127.0.0.1:{x}" for x in ports)
+    auth = {"Authorization": f"Bearer {test_proxy.TOKEN}"}
+    p = _proxy(ports, adapter_root=str(adapters))
+
+    def load_directly(url, name, version):  # as a load that the proxy gave up on but that finished
+        r = H.post(url + "/v1/load_lora_adapter", headers=auth,
+                   json={"lora_name": name, "lora_path": str(adapters / f"trl-policy-v{version}")})
+        assert r.status_code == 200, r.text
+
+    try:
+        v2 = {"lora_name": "trl-policy-v2", "lora_path": str(adapters / "trl-policy-v2")}
+        H.post(f"{b}/_stub/fail", params={"paths": "/v1/load_lora_adapter"})
+        assert H.post(p.url + "/v1/load_lora_adapter", json=v2).status_code == 502  # mixed
+        H.post(f"{b}/_stub/fail", params={"paths": ""})
+        load_directly(b, "trl-policy-v2", 2)
+        r = H.post(p.url + "/v1/load_lora_adapter", json=v2)  # b: "has already been loaded", the same adapter
+        assert r.status_code == 200, r.text
+        assert p.snapshot()["adapters"] == ["trl-policy-v2"]
+
+        # the same name from another path is a stale adapter, not a success
+        stale = {"lora_name": "trl-policy-v3", "lora_path": str(adapters / "trl-policy-v3")}
+        H.post(f"{b}/_stub/fail", params={"paths": "/v1/load_lora_adapter"})
+        assert H.post(p.url + "/v1/load_lora_adapter", json=stale).status_code == 502
+        H.post(f"{b}/_stub/fail", params={"paths": ""})
+        load_directly(b, "trl-policy-v3", 1)
+        r = H.post(p.url + "/v1/load_lora_adapter", json=stale)
+        assert r.status_code == 502 and [f["replica"] for f in r.json()["failed"]] == [b], r.text
+
+        # an unload that one replica had done already: "not found" there, done here
+        assert H.post(a + "/v1/unload_lora_adapter", headers=auth, json={"lora_name": "trl-policy-v2"}).status_code == 200
+        r = H.post(p.url + "/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"})
+        assert r.status_code == 200, r.text
+        assert "trl-policy-v2" not in p.snapshot()["adapters"]
+        assert all("trl-policy-v2" not in _state(x)["adapters"] for x in ports)
+    finally:
+        p.stop_thread()
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) A multi-MB text prompt with --tokenizer does not stall the event loop
+# ---------------------------------------------------------------------------------------------
+
+def test_a_huge_text_prompt_with_a_tokenizer_does_not_stall_health(stubs, tiny_model_path, tmp_path):
+    # Seen before: an 8-10 MB prompt held the event loop for 12-17 s while it was tokenised whole, and the
+    # proxy grew by gigabytes. `colo-kit proxy` as the prober ran it: its own process, the tokenizer's
+    # default parallelism (the Makefile's TOKENIZERS_PARALLELISM=false hid the stall).
+    import psutil
+
+    ports, _ = stubs
+    argv = [sys.executable, "-m", "colo_kit", "proxy", "--port", "0", "--block-size", "16", "--token-env", TOKEN_ENV,
+            "--tokenizer", tiny_model_path, "--log-level", "info"]
+    for port in ports:
+        argv += ["--replica", f"http://127.0.0.1:{port}"]
+    out, err = tmp_path / "proxy.out", tmp_path / "proxy.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(argv, stdout=o, stderr=e, env={**os.environ, "TOKENIZERS_PARALLELISM": "true"})
+    text = ("Solve the problem step by step and box the answer. " * 200_000)[:8_000_000]
+    done = {}
+    try:
+        def serving():
+            if proc.poll() is not None:
+                pytest.fail(f"the proxy exited ({proc.returncode}): {err.read_text()}")
+            return re.search(r"serving on (http://\S+)", out.read_text())
+
+        url = _wait_for(serving, 60, "the proxy printing its address").group(1)
+        rss = psutil.Process(proc.pid)
+        before_mb = rss.memory_info().rss / 2**20
+        sender = threading.Thread(target=lambda: done.update(response=httpx.post(
+            url + "/v1/completions", json={"model": "m", "prompt": text}, timeout=120)))
+        sender.start()
+        worst_s, peak_mb, polls, deadline = 0.0, before_mb, 0, time.monotonic() + 120
+        with httpx.Client(timeout=60) as health:
+            while sender.is_alive() and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                assert health.get(url + "/health").status_code == 200
+                worst_s, polls = max(worst_s, time.monotonic() - t0), polls + 1
+                peak_mb = max(peak_mb, rss.memory_info().rss / 2**20)
+                time.sleep(0.02)
+        sender.join(timeout=max(1.0, deadline - time.monotonic()))
+        assert not sender.is_alive(), "the huge prompt was not answered within 120 s"
+        assert done["response"].status_code == 200, done["response"].text[:300]
+        assert worst_s < 1.0, f"/health took {worst_s:.2f} s while the prompt was routed ({polls} polls)"
+        assert peak_mb - before_mb < 400, f"the proxy grew by {peak_mb - before_mb:.0f} MB for one 8 MB prompt"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_text_prompt_is_tokenised_only_as_far_as_routing_reads(tiny_model_path):
+    keyer = PrefixKeyer(block_size=16, max_prefix_blocks=4, tokenizer=tiny_model_path)
+    calls = []
+    encode = keyer._tok.encode
+    keyer._tok = type("Spy", (), {"encode": lambda self, t, **k: calls.append(len(t)) or encode(t, **k)})()
+    shared = "Read the problem, think step by step, and box the answer. " * 2000
+    a, b = keyer.chain({"model": "m", "prompt": shared + "one"}), keyer.chain({"model": "m", "prompt": shared + "two"})
+    assert a == b and len(a) == 4  # the first blocks only, the same for a shared prefix
+    assert max(calls) < 2000, calls  # characters tokenised, out of 118,000
+    ids = encode(shared, add_special_tokens=False).ids
+    assert a == keyer.chain({"model": "m", "prompt": ids})  # the text and its token ids agree
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) A process that binds a dead replica's port is never sent the replicas' token
+# ---------------------------------------------------------------------------------------------
+
+def test_a_process_on_a_dead_replicas_port_is_never_sent_the_token(stubs, adapters, tmp_path):
+    ports, procs = stubs
+    dead = f"http://127.0.0.1:{ports[0]}"
+    p = _proxy(ports, adapter_root=str(adapters))
+    try:
+        # health polls seen, and answered with the proof of the key, as replicas started by replica_launch do
+        _wait_for(lambda: all(_state(x)["health_polls"] >= 2 for x in ports), 15, "both replicas polled")
+        v1 = {"lora_name": "trl-policy-v1", "lora_path": str(adapters / "trl-policy-v1")}
+        assert H.post(p.url + "/v1/load_lora_adapter", json=v1).status_code == 200
+        procs[ports[0]].kill()
+        procs[ports[0]].wait()
+        _wait_for(lambda: not p.snapshot()["replicas"][dead]["healthy"], 15, "the killed replica leaving rotation")
+        # another process, which does not know the token, binds the dead replica's port
+        procs[ports[0]] = start_stub(ports[0], "impostor", log_path=tmp_path / "impostor.log")
+        _wait_for(lambda: _state(ports[0])["health_polls"] >= 5, 30, "the proxy polling the impostor")
+        for i in range(6):  # requests keep going to the live replica, none to the impostor
+            assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40}).json()["replica"] == "r1"
+        assert H.get(p.url + "/v1/models").status_code == 200
+        impostor = _state(ports[0])
+        assert impostor["auth_headers"] == 0 and impostor["calls"] == [] and impostor["requests"] == 0, impostor
+        snap = p.snapshot()["replicas"][dead]
+        assert not snap["healthy"] and "proof" in snap["last_error"], snap
+
+        # the real replica, restarted with the key, proves it again: caught up and back
+        procs[ports[0]].kill()
+        procs[ports[0]].wait()
+        procs[ports[0]] = start_stub(ports[0], "r0", token_env=TOKEN_ENV, log_path=tmp_path / "again.log")
+        _wait_for(lambda: p.snapshot()["replicas"][dead]["healthy"], 15, "the restarted replica coming back")
+        assert _state(ports[0])["adapters"] == {"trl-policy-v1": str(adapters / "trl-policy-v1")}
+    finally:
+        p.stop_thread()
+
+
+def test_a_replica_that_never_proved_the_key_is_trusted_as_before(tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, test_proxy.TOKEN)
+    port = free_port()
+    plain = start_stub(port, "plain", log_path=tmp_path / "plain.log")  # no proof: a plain vllm serve --api-key
+    p = _proxy([port])
+    try:
+        _wait_for(lambda: _state(port)["health_polls"] >= 2, 15, "the proxy polling it")
+        assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40}).status_code == 200
+        assert p.snapshot()["replicas"][f"http://127.0.0.1:{port}"]["healthy"]
+    finally:
+        p.stop_thread()
+        plain.kill()
+        plain.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# (8) TRL's clients send the proxy's client token inside `trl_client_auth`
+# ---------------------------------------------------------------------------------------------
+
+def test_trl_clients_send_the_client_token_inside_trl_client_auth(stubs, monkeypatch):
+    import aiohttp
+    import requests
+    from trl.experimental.async_grpo import async_rollout_worker, vllm_client
+
+    from colo_kit.async_grpo import bearer_rollout_loop, trl_client_auth
+
+    ports, _ = stubs
+    monkeypatch.setenv(CLIENT_ENV, CLIENT_TOKEN)
+    p = _proxy(ports, client_token_env=CLIENT_ENV)
+    loop_cls, worker = async_rollout_worker._AsyncRolloutLoop, async_rollout_worker.AsyncRolloutWorker
+
+    class Loop(loop_cls):  # TRL's own _post and _retry, without the dataset, tokenizer and queues
+        def __init__(self, vllm_server_url):
+            self.vllm_server_url, self.session, self._counters = vllm_server_url, None, collections.Counter()
+
+    async def generate(loop):
+        async with aiohttp.ClientSession() as session:  # as TRL's _run_loops makes it: no headers
+            loop.session = session
+            return await loop._post("/v1/completions", {"model": "m", "prompt": [1] * 40}, timeout=30, max_retries=1)
+
+    client = vllm_client.VLLMClient(p.url, server_timeout=5)
+    try:
+        with pytest.raises(requests.HTTPError, match="401"):
+            client.get_server_info()
+        with pytest.raises(aiohttp.ClientResponseError, match="401"):
+            asyncio.run(generate(Loop(p.url)))
+        with trl_client_auth(CLIENT_ENV):
+            assert client.get_world_size() == 2 and "lora_config" in client.get_server_info()
+            factory = pickle.loads(pickle.dumps(worker._loop_cls))  # what the spawned rollout child receives
+            assert factory.func is bearer_rollout_loop and factory.args == (loop_cls, CLIENT_ENV)
+            assert CLIENT_TOKEN.encode() not in pickle.dumps(worker._loop_cls)  # the child reads it from its env
+            assert asyncio.run(generate(bearer_rollout_loop(Loop, CLIENT_ENV, vllm_server_url=p.url)))["replica"]
+        assert vllm_client.requests is requests and worker._loop_cls is loop_cls  # TRL's own again
+        with pytest.raises(requests.HTTPError, match="401"):
+            client.get_server_info()
     finally:
         p.stop_thread()
