@@ -28,11 +28,10 @@ says which, against which measured rows, and the error on every row.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
+from colo_kit.model_shapes import model_shape  # noqa: F401  (planner.model_shape: callers read it here)
 from colo_kit.models import Preset
 
 GIB = 2**30
@@ -57,93 +56,6 @@ FITTED = {
     # (allocator segments pinned by tensors allocated among them, e.g. the optimizer states)
     "KEPT_AFTER_EMPTY_CACHE": 0.25,
 }
-
-
-# =================================================================================================
-# Model shapes
-# =================================================================================================
-
-def model_shape(model) -> Preset:
-    """A preset name (`qwen2.5-7b`), an HF config.json path or folder, or a config dict, as a
-    `models.Preset` (made from a config: hub_id None, not buildable), so the shapes and parameter
-    counts live in one place. transformers reads the config (offline) and builds it with its own
-    class (`AutoConfig`), and a multimodal one gives its text model's config."""
-    if isinstance(model, Preset):
-        return model
-    if isinstance(model, dict):
-        raw, name = model, model.get("_name_or_path") or model.get("model_type", "custom")
-    else:
-        text = str(model)
-        from colo_kit.models import PRESETS
-
-        if text.lower() in PRESETS:
-            return PRESETS[text.lower()]
-        path = Path(text)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ValueError(f"model {text!r} is neither a preset ({sorted(PRESETS)}) nor an HF config.json "
-                             "(file or folder); pass one of those")
-        raw, name = _read_config(text, path, file), file.parent.name
-    if not isinstance(raw, dict):
-        raise ValueError(f"config of {name!r} is a JSON {type(raw).__name__}, not an object: pass a model's config.json")
-    config, fields = _text_config(raw, name)
-    need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
-    # The config class fills a missing field with its default (Qwen2's hidden_size is 4096): only the
-    # file says whether the model has it.
-    missing = [k for k in need if k not in fields]
-    if missing:
-        raise ValueError(f"config of {name!r} lacks {missing}: the planner needs a dense decoder's config.json")
-    # AutoConfig may keep a bad type or value (a config class transformers does not know keeps anything)
-    shape = {key: getattr(config, key, None) for key in need}
-    # a config without num_key_value_heads has one KV head per head (Qwen2Config's default would be 32)
-    kv_heads = getattr(config, "num_key_value_heads", None) if "num_key_value_heads" in fields else None
-    shape["num_key_value_heads"] = shape["num_attention_heads"] if kv_heads is None else kv_heads
-    for key, value in shape.items():
-        if type(value) is not int or value < 1:
-            raise ValueError(f"config of {name!r}: {key}={value!r} is not a positive whole number")
-    return Preset(str(name), None, shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
-                  shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"],
-                  bool(getattr(config, "tie_word_embeddings", False)), buildable=False)
-
-
-def _read_config(text: str, path: Path, file: Path):
-    """The config.json as transformers' `AutoConfig.from_pretrained` reads it (its `get_config_dict`):
-    the raw fields are needed too, to tell a field the file lacks from a default."""
-    from transformers import PreTrainedConfig
-
-    try:
-        return PreTrainedConfig.get_config_dict(str(path), local_files_only=True)[0]
-    except (OSError, ValueError) as exc:
-        # transformers says "not a valid JSON file"; the JSON error it comes from says where
-        raise ValueError(f"model {text!r}: {file} is not a readable JSON config ({exc.__context__ or exc})") from None
-    except TypeError:
-        # transformers' reader indexes the JSON as an object and fails on any other JSON value; read it
-        # to say what it is instead
-        return json.loads(file.read_text())
-
-
-def _text_config(raw: dict, name: str):
-    """(the transformers config of the text model, the fields its part of `raw` gives)."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
-
-    model_type = raw.get("model_type")
-    try:
-        if model_type in CONFIG_MAPPING:
-            config = AutoConfig.for_model(**raw)  # raw["model_type"] picks the class
-        else:
-            # No model_type, or one this transformers does not know: its base config keeps every field.
-            config = PreTrainedConfig(**raw)
-        text = config.get_text_config()
-        if isinstance(text, dict):  # the base config leaves an unknown model's text_config a dict
-            return PreTrainedConfig(**text), text
-    except (StrictDataclassError, TypeError, ValueError) as exc:  # transformers checks the types of known fields
-        reason = " ".join(str(exc).split())
-        raise ValueError(f"config of {name!r}: transformers rejects it as a {model_type!r} config ({reason}); "
-                         "fix that field or pass a model's config.json") from None
-    # the part of the file the text config was built from: a sub-dict (text_config, ...) or the whole file
-    fields = next((v for k, v in raw.items() if isinstance(v, dict) and getattr(config, k, None) is text), raw)
-    return text, fields
 
 
 def _finite_positive(value) -> bool:
@@ -512,93 +424,4 @@ def parts_figure(report: dict, title: str | None = None):
     return fig
 
 
-# =================================================================================================
-# Validation against measured NVML peaks
-# =================================================================================================
-
-MEASURED_PEAKS = "planner_measured_peaks.json"  # under results/: the measured rows, their setup and a note
-
-
-def _measured(results_dir: Path | None = None) -> dict:
-    from colo_kit.paths import results_dir as _rd
-
-    return json.loads((Path(results_dir or _rd()) / MEASURED_PEAKS).read_text())
-
-
-def measured_rows(results_dir: Path | None = None) -> list[dict]:
-    """The measured rows (results/planner_measured_peaks.json), plus the ZeRO-3 run's own per-GPU peak
-    when results/zero3_run.json exists."""
-    from colo_kit.paths import results_dir as _rd
-
-    data = _measured(results_dir)
-    common = {**data["common_plan"], "gpu_mem_gib": H200_GIB}
-    rows = [dict(r, plan={**common, **r["plan"]}, source="TRL 1.16 on 2×H200 (results/planner_measured_peaks.json)")
-            for r in data["rows"]]
-    path = Path(results_dir or _rd()) / "zero3_run.json"
-    if path.exists():
-        run = json.loads(path.read_text())
-        # "partial": a run stopped by its time limit after at least one full step still measured a peak.
-        if (run.get("status") == "ok" or (run.get("status") == "partial" and run.get("step_times_s"))) \
-                and run.get("nvml_peak_gib_per_gpu"):
-            offload = ", optimizer offload" if run["planner_settings"].get("offload_optimizer") else ""
-            rows.append({"row": f"ZeRO-3{offload} colocate {run['settings']['model']}, {run['settings']['gpus']} GPU, sleep 2",
-                         "measured_gib": max(run["nvml_peak_gib_per_gpu"]), "plan": run["planner_settings"],
-                         "source": "results/zero3_run.json"})
-    return rows
-
-
-def fit_constants(rows: list[dict] | None = None) -> dict:
-    """Grid search of the three fitted constants for the smallest worst-case relative error over `rows`
-    (default: the colocate rows). Shown for honesty: this is how the values in FITTED were chosen."""
-    import itertools
-
-    rows = rows or [r for r in measured_rows() if r["plan"].get("mode", "colocate") == "colocate"
-                    and r["source"].startswith("TRL 1.16 on 2×H200")]
-    saved = dict(FITTED)
-    grid = {"CUDA_CONTEXT_GIB": [0.5 + 0.25 * k for k in range(11)],
-            "NCCL_GIB": [0.25 * k for k in range(1, 13)],  # NCCL buffers are never free
-            "KEPT_AFTER_EMPTY_CACHE": [0.05 * k for k in range(21)]}
-    best = None
-    try:
-        for values in itertools.product(*grid.values()):
-            FITTED.update(zip(grid, values))
-            worst = max(abs(estimate(Plan(**r["plan"]))["peak_gib_per_gpu"] / r["measured_gib"] - 1) for r in rows)
-            if best is None or worst < best[0] - 1e-9:
-                best = (worst, dict(FITTED))
-    finally:
-        FITTED.clear()
-        FITTED.update(saved)
-    return {"max_abs_error": round(best[0], 4), "constants": best[1], "rows": [r["row"] for r in rows]}
-
-
-def validation_table(results_dir: Path | None = None) -> dict:
-    rows = []
-    for r in measured_rows(results_dir):
-        pred = estimate(Plan(**r["plan"]))
-        err = pred["peak_gib_per_gpu"] / r["measured_gib"] - 1
-        rows.append({"row": r["row"], "source": r["source"], "measured_gib": r["measured_gib"],
-                     "predicted_gib": pred["peak_gib_per_gpu"], "peak_phase": pred["peak_phase"],
-                     "error": round(err, 4), "settings": r["plan"]})
-    return {
-        "rows": rows,
-        "max_abs_error": round(max(abs(r["error"]) for r in rows), 4),
-        "constants": {
-            "fitted": {**FITTED, "fitted_to": "the 8 colocate rows measured on 2×H200 (minimax relative error over a "
-                                              "grid); the server row and the ZeRO-3 run were not used"},
-            "set": {"H200_GIB": H200_GIB, "VLLM_ASLEEP_GIB": VLLM_ASLEEP_GIB, "VLLM_OVERHEAD_GIB": VLLM_OVERHEAD_GIB,
-                    "WEIGHT_SYNC_BUFFERS_GIB": WEIGHT_SYNC_BUFFERS_GIB, "TOKEN_TILE": TOKEN_TILE, "VOCAB_TILE": VOCAB_TILE},
-        },
-    }
-
-
-def write_validation(path: Path | None = None) -> Path:
-    """results/planner_validation.json: measured vs predicted peak per row, the error, the constants."""
-    from colo_kit.env import describe
-    from colo_kit.paths import results_dir
-
-    path = Path(path or results_dir() / "planner_validation.json")
-    table = validation_table()
-    table["note"] = _measured()["note"]
-    table["env"] = {k: v for k, v in describe().items() if k in ("python", "versions")}
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return path
+# Checked against measured peaks in colo_kit.planner_validation (results/planner_validation.json).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from colo_kit.planner import H200_GIB, Plan, plan_report, write_validation
+from colo_kit.planner import H200_GIB, Plan, plan_report
+from colo_kit.planner_validation import write_validation
 
 
 def _format(report: dict) -> str:

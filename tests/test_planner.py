@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from colo_kit import planner
+from colo_kit import planner, planner_validation
 from colo_kit.models import PRESETS, qwen2_config
 from colo_kit.paths import REPO_ROOT
 from colo_kit.planner import GIB, Plan, estimate, model_shape, recommend
@@ -184,13 +184,13 @@ COMMITTED = json.loads((REPO_ROOT / "results" / "planner_validation.json").read_
 
 
 def test_committed_validation_table_is_what_the_planner_computes_now():
-    now = planner.validation_table()
+    now = planner_validation.validation_table()
     assert [(r["row"], r["measured_gib"], r["predicted_gib"]) for r in now["rows"]] == \
            [(r["row"], r["measured_gib"], r["predicted_gib"]) for r in COMMITTED["rows"]], \
         "stale: run `colo-kit plan --validate --out results/planner_validation.json`"
 
 
-COLOCATE_ROWS = [r for r in planner.measured_rows() if r["source"].startswith("TRL 1.16 on 2×H200")
+COLOCATE_ROWS = [r for r in planner_validation.measured_rows() if r["source"].startswith("TRL 1.16 on 2×H200")
                  and r["plan"].get("mode", "colocate") == "colocate"]
 
 
@@ -199,7 +199,7 @@ COLOCATE_ROWS = [r for r in planner.measured_rows() if r["source"].startswith("T
 def test_each_colocate_row_predicted_within_10_percent_by_constants_fitted_without_it(held_out):
     """Out of sample: fit the three constants on the other seven rows, predict the eighth."""
     row = COLOCATE_ROWS[held_out]
-    fit = planner.fit_constants([r for i, r in enumerate(COLOCATE_ROWS) if i != held_out])
+    fit = planner_validation.fit_constants([r for i, r in enumerate(COLOCATE_ROWS) if i != held_out])
     saved = dict(planner.FITTED)
     try:
         planner.FITTED.update(fit["constants"])
@@ -224,7 +224,7 @@ def test_server_row_is_within_10_percent():
 
 
 def test_fitted_constants_are_the_grid_optimum_over_the_colocate_rows():
-    fit = planner.fit_constants()
+    fit = planner_validation.fit_constants()
     assert fit["constants"] == pytest.approx(planner.FITTED)
     assert len(fit["rows"]) == 8 and all(r.startswith("colocate") for r in fit["rows"])
 
