@@ -21,7 +21,7 @@ from __future__ import annotations
 
 def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int = 3, **run_kwargs) -> list[dict]:
     """Train `steps` GRPO steps at each `top_p` with one reused engine; return TRL's importance-sampling logs."""
-    from colo_kit.bench import release_engines, reuse_engines
+    from colo_kit.engine_reuse import release_engines, reuse_engines
     from colo_kit.train import run_grpo
 
     from transformers.trainer_callback import PrinterCallback

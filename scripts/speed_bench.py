@@ -4,7 +4,7 @@
     python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh200.json [--into results/speed_1xh200.json]
 
 `scripts/gpu/speed.sh` runs one process per configuration; the seeds of one configuration share it
-(and its vLLM engine, `colo_kit.bench.reuse_engines`: an engine start is 50-90 s on a GPU, and each new
+(and its vLLM engine, `colo_kit.engine_reuse.reuse_engines`: an engine start is 50-90 s on a GPU, and each new
 trainer pushes its own weights into it before its first generation).
 """
 
@@ -33,7 +33,7 @@ def run(args) -> int:
     import colo_kit
 
     colo_kit.setup()
-    from colo_kit.bench import release_engines, reuse_engines
+    from colo_kit.engine_reuse import release_engines, reuse_engines
     from colo_kit.env import describe
     from colo_kit.speed import run_seed
 

@@ -59,7 +59,9 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     assert [r["engines_built_so_far"] for r in res["runs"]] == [base + 1, base + 1]
     from trl.generation import vllm_generation
 
-    assert not bench._ENGINES and not getattr(vllm_generation, "_colo_kit_real_LLM", None)  # released
+    from colo_kit import engine_reuse
+
+    assert not engine_reuse._ENGINES and not getattr(vllm_generation, "_colo_kit_real_LLM", None)  # released
     assert json.loads((tmp_path / "c.json").read_text())["summary"] == []  # no server half here
 
 
