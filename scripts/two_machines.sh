@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Two machines on one host: the kit's multi-node launch lines (colo_kit.recipes.node_commands), run for real with
+# one CPU process per "machine", and the evidence written to results/two_machines_cpu.json.
+#
+#     bash scripts/two_machines.sh                      # all parts: ddp, zero3, srun, cpu_flag (see the .py)
+#     bash scripts/two_machines.sh --parts ddp,srun     # some of them
+#
+# About 2 minutes on 2 cores. The first run on a machine adds about 4: DeepSpeed, which the CPU tier does not
+# carry, is installed into .cache/deepspeed-cpu (pip, the version of requirements/gpu.txt) and JIT-compiles its CPU
+# ops (shm comm, CPU Adam) into ~/.cache/torch_extensions. Without network that part is recorded as "not run".
+# Exit status: 0 when every part that ran succeeded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+PYTHON=${PYTHON:-.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+exec "$PYTHON" scripts/two_machines.py drive "$@"
