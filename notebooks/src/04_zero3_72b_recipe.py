@@ -185,14 +185,35 @@ display(Markdown(
 #
 # `colo-kit plan --model qwen2.5-72b --gpus 16 --zero-stage 3 --offload-optimizer --sleep-level 2 --write-configs`
 # writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.recipes`) for the smallest fit above: 16 GPUs on two
-# 8-GPU nodes (`num_machines: 2`). "auto" values are filled by the Trainer from `GRPOConfig`. Launch on each node:
-# `accelerate launch --config_file configs/accelerate/zero3_qwen2.5-72b_16gpu.yaml --machine_rank <0|1>
-# --main_process_ip <node 0> your_grpo_script.py`, with `GRPOConfig(use_vllm=True, vllm_mode="colocate",
-# vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=...)`.
+# 8-GPU nodes (`num_machines: 2`). "auto" values are filled by the Trainer from `GRPOConfig`, which sets
+# `use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=4`.
 
 # %%
 for path in ("configs/deepspeed/zero3_offload.json", "configs/accelerate/zero3_qwen2.5-72b_16gpu.yaml"):
     print(f"--- {path}\n{(REPO_ROOT / path).read_text()}")
+
+# %% [markdown]
+# The command for each node, and one line for a SLURM allocation (each node's shell fills in its own rank and
+# node 0's address), written by `colo_kit.recipes.node_commands` from the plan. `--num_processes` is the total
+# over all nodes. The same function wrote the commands of the two-machine run below: two `accelerate launch`
+# processes on one host, machine ranks 0 and 1, a colocated GRPO run with the tiny model on each over gloo — plain
+# data parallelism and this ZeRO-3 JSON with its optimizer offload (measured, `results/two_machines_cpu.json`).
+
+# %%
+from colo_kit.recipes import node_commands
+
+nodes = node_commands("qwen2.5-72b", 16, script="your_grpo_script.py")
+for rank, line in enumerate(nodes["lines"]):
+    print(f"node {rank}: {line}")
+print(f"SLURM:  {nodes['srun']}")
+two = json.loads((results_dir() / "two_machines_cpu.json").read_text())
+for name, part in two["parts"].items():
+    ranks = part.get("ranks", [])
+    worlds = sorted({r.get("world_size") for r in ranks})
+    print(f"tested on one host ({name}): {len(part.get('commands', []))} launchers, exit codes "
+          f"{part.get('returncodes')}, world size {worlds}, machine ranks {[r.get('machine_rank') for r in ranks]}"
+          + (" <- with accelerate's --cpu flag each launcher makes a world of one, and both exit 0"
+             if name == "cpu_flag" else ""))
 
 # %% [markdown]
 # ## 5 · The real run, scaled down: 7B, ZeRO-3, sleep level 2, 2×H200
