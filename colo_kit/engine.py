@@ -389,6 +389,10 @@ class ColocatedEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
         make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
+        from colo_kit.gpu_free import check_share
+
+        # another kernel's engine on this GPU: one line now, not vLLM's assert once the model has loaded
+        check_share(s.vllm_gpu_memory_utilization, int(os.environ.get("LOCAL_RANK", self.rank)))
         with stdout_with_fd():
             self.trl, self.trl_llm_kwargs, self.llm_kwargs = build_trl_generation(
                 self.model_path, s, rank=self.rank, local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),

@@ -74,6 +74,7 @@ class ReplicaSet:
             for wave in _start_waves(self.launches):
                 for i in wave:
                     launch = self.launches[i]
+                    _check_gpu_share(launch)
                     # own process group: stop() ends the server and the engine process it spawns
                     self.procs.append(start_in_session(launch.argv, child_env(**launch.env), self._log(i)))
                 ready = wait_all_healthy({self.urls[i]: (self.procs[i], self._log(i)) for i in wave}, timeout_s,
@@ -97,6 +98,17 @@ class ReplicaSet:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _check_gpu_share(launch: ReplicaLaunch) -> None:
+    """A replica bound for a GPU whose share another process holds: one line now (`colo_kit.gpu_free`), not the
+    replica's "Engine core initialization failed" in its log a minute later."""
+    gpu = launch.env.get("CUDA_VISIBLE_DEVICES", "")
+    if not gpu.isdigit() or "--gpu-memory-utilization" not in launch.argv:
+        return
+    from colo_kit.gpu_free import check_share
+
+    check_share(float(launch.argv[launch.argv.index("--gpu-memory-utilization") + 1]), physical=int(gpu))
 
 
 def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:

@@ -149,6 +149,12 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     cpu = not has_cuda()
     if enforce_eager is None:  # CPU: skip torch.compile at start-up (measured 66 s vs 88 s to healthy here)
         enforce_eager = vllm_eager(cpu)
+    if not cpu:  # another kernel's engine on that GPU: one line now, not the server's assert in its log
+        from colo_kit.gpu_free import check_share
+
+        first = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")[0].strip()
+        if first.isdigit():
+            check_share(gpu_memory_utilization, physical=int(first))
     model_path = resolve_model(model)
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,

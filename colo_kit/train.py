@@ -15,6 +15,7 @@ is a real GRPO run, just on a tiny model.
 
 from __future__ import annotations
 
+import os
 import time
 import types
 from dataclasses import asdict, dataclass, field
@@ -206,6 +207,10 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     try:
         if mode == "colocate":
             make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
+            from colo_kit.gpu_free import check_share
+
+            # another kernel's engine on this GPU: one line now, not vLLM's assert after the model loads
+            check_share(vllm_gpu_memory_utilization, int(os.environ.get("LOCAL_RANK", 0)))
         if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
             vllm_enforce_eager = settings["vllm_enforce_eager"] = True
         extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
