@@ -210,25 +210,30 @@ def exercises() -> dict[str, Exercise]:
     return _CACHE
 
 
-def check(key: str, answer) -> bool | None:
-    """Say whether `answer` is right (and why) or give a hint. None while the answer is still `...`,
-    the placeholder the exercise cells start with (so Run All passes through them)."""
+def verdict(key: str, answer) -> bool | None:
+    """Whether `answer` is right: True, False, or None while it is still `...` (the placeholder the exercise
+    cells start with). An answer outside a choice exercise's options is not right."""
     ex = exercises().get(key)
     if ex is None:
         raise KeyError(f"no exercise {key!r}; the notebook's exercises are {sorted(exercises())}")
-    if answer is ...:
+    return None if answer is ... else bool(ex.accept(answer))
+
+
+def check(key: str, answer) -> None:
+    """Say whether `answer` is right (and why) or give a hint; while the answer is still `...`, say what to do
+    (so Run All passes through). Prints and returns nothing: a cell shows the message, not a stray True/False."""
+    right = verdict(key, answer)
+    ex = exercises()[key]
+    if right is None:
         print(f"✎ {key}: write your prediction above (replace the ...), then run this cell again")
-        return None
-    if ex.options and not ex.accept(answer) and normalise(answer) not in (
-            {normalise(o) for o in ex.options} | set("abcdefgh"[:len(ex.options)])):
+    elif right:
+        print(f"✔ right. {ex.why}")
+    elif ex.options and normalise(answer) not in ({normalise(o) for o in ex.options}
+                                                  | set("abcdefgh"[:len(ex.options)])):
         listed = ", ".join(f"{'abcdefgh'[i]}) {o!r}" for i, o in enumerate(ex.options))
         print(f"✎ {key}: answer with one of: {listed}")
-        return False
-    if ex.accept(answer):
-        print(f"✔ right. {ex.why}")
-        return True
-    print(f"✘ not yet. Hint: {ex.hint}")
-    return False
+    else:
+        print(f"✘ not yet. Hint: {ex.hint}")
 
 
 # ---------------------------------------------------------------------------------------------

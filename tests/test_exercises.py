@@ -18,17 +18,21 @@ EXERCISES = lab.exercises()
 @pytest.mark.parametrize("key", sorted(EXERCISES))
 def test_each_check_accepts_its_solution_and_refuses_every_wrong_answer(key, capsys):
     ex = EXERCISES[key]
-    assert lab.check(key, ex.solution) is True
-    assert "✔ right" in capsys.readouterr().out
+    assert lab.verdict(key, ex.solution) is True
+    assert lab.check(key, ex.solution) is None  # a cell shows the message only, no stray True/False
+    assert capsys.readouterr().out.startswith("✔ right")
     assert len(ex.wrong) >= 5, f"{key}: list at least 5 plausible wrong answers"
     for wrong in ex.wrong:
-        assert lab.check(key, wrong) is False, f"{key} accepted the wrong answer {wrong!r}"
+        assert lab.verdict(key, wrong) is False, f"{key} accepted the wrong answer {wrong!r}"
+        lab.check(key, wrong)
         out = capsys.readouterr().out
         assert "✔" not in out
         assert f"Hint: {ex.hint}" in out or "answer with one of" in out, out
     if isinstance(ex.solution, (int, float)) and not isinstance(ex.solution, bool):
         assert f"{ex.solution:g}" not in ex.hint.split(), f"{key}: the hint gives the answer away"
-    assert lab.check(key, ...) is None  # the placeholder a cell starts with: Run All passes through
+    assert lab.verdict(key, ...) is None  # the placeholder a cell starts with: Run All passes through
+    lab.check(key, ...)
+    assert "write your prediction" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("key", sorted(k for k, e in EXERCISES.items() if e.options))
@@ -36,9 +40,9 @@ def test_a_choice_takes_only_its_options_or_their_letters(key, capsys):
     ex = EXERCISES[key]
     right = next(o for o in ex.options if ex.accept(o))
     letter = "abcdefgh"[ex.options.index(right)]
-    assert lab.check(key, letter) is True and lab.check(key, right.upper()) is True
-    capsys.readouterr()
-    assert lab.check(key, f"I think {right}") is False  # free text around the option is not an option
+    assert lab.verdict(key, letter) is True and lab.verdict(key, right.upper()) is True
+    assert lab.verdict(key, f"I think {right}") is False  # free text around the option is not an option
+    lab.check(key, f"I think {right}")
     out = capsys.readouterr().out
     assert "answer with one of" in out and all(repr(o) in out for o in ex.options)
 

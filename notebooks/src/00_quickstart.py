@@ -146,7 +146,7 @@ lab.see("00.reward", "the mean reward climbs towards 0 within the first few doze
 # steps: grow, shrink, or stay near 0?
 
 # %%
-answer = ...  # "grow", "shrink" or "stay"
+answer = ...  # "grow", "shrink" or "stay near 0"
 lab.check("00.broken_sync", answer)
 
 # %% [markdown]
