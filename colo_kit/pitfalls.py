@@ -14,6 +14,10 @@ without, and returns one row per run for the notebook to print side by side:
   embedding's cos/sin table) and `load_weights` brings back parameters only. The loss is played by overwriting
   the engine's buffers with arbitrary values (on a CPU there is no sleep to lose them), then the trainer's weights are
   pushed, the greedy probe is compared, the buffers restored from a snapshot, and the probe compared again.
+- `one_adapter_name` (notebook 06): a LoRA replica keys its cached KV blocks by the adapter's name and path
+  (vLLM's `_gen_lora_extra_hash_keys`). Publish every version under one name into one folder, and the second
+  version's prompt reuses blocks the first version computed; versioned names (TRL's `trl-policy-vN`, each in
+  its own folder) reuse none.
 """
 
 from __future__ import annotations
@@ -128,4 +132,53 @@ def lost_buffers(engine, trainer_model) -> list[dict]:
         rows.append({"step": step, "buffers": "overwritten" if probe_of is None else "restored",
                      "greedy tokens": probe["token_ids"][:6], "same tokens": probe["token_ids"] == before["token_ids"],
                      "max |log-prob change|": gap(probe, before)})
+    return rows
+
+
+def one_adapter_name(replica_url: str, token: str | None, first, second, workdir,
+                     prompt_tokens: int = 128) -> list[dict]:
+    """On a live LoRA replica: prompt tokens served from cached blocks when the second adapter version follows
+    the first under one name and folder, and under versioned names and folders (the replica's own counters)."""
+    import random
+    import shutil
+    from pathlib import Path
+
+    import httpx
+
+    from colo_kit.replicas import prefix_cache_counters
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    prompt = [random.Random(7).randrange(10, 1000) for _ in range(prompt_tokens)]
+
+    def post(path, **body):
+        r = httpx.post(replica_url.rstrip("/") + path, json=body, headers=headers, timeout=120)
+        r.raise_for_status()
+
+    def reused(name) -> float:  # prompt tokens served from cached blocks for one request
+        before = prefix_cache_counters(replica_url, token)["hits"]
+        post("/v1/completions", model=name, prompt=prompt, max_tokens=1, temperature=0.0)
+        return prefix_cache_counters(replica_url, token)["hits"] - before
+
+    def publish(src, dst: Path):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+        return str(dst)
+
+    workdir = Path(workdir)
+    rows = []
+    for case, names, folders in (("one name, one folder", ("policy", "policy"), ("policy", "policy")),
+                                 ("versioned (trl-policy-vN)", ("policy-v1", "policy-v2"), ("policy-v1", "policy-v2"))):
+        post("/reset_prefix_cache")
+        loaded = []
+        for version, (name, folder, src) in enumerate(zip(names, folders, (first, second)), start=1):
+            if name in loaded:  # the new version replaces the old one under its name, as a fixed-name sync would
+                post("/v1/unload_lora_adapter", lora_name=name)
+                loaded.remove(name)
+            post("/v1/load_lora_adapter", lora_name=name, lora_path=publish(src, workdir / case.split()[0] / folder))
+            loaded.append(name)
+            hits = reused(name)
+            rows.append({"publishing": case, "version": version, "adapter name": name,
+                         "prompt tokens from cached blocks": int(hits)})
+        for name in loaded:
+            post("/v1/unload_lora_adapter", lora_name=name)
     return rows

@@ -128,6 +128,15 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
             assert proxy.snapshot()["adapters"] == loaded
             with pytest.raises(AdapterMismatch, match="trl-policy-v1 not loaded"):
                 probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
+
+            # notebook 06's break-it: one name and folder for every version reuses the first version's blocks
+            from colo_kit.pitfalls import one_adapter_name
+
+            rows = one_adapter_name(reps.urls[0], "k-lora", adapter_dir(shared, latest - 1),
+                                    adapter_dir(shared, latest), tmp_path / "names")
+            by = {(r["publishing"].split()[0], r["version"]): r["prompt tokens from cached blocks"] for r in rows}
+            assert by[("one", 2)] > 0  # the second version served from blocks the first one computed
+            assert by[("versioned", 2)] == 0 and by[("one", 1)] == 0 and by[("versioned", 1)] == 0
         finally:
             proxy.stop_thread()
 
