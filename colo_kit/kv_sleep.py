@@ -34,17 +34,26 @@ def engine_core(llm):
     return llm.llm_engine.engine_core.engine_core
 
 
-def kv_sleep(llm) -> int:
-    """Release the engine's KV cache and keep its weights; returns the bytes unmapped."""
-    import torch
-    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
-
+def kv_sleep(llm, pause=None) -> int:
+    """Release the engine's KV cache and keep its weights; returns the bytes unmapped. `pause` is vLLM's own
+    `LLM.sleep` when `llm.sleep` has been replaced by one that calls this (`use_kv_sleep`)."""
     executor = engine_core(llm).model_executor
     if executor.is_sleeping:
         raise RuntimeError(f"the engine is already asleep ({sorted(executor.sleeping_tags)}): wake it before "
                            "releasing its KV cache")
     llm.reset_prefix_cache()
-    llm.sleep(level=0)  # vLLM pauses its scheduler; no memory moves
+    (pause or llm.sleep)(level=0)  # vLLM pauses its scheduler; no memory moves
+    freed = unmap_kv_cache()
+    executor.is_sleeping = True
+    executor.sleeping_tags = {"kv_cache"}
+    return freed
+
+
+def unmap_kv_cache() -> int:
+    """Unmap every allocation tagged `kv_cache` in vLLM's `CuMemAllocator`, as `sleep` itself would."""
+    import torch
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
     torch.cuda.synchronize()
     freed = 0
     for data in CuMemAllocator.get_instance().pointer_to_data.values():
@@ -52,8 +61,6 @@ def kv_sleep(llm) -> int:
             unmap_and_release(data.handle)
             data.is_asleep = True
             freed += data.handle[1]
-    executor.is_sleeping = True
-    executor.sleeping_tags = {"kv_cache"}
     return freed
 
 
@@ -76,7 +83,7 @@ def use_kv_sleep(trainer) -> bool:
     def sleep_kv_only(self, level: int = 1, **kw):
         if executor.is_sleeping:  # TRL's very first sleep happened before this patch; keep vLLM's answer
             return sleep(level, **kw)
-        kv_sleep(self)
+        kv_sleep(self, pause=sleep)  # vLLM's own sleep: `self.sleep` is this function
 
     def wake_up_what_sleeps(self, tags=None, **kw):
         if tags is not None:

@@ -184,9 +184,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
         "switch": switch_parts(tl, skip_steps=spg),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
-        "planner_peak_gib": (planner_peak(model, batch, fields.get("gradient_checkpointing", True),
-                                         task["max_completion_length"], task["vllm_gpu_memory_utilization"],
-                                         2 if task.get("sleep") else 0) if has_cuda() else None),
+        "planner_peak_gib": planner_peak_for(name, model, task["max_completion_length"]) if has_cuda() else None,
     }
     del run
     gc.collect()
@@ -252,6 +250,17 @@ def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
     return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
                     completion_length=completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                     sleep_level=sleep_level)["peak_gib_per_gpu"]
+
+
+def planner_peak_for(name: str, model: str, completion_length: int = TASK["max_completion_length"]) -> float:
+    """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep. The
+    planner has no level for the KV-only sleep: it counts that engine awake, an upper bound."""
+    fields, knobs = config(name, model)
+    sleeps = fields.get("vllm_enable_sleep_mode", False) and not knobs.get("kv_only_sleep", False)
+    return planner_peak(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
+                        completion_length,
+                        fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
+                        2 if sleeps else 0)
 
 
 # --- the reward race ------------------------------------------------------------------------------------

@@ -214,6 +214,46 @@ def test_kv_only_sleep_on_cpu_is_refused_naming_the_platform(monkeypatch):
     assert use_kv_sleep(trainer) is False
 
 
+def test_kv_only_sleep_as_trl_calls_it_pauses_vllm_once_and_skips_the_weights_wake_up(monkeypatch):
+    """The routing of `use_kv_sleep`'s two replaced methods, on CPU: vLLM's engine, its platform check and the
+    unmapping are stand-ins here (they need a GPU); `test_kv_only_sleep_inside_trls_trainer_...` in
+    test_speed.py runs the real ones on a GPU. A first version called the replaced `llm.sleep` from inside
+    itself and never returned (seen on one H200)."""
+    from types import SimpleNamespace
+
+    import colo_kit.kv_sleep as kv
+    from vllm.platforms import current_platform
+
+    calls = []
+    executor = SimpleNamespace(is_sleeping=False, sleeping_tags=set())
+
+    class LLM:
+        llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor)))
+
+        def reset_prefix_cache(self):
+            calls.append("reset_prefix_cache")
+
+        def sleep(self, level=1):
+            calls.append(f"sleep({level})")
+
+        def wake_up(self, tags=None):
+            calls.append(f"wake_up({tags})")
+            executor.is_sleeping = False
+
+    llm = LLM()
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(kv, "unmap_kv_cache", lambda: calls.append("unmap") or 1024)
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="colocate", enable_sleep_mode=True, llm=llm))
+    assert kv.use_kv_sleep(trainer) is True
+    llm.sleep(level=2)  # TRL after a generation
+    assert calls == ["reset_prefix_cache", "sleep(0)", "unmap"]
+    assert executor.sleeping_tags == {"kv_cache"}
+    calls.clear()
+    llm.wake_up(tags=["weights"])  # TRL before a push: the weights never left
+    llm.wake_up(tags=["kv_cache"])  # TRL before a generation
+    assert calls == ["wake_up(['kv_cache'])"]
+
+
 @pytest.mark.gpu
 def test_kv_only_sleep_frees_the_kv_cache_and_keeps_the_weights(gpu_engine_and_model):
     from colo_kit.kv_sleep import engine_core, kv_sleep

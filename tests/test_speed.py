@@ -110,9 +110,7 @@ def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
     for rec in result["records"]:
         if rec["seed"] != 0 or not rec["nvml_peak_gib"]:
             continue  # seed 1 is the second trainer of its process: the first one's leftovers count too
-        fields, _ = speed.config(rec["config"])
-        pred = speed.planner_peak(rec["model"], fields["per_device_train_batch_size"],
-                                  fields.get("gradient_checkpointing", True))
+        pred = speed.planner_peak_for(rec["config"], rec["model"])
         assert abs(pred / rec["nvml_peak_gib"] - 1) <= 0.10, (rec["config"], pred, rec["nvml_peak_gib"])
         checked += 1
     assert checked >= 6
