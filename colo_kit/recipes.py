@@ -196,3 +196,162 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
     return {"machines": machines, "num_processes": gpus, "per_node": per_node,
             "lines": [shlex.join(argv) for argv in per_node],
             "srun": f"srun --nodes {machines} --ntasks-per-node 1 bash -c {shlex.quote(inner)}"}
+
+
+# Server mode across nodes (TRL's 72B recipe): one node runs `trl vllm-serve`, the others train. The trainers reach
+# the server over HTTP at vllm_server_host:vllm_server_port (generation), and for the weight sync the server's workers
+# join an NCCL group whose rendezvous the trainer's main process hosts on training node 0 at vllm_group_port.
+
+TRL_SERVER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port")
+
+SERVER_MODE_WHY = {
+    "server_node": "`trl vllm-serve` on a node of its own: all its GPUs generate, none train. --tensor_parallel_size "
+                   "splits the model over that node's GPUs (one node at most: vLLM's multiproc backend does not span "
+                   "machines). --host 0.0.0.0: listen on every interface, so the training nodes reach it by the node's "
+                   "address (127.0.0.1 would only answer the node itself). --port: what the trainers' vllm_server_port "
+                   "names. TRL 1.16's vllm-serve execs `vllm serve` with the NCCL weight-transfer engine and "
+                   "VLLM_SERVER_DEV_MODE=1 (the weight-update endpoints).",
+    "training_nodes": "node_commands' accelerate lines for the training GPUs only: --num_machines counts the training "
+                      "nodes, not the vLLM node, and --num_processes is their total. The GRPOConfig fields travel as "
+                      "the script's flags (a script that parses GRPOConfig with TrlParser takes them as they are).",
+    "use_vllm": "generate with vLLM, not transformers' generate.",
+    "vllm_mode": "'server': ask the vLLM node over HTTP instead of building an engine in each training process.",
+    "vllm_server_host": "the vLLM node's address, as the training nodes reach it. TRL's default is 0.0.0.0, which on a "
+                        "training node means that node itself: TRL would wait vllm_server_timeout (240 s) for a server "
+                        "that is not there.",
+    "vllm_server_port": "the port of `trl vllm-serve --port`; it must be open from training node 0 to the vLLM node "
+                        "(only the main process talks to the server: TRL gathers the prompts there).",
+    "vllm_group_port": "the weight sync's NCCL rendezvous. The trainer's main process is rank 0 of that group and hosts "
+                       "it at its own address (vLLM's get_ip(): the interface of the default route, or VLLM_HOST_IP) "
+                       "and this port, so it must be free on training node 0 and open from the vLLM node to it; it "
+                       "must also differ from accelerate's --main_process_port, which lives on the same node.",
+    "vllm_server_base_url": "TRL 1.16 reads vllm_server_base_url first: when set, VLLMGeneration ignores "
+                            "vllm_server_host/vllm_server_port; when None (the default, and this recipe) it builds "
+                            "http://{vllm_server_host}:{vllm_server_port}. Either names the same server; the kit's "
+                            "run_grpo(server_url=...) sets the base URL. The group port has no base-URL form.",
+    "slurm": "one job of training nodes + 1: the last host of the allocation serves, the first ones train. Two job "
+             "steps, because the two sides run different programs on different nodes: the server step starts first "
+             "and in the background, the script waits for its /health (a 72B load takes longer than TRL's 240 s "
+             "vllm_server_timeout), then the training step runs one accelerate launcher per node; when it ends the "
+             "server step is ended too (a server never exits by itself and would hold the job until its time limit).",
+}
+
+
+def _shell_join(argv: list[str]) -> str:
+    """shlex.join, except words that start with `"$`: shell variables a node's own shell must expand."""
+    import shlex
+
+    return " ".join(word if word.startswith('"$') else shlex.quote(word) for word in argv)
+
+
+def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_per_node: int = 8,
+                         server_host: str = "<vLLM node address>", server_port: int = 8000, group_port: int = 51216,
+                         script: str = "train.py", *, server_args: list[str] | tuple[str, ...] = (),
+                         health_timeout_s: int = 1800, **launch) -> dict:
+    """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train over
+    training_gpus / gpus_per_node nodes and one more node runs `trl vllm-serve` with `server_tp` GPUs.
+
+    Returns a dict:
+      "nodes"           training nodes + 1
+      "server_node"     {"argv", "line"}: the vLLM node's `trl vllm-serve --model ... --tensor_parallel_size ...
+                        --host 0.0.0.0 --port ...` (TRL 1.16's flag names; `server_args` are more of them, e.g.
+                        ["--max_model_len", "4096"])
+      "training_nodes"  node_commands(model, training_gpus, gpus_per_node, script=script, ...): each training node's
+                        `accelerate launch` line, its script given the GRPOConfig fields as flags
+      "grpo_config"     the fields in TRL's names: use_vllm, vllm_mode="server", vllm_server_host, vllm_server_port,
+                        vllm_group_port
+      "grpo_config_args" the same as script flags (`--vllm_server_host ...`), which TrlParser(GRPOConfig) reads
+      "server_url"      http://server_host:server_port, the URL the trainers ask
+      "slurm"           {"server_step", "training_step", "sbatch"}: one job step per side and the batch script
+      "why"             one sentence per item above (SERVER_MODE_WHY), including which of vllm_server_base_url and
+                        host/port TRL 1.16 uses
+
+    `launch`: node_commands' other keywords (config_file, script_args placed before the GRPOConfig flags,
+    main_process_ip, main_process_port, launch_args)."""
+    import shlex
+
+    for name, value, least in (("training_gpus", training_gpus, 1), ("server_tp", server_tp, 1),
+                               ("gpus_per_node", gpus_per_node, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r}: give a whole number of at least {least}")
+    if server_tp > gpus_per_node:
+        raise ValueError(f"server_tp={server_tp} is more GPUs than one node has ({gpus_per_node}): `trl vllm-serve` "
+                         f"spans one node unless vLLM runs on Ray (--distributed_executor_backend ray); use "
+                         f"server_tp <= {gpus_per_node}")
+    main_port = int(launch.get("main_process_port", 29500))
+    for name, port in (("server_port", server_port), ("group_port", group_port)):
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise ValueError(f"{name}={port!r}: give a TCP port in 1..65535")
+    if group_port == main_port:
+        raise ValueError(f"group_port={group_port} is also accelerate's main_process_port: both listen on training "
+                         f"node 0; give the weight-sync group another port (TRL's default is 51216)")
+    host = str(server_host).strip()
+    if host in ("", "0.0.0.0", "::"):
+        raise ValueError(f"server_host={server_host!r}: that is where a server listens, not an address to reach it "
+                         f"at; on a training node it means the node itself. Give the vLLM node's address")
+
+    grpo = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host, "vllm_server_port": server_port,
+            "vllm_group_port": group_port}
+    grpo_args = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", host,
+                 "--vllm_server_port", str(server_port), "--vllm_group_port", str(group_port)]
+    serve = ["trl", "vllm-serve", "--model", str(model), "--tensor_parallel_size", str(server_tp),
+             "--host", "0.0.0.0", "--port", str(server_port), *map(str, server_args)]
+    user_args = [str(a) for a in launch.pop("script_args", ())]
+    training = node_commands(model, training_gpus, gpus_per_node, script=script,
+                             script_args=user_args + grpo_args, **launch)
+    machines = training["machines"]
+
+    # SLURM: the same lines with the hosts as each node's shell variables (exported by the batch script; srun
+    # passes the environment on), the node rank as SLURM gives it
+    slurm_launch = {**launch, "main_process_ip": '"$MAIN_NODE"'}
+    slurm_grpo = grpo_args[:5] + ['"$VLLM_NODE"'] + grpo_args[6:]
+    argv = node_commands(model, training_gpus, gpus_per_node, script=script, script_args=user_args + slurm_grpo,
+                         **slurm_launch)["per_node"][0]
+    if machines > 1:
+        argv[argv.index("--machine_rank") + 1] = SLURM_NODE_RANK
+    training_step = (f'srun --nodes {machines} --ntasks-per-node 1 --nodelist "$TRAIN_NODES" '
+                     f"bash -c {shlex.quote(_shell_join(argv))}")
+    server_step = f'srun --nodes 1 --ntasks 1 --nodelist "$VLLM_NODE" {shlex.join(serve)}'
+    sbatch = "\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name=grpo-{_slug(model)}-server-mode",
+        f"#SBATCH --nodes={machines + 1}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        "#SBATCH --exclusive",
+        f"# Generated by colo_kit.recipes.server_node_commands({str(model)!r}, training_gpus={training_gpus}, "
+        f"server_tp={server_tp}): {machines} training node(s) x {min(training_gpus, gpus_per_node)} GPUs + 1 vLLM node.",
+        "set -uo pipefail",
+        "# The allocation's hosts in order: the first ones train, the last one serves. Node 0 of training hosts",
+        "# accelerate's rendezvous (--main_process_port) and TRL's weight-sync group (vllm_group_port).",
+        'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        f'export MAIN_NODE="${{NODES[0]}}" VLLM_NODE="${{NODES[{machines}]}}"',
+        f'TRAIN_NODES=$(IFS=,; echo "${{NODES[*]:0:{machines}}}")',
+        "# Step 1, the vLLM node, in the background: it serves until it is ended.",
+        f"{server_step} &",
+        "SERVER=$!",
+        f"# The trainers wait only vllm_server_timeout (240 s) for /health; a big model loads longer: wait here, "
+        f"at most {health_timeout_s} s.",
+        f"deadline=$((SECONDS + {health_timeout_s}))",
+        f'until curl -sf "http://$VLLM_NODE:{server_port}/health" >/dev/null; do',
+        '  kill -0 "$SERVER" 2>/dev/null || { echo "the vLLM server step ended before it was healthy" >&2; exit 1; }',
+        f'  if (( SECONDS > deadline )); then echo "vLLM server not healthy after {health_timeout_s} s" >&2; '
+        'kill "$SERVER"; exit 1; fi',
+        "  sleep 10",
+        "done",
+        "# Step 2, the training nodes: one accelerate launcher per node, node rank from SLURM, the server's address",
+        "# from $VLLM_NODE (both expanded by each node's shell).",
+        training_step,
+        "rc=$?",
+        "# The server never exits by itself: end its step, or it holds the job until the time limit.",
+        'kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null',
+        "exit $rc",
+        "",
+    ])
+    return {"nodes": machines + 1, "model": str(model), "training_gpus": training_gpus, "server_tp": server_tp,
+            "gpus_per_node": gpus_per_node,
+            "server_node": {"argv": serve, "line": shlex.join(serve)},
+            "training_nodes": training, "grpo_config": grpo, "grpo_config_args": grpo_args,
+            "server_url": f"http://{host}:{server_port}",
+            "slurm": {"server_step": server_step, "training_step": training_step, "sbatch": sbatch},
+            "why": dict(SERVER_MODE_WHY)}
