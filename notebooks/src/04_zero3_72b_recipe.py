@@ -216,6 +216,28 @@ for name, part in two["parts"].items():
              if name == "cpu_flag" else ""))
 
 # %% [markdown]
+# TRL's own 72B recipe takes the other road: server mode, 4 training nodes with ZeRO-3 and a fifth node running
+# `trl vllm-serve` at TP 8. The cross-node knobs become `GRPOConfig` fields in TRL's names (`vllm_server_host`,
+# `vllm_server_port`, and `vllm_group_port`, the weight sync's NCCL rendezvous on training node 0), passed to the
+# script as flags (the accelerate YAML is the one `colo-kit plan --gpus 32 --write-configs` writes);
+# `colo_kit.recipes.server_node_commands` writes the server's line, each training node's line and
+# a SLURM batch script that starts the server first and waits for its `/health`. The same function wrote the
+# commands of a two-"node" run on one host: the server as one process group on its own port, the trainer as
+# another through its `accelerate launch` line, HTTP weight sync standing in for NCCL on a CPU (measured,
+# `results/server_node_cpu.json`).
+
+# %%
+from colo_kit.recipes import server_node_commands
+
+server_nodes = server_node_commands("Qwen/Qwen2.5-72B", training_gpus=32, server_tp=8, script="your_grpo_script.py")
+print(f"vLLM node:       {server_nodes['server_node']['line']}")
+for rank, line in enumerate(server_nodes["training_nodes"]["lines"]):
+    print(f"training node {rank}: {line}")
+print(f"GRPOConfig:      {server_nodes['grpo_config']}")
+tested = json.loads((results_dir() / "server_node_cpu.json").read_text())
+print(f"tested on one host ({tested['status']}): {tested['summary']}")
+
+# %% [markdown]
 # ## 5 · The real run, scaled down: 7B, ZeRO-3, sleep level 2, 2×H200
 #
 # `scripts/gpu/zero3.sh` runs TRL's `GRPOTrainer` colocated with vLLM (sleep on) under the ZeRO-3 config above
