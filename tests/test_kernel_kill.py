@@ -21,10 +21,12 @@ def _script():
 
 
 @pytest.mark.slow
-def test_a_sigkilled_kernel_takes_its_vllm_server_with_it(tmp_path):
-    rec = _script().check_killed(tmp_path)
+@pytest.mark.parametrize("what,groups", [("server", 1), ("replicas", 2)])
+def test_a_sigkilled_kernel_takes_what_it_started_with_it(tmp_path, what, groups):
+    rec = _script().check_killed(tmp_path, what)
     assert rec["start_error"] is None, rec
-    assert len(rec["server_group_pids_before"]) >= 2  # the API server and its engine core
+    assert len(rec["group_pids_before"]) == groups
+    assert all(len(pids) >= 2 for pids in rec["group_pids_before"])  # each API server and its engine core
     assert rec["status"] == "ok" and rec["freed_after_s"] <= rec["deadline_s"], rec["polls"]
 
 

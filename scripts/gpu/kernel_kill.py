@@ -6,12 +6,13 @@ Two checks, each with real Jupyter kernels (jupyter_client, the kernel JupyterLa
            is then killed with SIGKILL, as a crashed or force-killed kernel is: no atexit, no cleanup cell. The
            server's process group must be gone, and on a GPU its memory free, within 10 s (`colo_kit.procs`
            starts servers in their own session with a parent-death signal).
+  replicas the same with notebook 06's two LoRA replicas (`colo_kit.replicas.launch_replicas`), two groups.
   two      kernel A builds a colocated engine (`ColocatedEngine`, notebook 02's call) with a share of the GPU; kernel
            B, while A lives, builds one with a share that no longer fits. B must fail with `colo_kit.gpu_free`'s
            one line (GpuBusy naming the free memory and the fixes), never vLLM's memory-profiling assert. Needs a
            GPU (on a CPU there is no share to check: recorded as not run).
 
-    python scripts/gpu/kernel_kill.py [--out results/kernel_kill_1xh200.json] [--checks killed,two]
+    python scripts/gpu/kernel_kill.py [--out results/kernel_kill_1xh200.json] [--checks killed,replicas,two]
 """
 
 from __future__ import annotations
@@ -110,40 +111,63 @@ class Kernel:
             pass
 
 
-def check_killed(work: Path) -> dict:
-    from colo_kit.launch import free_port
+SERVER_CELL = """from colo_kit.server import start_server
+from colo_kit.launch import free_port
+import os
+srv = start_server('tiny', port=free_port(), gpu_memory_utilization=0.3, enforce_eager=True,
+                   log_path={log!r}, timeout_s=400)
+print('PGIDS', os.getpgid(srv.pid))
+"""
 
+REPLICAS_CELL = """from colo_kit.env import Machine
+from colo_kit.lora import replica_launch
+from colo_kit.models import resolve_model
+from colo_kit.replicas import free_port, launch_replicas, placement
+import os
+gpu = bool(Machine.here().gpus)
+launches = [replica_launch(resolve_model('tiny'), port=free_port(), max_staleness=1, lora_rank=1,
+                           block_size=16 if gpu else 32, max_model_len=512, gpu=p['gpu'],
+                           gpu_memory_utilization=p['gpu_memory_utilization'], enforce_eager=gpu or None)
+            for p in placement(2, share_gib=12)]
+replicas = launch_replicas(launches, {log!r})
+print('PGIDS', *[os.getpgid(p.pid) for p in replicas.procs])
+"""
+
+
+def check_killed(work: Path, what: str = "server") -> dict:
+    """SIGKILL a kernel that started a vLLM server (`what="server"`) or notebook 06's replicas (`"replicas"`)."""
     baseline = _gpu_used_gib()
     kernel = Kernel(work)
-    port = free_port()
-    cell = (f"from colo_kit.server import start_server\n"
-            f"srv = start_server('tiny', port={port}, gpu_memory_utilization=0.3, enforce_eager=True, "
-            f"log_path={str(work / 'server.log')!r}, timeout_s=400)\n"
-            f"import os; print('PGID', os.getpgid(srv.pid), 'PID', srv.pid)\n")
+    cell = (SERVER_CELL if what == "server" else REPLICAS_CELL).format(
+        log=str(work / "server.log") if what == "server" else str(work))
     res = kernel.run(cell, timeout_s=420)
     rec = {"cell": cell, "baseline_gpu_used_gib": baseline, "kernel_pid": kernel.pid, "start_error": res["error"]}
     if res["error"]:
         kernel.shutdown()
         return {**rec, "status": "failed to start"}
-    pgid = int(res["stdout"].split("PGID")[1].split()[0])
-    rec["server_pgid"] = pgid
-    rec["server_group_pids_before"] = _group_pids(pgid)
+    pgids = [int(g) for g in res["stdout"].split("PGIDS")[1].split()]
+    rec["pgids"] = pgids
+    rec["group_pids_before"] = [_group_pids(g) for g in pgids]
     rec["gpu_used_gib_before_kill"] = _gpu_used_gib()
     t0 = time.perf_counter()
     kernel.kill()
     polls = []
     while time.perf_counter() - t0 < 30:
-        left = _group_pids(pgid)
+        left = sum(len(_group_pids(g)) for g in pgids)
         used = _gpu_used_gib()
-        polls.append({"t_s": round(time.perf_counter() - t0, 2), "group_pids": len(left),
+        polls.append({"t_s": round(time.perf_counter() - t0, 2), "group_pids": left,
                       "gpu_used_gib": None if used is None else round(used, 2)})
         freed = used is None or baseline is None or used <= baseline + 0.5
         if not left and freed:
             break
         time.sleep(0.25)
-    gone_s = polls[-1]["t_s"] if not polls[-1]["group_pids"] else None
-    for pid in _group_pids(pgid):  # leave nothing behind whatever the outcome
-        os.kill(pid, signal.SIGKILL)
+    last = polls[-1]
+    done = not last["group_pids"] and (last["gpu_used_gib"] is None or baseline is None
+                                       or last["gpu_used_gib"] <= baseline + 0.5)
+    for g in pgids:  # leave nothing behind whatever the outcome
+        for pid in _group_pids(g):
+            os.kill(pid, signal.SIGKILL)
+    gone_s = last["t_s"] if done else None
     ok = gone_s is not None and gone_s <= DEADLINE_S
     return {**rec, "polls": polls, "freed_after_s": gone_s, "deadline_s": DEADLINE_S,
             "status": "ok" if ok else "not freed in time"}
@@ -176,6 +200,9 @@ def check_two(work: Path) -> dict:
             "b_message_is_one_line": one_line, "status": "ok" if ok else "unexpected"}
 
 
+CHECKS = {"killed": check_killed, "replicas": lambda work: check_killed(work, "replicas"), "two": check_two}
+
+
 def main(argv=None) -> int:
     import colo_kit
 
@@ -185,19 +212,19 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="kernel_kill.py")
     ap.add_argument("--out", default="results/kernel_kill_1xh200.json")
-    ap.add_argument("--checks", default="killed,two")
+    ap.add_argument("--checks", default="killed,replicas,two")
     args = ap.parse_args(argv)
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
-    bad = [c for c in checks if c not in ("killed", "two")]
+    bad = [c for c in checks if c not in CHECKS]
     if bad:
-        print(f"kernel_kill.py: --checks {','.join(bad)}: give killed, two or both (comma-separated)",
+        print(f"kernel_kill.py: --checks {','.join(bad)}: give some of {','.join(CHECKS)} (comma-separated)",
               file=sys.stderr)
         return 2
     work = runs_dir() / "kernel_kill"
     work.mkdir(parents=True, exist_ok=True)
     record = {"what": __doc__.split("\n\n")[0], "env": describe(), "checks": {}}
     for name in checks:
-        record["checks"][name] = (check_killed if name == "killed" else check_two)(work)
+        record["checks"][name] = CHECKS[name](work)
         print(name, json.dumps(record["checks"][name])[:1500], flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
