@@ -149,7 +149,7 @@ def _free_rendezvous_port() -> None:
     (seen: EADDRINUSE while another job trained). Under a launcher the launcher's port stands."""
     import torch.distributed as dist
 
-    from colo_kit.launch import free_port
+    from colo_kit.procs import free_port
 
     if "LOCAL_RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
         return
@@ -208,7 +208,7 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
         return out
     plan = workdir / f"plan-{int(time.time() * 1000)}.json"
     plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))
-    from colo_kit.launch import child_env
+    from colo_kit.procs import child_env
 
     env = child_env(gpus)
     log_path = workdir / (plan.stem + ".log")

@@ -1,34 +1,33 @@
 """Multi-process cells: run a function on every GPU of the node (or on 2 CPU processes) from a
-notebook, with accelerate's `notebook_launcher`, without losing the kernel.
+notebook, through torch elastic's `elastic_launch`, without losing the kernel.
 
-`launch(fn, *args)` forks one process per GPU (2 on a CPU), runs `fn(*args)` in each under a
-torch.distributed group, and returns what every rank returned. What it adds to a bare
-`notebook_launcher(fn, num_processes=...)`, each for a failure seen in practice:
+`launch(fn, *args)` starts one process per GPU (2 on a CPU), runs `fn(*args)` in each under a
+torch.distributed group, and returns what every rank returned (`elastic_launch` hands back
+`{rank: value}`). What it adds to a bare `elastic_launch` (or accelerate's `notebook_launcher`,
+which wraps it), each for a failure seen in practice:
 
-- **A kernel-safety check before the fork.** Forked workers cannot use CUDA if the kernel already
-  made a CUDA context ("Cannot re-initialize CUDA in forked subprocess", accelerate #1751/#3925),
-  and accelerate refuses to fork once an `Accelerator` exists in the kernel. `kernel_problems()`
-  finds both; `launch` then starts the workers in a fresh process instead (torchrun on the
-  function pickled by cloudpickle), or with `fresh_process=False` raises `KernelNotSafe` naming
-  the fix (restart the kernel; keep every CUDA call inside the function).
-- **A free rendezvous port per launch.** `notebook_launcher` defaults to port 29500; a second
-  launch while the first one's port is still in TIME_WAIT, or beside another job, hangs or fails
-  (TRL #3979). Each launch asks the OS for a free port.
-- **Results back in the kernel.** `notebook_launcher` discards return values; each worker pickles
-  its own into the launch folder and `launch` returns them in rank order. (torch elastic's
-  `elastic_launch` returns `{rank: value}` for a forked launch, but a kernel that cannot fork
-  needs a fresh `torchrun` process, whose values can only come back through files: one way for
-  both, and a worker's exception comes back the same way, with its traceback.)
-- **Worker logs in the cell, and the kernel alive after a crash.** Each worker writes stdout and
-  stderr (file descriptors too: vLLM and gloo log from C++) to `rank<N>.log`; the kernel streams
-  those files into the cell as `[rank N] ...`. A worker's exception is written down with its
-  traceback and raised in the kernel as `WorkerError` — an ordinary exception, the kernel lives.
+- **Fork when it is safe, spawn when it is not.** Forked workers cannot use CUDA if the kernel
+  already made a CUDA context ("Cannot re-initialize CUDA in forked subprocess", accelerate
+  #1751/#3925), and a forked worker inherits an `Accelerator` made in the kernel as a world of
+  one. `kernel_problems()` finds both; `launch` then spawns the workers instead (fresh
+  interpreters; the function travels by cloudpickle, so one defined in a cell works), or with
+  `fresh_process=False` raises `KernelNotSafe` naming the fix. Forking stays the default because
+  the workers inherit the kernel's imports (vLLM takes 10-60 s to import on a busy CPU).
+  Spawning re-imports a script's main module, as any spawn does: a script (not a notebook) that
+  launches needs an `if __name__ == "__main__":` guard.
+- **A free rendezvous port per launch.** A fixed port (`notebook_launcher` defaults to 29500)
+  hangs or fails a second launch while the first one's port is in TIME_WAIT (TRL #3979).
+- **Per-rank logs, in the cell.** elastic's `DefaultLogsSpecs` redirects each worker's stdout and
+  stderr at the file-descriptor level (vLLM and gloo log from C++) into the launch folder and tees
+  them into the cell as `[rank N] ...`.
+- **A worker's exception as one `WorkerError`, the kernel alive.** elastic records the exception
+  (`record`) and raises `ChildFailedError`; `launch` turns that into `WorkerError` naming the rank,
+  with the worker's traceback. `timeout_s` ends the workers (SIGTERM, then SIGKILL) and raises.
 - **CPU really means 2 processes.** Without `cpu=True`, `PartialState()` on a machine without a
   GPU ignores WORLD_SIZE and quietly makes every process a world of one (accelerate's
   `_prepare_backend` only picks MULTI_CPU when `cpu=True`); likewise `accelerate launch --cpu
-  --num_processes 2` runs ONE process (its `--cpu` path is the single-process launcher; measured
-  here). Each worker therefore initialises `PartialState(cpu=True)` — gloo, world size 2 — before
-  your function runs; `torchrun --nproc_per_node 2` is the command-line equivalent.
+  --num_processes 2` runs ONE process (measured here). Each worker therefore initialises
+  `PartialState(cpu=True)` — gloo, world size 2 — before your function runs.
 
 Used by notebook 03 (TP tuning) and `colo_kit.tp`.
 """
@@ -36,10 +35,9 @@ Used by notebook 03 (TP tuning) and `colo_kit.tp`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
-import pickle
-import socket
-import subprocess
+import signal
 import sys
 import tempfile
 import threading
@@ -51,11 +49,9 @@ from typing import Any, Callable
 
 from colo_kit.env import gpu_count, has_cuda
 from colo_kit.paths import runs_dir
+from colo_kit.procs import child_env, free_port, without_rank_vars  # noqa: F401  (callers import them here)
 
 log = logging.getLogger(__name__)
-
-_RESULT = "rank{rank}.result.pkl"
-_LOG = "rank{rank}.log"
 
 
 class KernelNotSafe(RuntimeError):
@@ -77,7 +73,7 @@ class LaunchResult:
     results: list
     num_processes: int
     port: int
-    how: str  # "notebook_launcher (fork)" or "torchrun (fresh process)"
+    how: str  # "elastic_launch (fork)" or "elastic_launch (spawn)"
     backend: str  # "gloo" on CPU, "nccl" on GPU
     seconds: float
     run_dir: str
@@ -88,43 +84,6 @@ class LaunchResult:
 
     def __len__(self) -> int:
         return len(self.results)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT"})
-
-
-def without_rank_vars(environ=None) -> dict:
-    """`environ` (default os.environ) for a process that starts its own group: no rank, world or
-    rendezvous variables, no torchrun/accelerate state. TRL's colocate mode and vLLM's
-    external_launcher write RANK/MASTER_PORT into the environment of the process that builds an
-    engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
-    environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items()
-            if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
-
-
-def child_env(gpus: str | None = None, **extra: str) -> dict:
-    """The environment of a process the kit starts (a vLLM server or replica, a bench worker,
-    torchrun): this one's, without its rank and rendezvous variables (`without_rank_vars`), with a
-    PYTHONPATH that finds everything this process imports — the kit's checkout and every `sys.path`
-    entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends importable
-    functions by name) — and `CUDA_VISIBLE_DEVICES=gpus` when given."""
-    env = without_rank_vars()
-    paths = [str(Path(__file__).resolve().parent.parent), *env.get("PYTHONPATH", "").split(os.pathsep),
-             *(p or os.getcwd() for p in sys.path)]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpus)
-    env.update(extra)
-    return env
 
 
 def kernel_problems() -> list[str]:
@@ -146,41 +105,37 @@ def kernel_problems() -> list[str]:
 
 
 _FIX = ("Fix: restart the kernel and keep every GPU call (models, trainers, torch.cuda.*) inside the launched "
-        "function, or call launch(..., fresh_process=True) to run the workers in a fresh Python process.")
+        "function, or call launch(..., fresh_process=True) to spawn the workers as fresh Python processes.")
 
-
-# ---------------------------------------------------------------------------------------------
-# Inside each worker
-# ---------------------------------------------------------------------------------------------
 
 class _Worker:
-    """The callable each process runs: logs to its file, sets up the process group, runs the
-    function, and leaves its result (or its traceback) in the launch folder."""
+    """What each process runs: the process group, then the function. Pickled (for spawn) by
+    cloudpickle, so a function defined in a notebook cell travels by value."""
 
-    def __init__(self, function: Callable, run_dir: str, cpu: bool):
-        self.function, self.run_dir, self.cpu = function, run_dir, cpu
+    def __init__(self, function: Callable, args: tuple, cpu: bool):
+        self.function, self.args, self.cpu = function, args, cpu
         # torch elastic names the workers after the entrypoint
         self.__name__ = getattr(function, "__name__", "function")
         self.__qualname__ = getattr(function, "__qualname__", self.__name__)
 
-    def _redirect_output(self, rank: int) -> None:
-        path = Path(self.run_dir) / _LOG.format(rank=rank)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        old_out, old_err = sys.stdout, sys.stderr
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        # In a forked Jupyter kernel sys.stdout is the kernel's stream object; point Python at the file,
-        # and move logging handlers made before the fork (vLLM's, transformers') along with it.
+    def __reduce__(self):
+        import cloudpickle
+
+        return _worker_from, (cloudpickle.dumps((self.function, self.args, self.cpu)),)
+
+    @staticmethod
+    def _streams_to_log() -> None:
+        """elastic put the rank's log files behind fds 1 and 2 (see `_Fd`). In a forked Jupyter kernel
+        `sys.stdout` still sends through the kernel's sockets: point Python, and the logging handlers
+        made before the fork (vLLM's, transformers'), at those fds."""
+        old = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *(getattr(s, "_stream", None)
+                                                                           for s in (sys.stdout, sys.stderr)))
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        import logging
-
         loggers = [logging.root] + [lg for lg in logging.Logger.manager.loggerDict.values()
                                     if isinstance(lg, logging.Logger)]
         for handler in (h for lg in loggers for h in lg.handlers):
-            if type(handler) is logging.StreamHandler and handler.stream in (old_out, old_err, sys.__stdout__,
-                                                                              sys.__stderr__):
+            if type(handler) is logging.StreamHandler and handler.stream in old:
                 handler.setStream(sys.stderr)
 
     @staticmethod
@@ -200,14 +155,15 @@ class _Worker:
 
         InteractiveShell.clear_instance()
 
-    def __call__(self, *args):
+    def __call__(self) -> bytes:
+        import cloudpickle
+
         import colo_kit
 
-        colo_kit.setup()  # a forked worker has its launcher's settings; a spawned one starts without them
-        rank = int(os.environ.get("RANK", 0))
+        colo_kit.setup()  # a spawned worker starts without its launcher's settings
         self._detach_from_kernel()
-        self._redirect_output(rank)
-        out = Path(self.run_dir) / _RESULT.format(rank=rank)
+        self._streams_to_log()
+        rank = int(os.environ.get("RANK", 0))
         try:
             from accelerate.state import AcceleratorState, PartialState
 
@@ -218,122 +174,90 @@ class _Worker:
             state = PartialState(cpu=self.cpu)
             print(f"[colo_kit.launch] rank {state.process_index}/{state.num_processes} "
                   f"backend={state.backend} device={state.device} pid={os.getpid()}", flush=True)
-            value = self.function(*args)
-            payload = ("ok", value)
-        except BaseException as exc:  # noqa: BLE001 — everything a worker raises goes back to the kernel
-            tb = traceback.format_exc()
-            print(tb, file=sys.stderr, flush=True)
-            payload = ("error", {"type": type(exc).__name__, "message": str(exc), "traceback": tb})
-        tmp = out.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                pickle.dump(payload, f)
-        except Exception as exc:  # an unpicklable return value must not hide the run
-            with open(tmp, "wb") as f:
-                pickle.dump(("error", {"type": "PicklingError", "message": f"the return value of rank {rank} "
-                                       f"could not be pickled ({exc}); return plain data (dict, list, numbers)",
-                                       "traceback": ""}), f)
-        os.replace(tmp, out)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if payload[0] == "error":
-            raise SystemExit(1)
-        return None
+            value = self.function(*self.args)
+            try:  # cloudpickle here, so that an unpicklable value fails in the worker, with a clear message
+                return cloudpickle.dumps(value)
+            except Exception as exc:
+                raise TypeError(f"the return value of rank {rank} could not be pickled ({exc}); "
+                                "return plain data (dict, list, numbers)") from exc
+        except BaseException:
+            traceback.print_exc()  # into the rank's log; elastic's `record` sends it to the launcher
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
-def _fresh_process_main(run_dir: str) -> int:
-    """`python -m colo_kit.launch <run_dir>` under torchrun: load the pickled payload and run it."""
-    with open(Path(run_dir) / "payload.pkl", "rb") as f:
-        function, args, cpu = pickle.load(f)
-    _Worker(function, run_dir, cpu)(*args)
-    return 0
+class _Fd:
+    """The kernel's `sys.stdout`/`sys.stderr` for the length of a launch, with fileno() 1 and 2.
+    elastic redirects a worker's output by dup2-ing the log over `sys.stdout.fileno()`: in a Jupyter
+    kernel that is the kernel's copy of its terminal, or an error (no fd at all under pytest), and
+    fds 1 and 2, where C++ code writes, would escape the log. Writes (elastic's tee) go to the kernel's
+    stream."""
+
+    def __init__(self, stream, fd: int):
+        self._stream, self._fd = stream, fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
-# ---------------------------------------------------------------------------------------------
-# In the kernel
-# ---------------------------------------------------------------------------------------------
+def _worker_from(payload: bytes) -> _Worker:
+    import cloudpickle
 
-class _Tail(threading.Thread):
-    """Copies new lines of the workers' log files into this cell as `[rank N] ...`."""
-
-    BRIEF = ("colo_kit", "Error", "error", "Traceback", "raise ", "File \"")
-
-    def __init__(self, run_dir: Path, num_processes: int, echo: bool | str):
-        super().__init__(daemon=True)
-        self.paths = [run_dir / _LOG.format(rank=r) for r in range(num_processes)]
-        self.pos = [0] * num_processes
-        self.partial = [""] * num_processes
-        self.echo = echo
-        self.done = threading.Event()
-
-    def poll(self) -> None:
-        for r, path in enumerate(self.paths):
-            if not path.exists():
-                continue
-            with open(path, "rb") as f:
-                f.seek(self.pos[r])
-                chunk = f.read()
-            if not chunk:
-                continue
-            self.pos[r] += len(chunk)
-            text = self.partial[r] + chunk.decode("utf-8", "replace")
-            lines = text.split("\n")
-            self.partial[r] = lines.pop()
-            for line in lines:
-                self._print(r, line)
-
-    def _print(self, rank: int, line: str) -> None:
-        if not self.echo or (self.echo == "brief" and not any(k in line for k in self.BRIEF)):
-            return
-        print(f"[rank {rank}] {line.rstrip()}", flush=True)
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.poll()
-            self.done.wait(0.5)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(timeout=5)
-        self.poll()
-        for r, rest in enumerate(self.partial):
-            if rest.strip():
-                self._print(r, rest)
+    return _Worker(*cloudpickle.loads(payload))
 
 
-def _log_tail(run_dir: Path, rank: int, lines: int = 30) -> str:
-    path = run_dir / _LOG.format(rank=rank)
-    if not path.exists():
+def _read(path: str | None, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
+    except OSError:
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _collect(run_dir: Path, num_processes: int, launch_exc: BaseException | None) -> list:
-    results, errors, missing = [], [], []
-    for r in range(num_processes):
-        path = run_dir / _RESULT.format(rank=r)
-        if not path.exists():
-            missing.append(r)
-            results.append(None)
-            continue
-        with open(path, "rb") as f:
-            status, value = pickle.load(f)
-        if status == "error":
-            errors.append((r, value))
-        results.append(value if status == "ok" else None)
-    if errors:
-        r, err = errors[0]
-        others = f" (ranks {[e[0] for e in errors]} failed)" if len(errors) > 1 else ""
-        raise WorkerError(f"rank {r} raised {err['type']}: {err['message']}{others}\n\n"
-                          f"--- worker traceback (rank {r}) ---\n{err['traceback']}",
-                          rank=r, worker_traceback=err["traceback"], log_tail=_log_tail(run_dir, r))
-    if missing:
-        r = missing[0]
-        tail = _log_tail(run_dir, r)
-        raise WorkerError(f"rank {r} ended without a result (killed, a crash in C++ code, or a hang broken by "
-                          f"the launcher){': ' + repr(launch_exc) if launch_exc else ''}\n--- last lines of "
-                          f"rank{r}.log ---\n{tail}", rank=r, log_tail=tail)
-    return results
+def _worker_error(exc, run_dir: Path, ended: list, timeout_s: float | None) -> WorkerError:
+    """`WorkerError` for the rank that failed first: a Python exception (recorded by elastic) before a
+    rank that was killed, then the lowest rank."""
+    failures = exc.failures  # {global rank: ProcessFailure}; `record` leaves {"message": {...}} for an exception
+    recorded = {r: f.error_file_data.get("message") for r, f in failures.items()}
+    rank = min(failures, key=lambda r: (not isinstance(recorded[r], dict), failures[r].timestamp, r))
+    failure, message = failures[rank], recorded[rank]
+    # DefaultLogsSpecs writes <run_dir>/<run id>_<random>/attempt_0/<rank>/std{out,err}.log
+    tail = "\n".join(_read(p) for p in sorted(run_dir.glob(f"*/attempt_*/{rank}/std*.log"), reverse=True))
+    if ended:
+        return WorkerError(f"rank {rank} was still running after timeout_s={timeout_s} s: the launch's {len(ended)} "
+                           f"workers were ended (SIGTERM, then SIGKILL)\n--- last lines of rank {rank}'s log ---\n"
+                           f"{tail}", rank=rank, log_tail=tail)
+    if isinstance(message, dict):
+        text, tb = message.get("message", ""), message.get("extraInfo", {}).get("py_callstack", "")
+        others = f" (ranks {sorted(failures)} failed)" if len(failures) > 1 else ""
+        return WorkerError(f"rank {rank} raised {text}{others}\n\n--- worker traceback (rank {rank}) ---\n{tb}",
+                           rank=rank, worker_traceback=tb, log_tail=tail)
+    return WorkerError(f"rank {rank} ended with exit code {failure.exitcode} without a Python exception "
+                       f"(killed, or a crash in C++ code)\n--- last lines of rank {rank}'s log ---\n{tail}",
+                       rank=rank, log_tail=tail)
+
+
+def _end_on_timeout(timeout_s: float, before: set, ended: list, done: threading.Event) -> None:
+    """After `timeout_s`, SIGTERM the workers this launch started (its new multiprocessing
+    children), then SIGKILL those still alive 10 s later: a worker blocked in a collective runs no
+    Python signal handler. elastic sees them die and raises ChildFailedError."""
+    if done.wait(timeout_s):
+        return
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    ended.extend(workers)
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for p in workers:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(p.is_alive() for p in workers) and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.1)
 
 
 def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu: bool | None = None,
@@ -348,15 +272,15 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
     vLLM's `external_launcher` and TRL's trainers join that group. Return plain data (dicts,
     lists, numbers): it is pickled back to the kernel.
 
-    `fresh_process`: "auto" forks with `notebook_launcher` when the kernel is safe to fork and
-    otherwise starts a fresh `torchrun` process (the function travels by cloudpickle); True always
-    starts a fresh process; False raises `KernelNotSafe` instead of falling back.
-    `timeout_s` applies to fresh processes (a forked launch runs until its workers end).
-    `echo`: True streams every worker line into the cell, "brief" only the kit's lines and errors,
-    False none (the logs stay in `run_dir`).
+    `fresh_process`: "auto" forks the workers when the kernel is safe to fork and otherwise spawns
+    them (fresh interpreters, the function cloudpickled); True always spawns; False raises
+    `KernelNotSafe` instead of spawning.
+    `timeout_s`: end the workers and raise `WorkerError` once the launch has run this long.
+    `echo`: True tees every worker line into the cell as `[rank N] ...`, "brief" only their stderr
+    (warnings, errors, tracebacks), False none; the logs stay in `run_dir` either way.
     `preimport`: modules to import in the kernel before forking, so that every worker inherits them
-    instead of importing them again (vLLM takes 10-60 s to import on a busy CPU). Checked again for
-    CUDA afterwards: a module that initialises CUDA on import makes the launch use a fresh process.
+    instead of importing them again. Checked again for CUDA afterwards: a module that initialises
+    CUDA on import makes the launch spawn.
     `port`: the rendezvous port (default: a free one picked now; never a fixed one, TRL #3979).
     """
     if not callable(function):
@@ -380,106 +304,71 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
         for name in preimport:
             importlib.import_module(name)
     problems = kernel_problems()
-    fresh = fresh_process is True
     if problems and fresh_process is False:
         raise KernelNotSafe("cannot fork workers from this kernel:\n- " + "\n- ".join(problems) + "\n" + _FIX)
     if problems and fresh_process == "auto":
-        fresh = True
-        notes.append("kernel not safe to fork (" + "; ".join(problems) + "): workers start in a fresh process")
-    if num_processes == 1 and not fresh:
-        notes.append("one process: run in a forked worker all the same, so a crash cannot take the kernel down")
+        notes.append("kernel not safe to fork (" + "; ".join(problems) + "): workers spawned instead")
+    method = "spawn" if fresh_process is True or problems else "fork"
+    if num_processes == 1:
+        notes.append("one process: run in a worker all the same, so a crash cannot take the kernel down")
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="launch-", dir=runs_dir()))
     run_dir.mkdir(parents=True, exist_ok=True)
     port = int(port or free_port())
-    worker = _Worker(function, str(run_dir), cpu)
     for note in notes:
         log.info(note)
     if echo:
-        log.info("%d %s, rendezvous 127.0.0.1:%d, logs in %s", num_processes,
-                 "CPU processes (gloo)" if cpu else "GPU processes (NCCL)", port, run_dir)
+        log.info("%d %s, %s, rendezvous 127.0.0.1:%d, logs in %s", num_processes,
+                 "CPU processes (gloo)" if cpu else "GPU processes (NCCL)", method, port, run_dir)
 
-    tail = _Tail(run_dir, num_processes, echo)
-    tail.start()
-    t0 = time.perf_counter()
-    launch_exc = None
-    try:
-        if fresh:
-            how = "torchrun (fresh process)"
-            _launch_fresh(function, args, num_processes, cpu, run_dir, port, timeout_s)
-        else:
-            how = "notebook_launcher (fork)"
-            _launch_forked(worker, args, num_processes, port)
-    except Exception as exc:  # the workers' own errors are read from their files just below
-        launch_exc = exc
-    finally:
-        tail.stop()
-    seconds = time.perf_counter() - t0
-    results = _collect(run_dir, num_processes, launch_exc)
-    if launch_exc is not None and not isinstance(launch_exc, subprocess.CalledProcessError):
-        notes.append(f"the launcher reported {launch_exc!r} after every rank returned")
-    return LaunchResult(results=results, num_processes=num_processes, port=port, how=how,
-                        backend="gloo" if cpu else "nccl", seconds=round(seconds, 2), run_dir=str(run_dir),
-                        notes=notes)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-
-def _launch_forked(worker: _Worker, args: tuple, num_processes: int, port: int) -> None:
-    """accelerate's notebook_launcher with our port. For one process notebook_launcher calls the
-    function in the kernel itself; we fork that case through torch elastic (the engine notebook_launcher
-    uses) so that a crash cannot take the kernel with it.
-
-    accelerate 1.15 prints "Launching training on 2 CUDAs." on a CPU too (its device probe falls back
-    to "cuda"); the workers' own first line says what they got. torch elastic's error report of a
-    failed worker is silenced here: `WorkerError` carries the worker's own traceback instead."""
-    import logging
-
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.CRITICAL)
-    # torch's LaunchConfig asks torch.cuda.is_available() in this process; without the NVML check
-    # that initialises the CUDA driver here, and every forked worker then fails with "Cannot
-    # re-initialize CUDA in forked subprocess" (seen on an H200 node: notebook 03's first cell).
+    tee = {True: Std.ALL, "brief": Std.ERR}.get(echo, Std.NONE)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, run_id=run_dir.name,
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
+                          max_restarts=0, monitor_interval=0.1, start_method=method,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.ALL, tee=tee),
+                          log_line_prefix_template="[rank ${rank}] ")
+    # elastic logs a report of a failed worker and the ranks it ends (WorkerError says it all) and leaves
+    # its SIGTERM/SIGINT handlers in the launcher (a kernel interrupt would then raise SignalException).
+    quiet = {name: logging.getLogger(name).level for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                                                              "torch.multiprocessing.spawn")}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    # LaunchConfig asks torch.cuda.is_available(); without the NVML check that initialises CUDA here
+    # and every forked worker fails with "Cannot re-initialize CUDA" (seen on an H200: notebook 03).
     nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    done, ended = threading.Event(), []
+    if timeout_s is not None:
+        before = set(multiprocessing.active_children())
+        threading.Thread(target=_end_on_timeout, args=(timeout_s, before, ended, done), daemon=True).start()
+    streams = sys.stdout, sys.stderr
+    t0 = time.perf_counter()
     try:
-        if num_processes > 1:
-            from accelerate import notebook_launcher
-
-            notebook_launcher(worker, args=args, num_processes=num_processes, use_port=str(port),
-                              master_addr="127.0.0.1")
-            return
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="none",
-                              rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
-                              max_restarts=0, monitor_interval=0.1, start_method="fork")
-        elastic_launch(config=config, entrypoint=worker)(*args)
+        sys.stdout, sys.stderr = _Fd(streams[0], 1), _Fd(streams[1], 2)
+        for name in quiet:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        returned = elastic_launch(config=config, entrypoint=_Worker(function, args, cpu))()
+    except ChildFailedError as exc:
+        raise _worker_error(exc, run_dir, ended, timeout_s) from None
     finally:
-        for lg, level in zip(quiet, levels):
-            lg.setLevel(level)
+        sys.stdout, sys.stderr = streams
+        done.set()
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
         if nvml_check is None:
             os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
         else:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml_check
-
-
-def _launch_fresh(function: Callable, args: tuple, num_processes: int, cpu: bool, run_dir: Path, port: int,
-                  timeout_s: float | None) -> None:
     import cloudpickle
 
-    with open(run_dir / "payload.pkl", "wb") as f:
-        cloudpickle.dump((function, args, cpu), f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "colo_kit.launch", str(run_dir)]
-    env = child_env()
-    # The launcher's own messages go to a file; the workers' lines reach the cell through the tail.
-    with open(run_dir / "launcher.log", "wb") as log:
-        subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
+    return LaunchResult(results=[cloudpickle.loads(returned[r]) for r in range(num_processes)],
+                        num_processes=num_processes, port=port, how=f"elastic_launch ({method})",
+                        backend="gloo" if cpu else "nccl", seconds=round(time.perf_counter() - t0, 2),
+                        run_dir=str(run_dir), notes=notes)
 
-
-if __name__ == "__main__":
-    import colo_kit
-
-    colo_kit.setup()
-    raise SystemExit(_fresh_process_main(sys.argv[1]))

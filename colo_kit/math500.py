@@ -86,7 +86,7 @@ class _Worker:
     """One checker process: JSON lines in on stdin, out on stdout."""
 
     def __init__(self):
-        from colo_kit.launch import child_env
+        from colo_kit.procs import child_env
 
         env = child_env(OMP_NUM_THREADS="1")  # importable even when the kit is not pip-installed
         self.proc = subprocess.Popen(

@@ -161,7 +161,7 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     nb = nbformat.read(path, as_version=4)
     # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address. It gets
     # its own environment; this process's os.environ is left as it is (other threads read it).
-    from colo_kit.launch import without_rank_vars
+    from colo_kit.procs import without_rank_vars
     from nbclient.exceptions import CellTimeoutError
 
     kernel_env = without_rank_vars()

@@ -8,16 +8,56 @@ holds the engine core too, and that dies with the process that started it (`die_
 if the process exits first (a bad flag, a model that does not fit). `stop_groups` ends the whole
 group: SIGTERM, a grace period for vLLM to free the GPU, then SIGKILL.
 
-Their environment comes from `colo_kit.launch.child_env` (the kit importable, no rank variables).
+Their environment comes from `child_env` (the kit importable, no rank variables), their port
+from `free_port`.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT"})
+
+
+def without_rank_vars(environ=None) -> dict:
+    """`environ` (default os.environ) for a process that starts its own group: no rank, world or
+    rendezvous variables, no torchrun/accelerate state. TRL's colocate mode and vLLM's
+    external_launcher write RANK/MASTER_PORT into the environment of the process that builds an
+    engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
+
+
+def child_env(gpus: str | None = None, **extra: str) -> dict:
+    """The environment of a process the kit starts (a vLLM server or replica, a bench worker,
+    torchrun): this one's, without its rank and rendezvous variables (`without_rank_vars`), with a
+    PYTHONPATH that finds everything this process imports — the kit's checkout and every `sys.path`
+    entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends importable
+    functions by name) — and `CUDA_VISIBLE_DEVICES=gpus` when given."""
+    env = without_rank_vars()
+    paths = [str(Path(__file__).resolve().parent.parent), *env.get("PYTHONPATH", "").split(os.pathsep),
+             *(p or os.getcwd() for p in sys.path)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus)
+    env.update(extra)
+    return env
 
 
 def die_with_parent() -> None:

@@ -18,8 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from colo_kit.launch import free_port  # noqa: F401  (notebook 06 imports free_port from here)
 from colo_kit.lora import ReplicaLaunch
+from colo_kit.procs import free_port  # noqa: F401  (notebook 06 imports free_port from here)
 from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
 
 
@@ -64,7 +64,7 @@ class ReplicaSet:
         at once each count the other's growth as their own."""
         import atexit
 
-        from colo_kit.launch import child_env
+        from colo_kit.procs import child_env
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)  # a failed notebook cell or test must not leave servers behind

@@ -159,7 +159,7 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
                          http_weight_sync=http_weight_sync, extra_args=extra_args)
-    from colo_kit.launch import child_env
+    from colo_kit.procs import child_env
 
     # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
     env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")

@@ -11,7 +11,7 @@ TP was *slower* (experiment 2: "avoid sharding small models"), for 7B more TP wa
 - `grpo_sweep` — TRL's GRPOTrainer in colocate mode with `vllm_tensor_parallel_size` 1 and 2,
   per-step wall time.
 
-Both run their processes through `colo_kit.launch` (accelerate's notebook_launcher), so a
+Both run their processes through `colo_kit.launch` (torch elastic's elastic_launch), so a
 notebook cell can call them. On a CPU they run the tiny model on 2 processes over gloo: a
 functional demo of the same code path, not a speed result.
 

@@ -1,5 +1,5 @@
-"""colo_kit.launch: multi-process cells through accelerate's notebook_launcher, run for real —
-2 forked CPU processes over gloo, a real Jupyter kernel, real worker crashes."""
+"""colo_kit.launch: multi-process cells through torch elastic's elastic_launch, run for real —
+2 forked (or spawned) CPU processes over gloo, a real Jupyter kernel, real worker crashes."""
 
 import os
 import subprocess
@@ -36,7 +36,7 @@ def test_two_cpu_processes_return_results_and_each_launch_gets_its_own_port(capf
     first = launch(_who, "a", num_processes=2, cpu=True)
     second = launch(_who, "b", num_processes=2, cpu=True)
     for res, tag in ((first, "a"), (second, "b")):
-        assert res.how == "notebook_launcher (fork)" and res.backend == "gloo"
+        assert res.how == "elastic_launch (fork)" and res.backend == "gloo"
         assert [r["rank"] for r in res.results] == [0, 1]
         assert {r["world"] for r in res.results} == {2}  # really two processes, not two worlds of one
         assert {r["backend"] for r in res.results} == {"gloo"}
@@ -58,6 +58,35 @@ def test_a_worker_exception_comes_back_with_its_message_and_the_caller_survives(
     assert "_fail_on_rank_one" in err.worker_traceback
     # The caller is alive and can launch again.
     assert launch(_who, "again", num_processes=2, cpu=True, echo=False).results[1]["tag"] == "again"
+
+
+def _hang_on_rank_one():
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.barrier()  # rank 0 waits in a collective: no Python signal handler runs there
+
+
+def test_a_timeout_ends_every_worker_and_names_a_rank():
+    import multiprocessing
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="timeout_s=3") as info:
+        launch(_hang_on_rank_one, num_processes=2, cpu=True, echo=False, timeout_s=3)
+    assert info.value.rank in (0, 1)
+    assert time.monotonic() - t0 < 120
+    assert multiprocessing.active_children() == []  # no worker left behind
+
+
+def test_spawned_workers_run_a_closure_and_return_its_values():
+    offset = 10
+    res = launch(lambda x: __import__("torch.distributed").distributed.get_rank() + x + offset, 5,
+                 num_processes=2, cpu=True, fresh_process=True, echo=False)
+    assert res.how == "elastic_launch (spawn)" and res.results == [15, 16]
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -83,15 +112,16 @@ _ACCELERATE_STATE_SCRIPT = textwrap.dedent("""
         import torch.distributed as dist
         return dist.get_rank(), dist.get_world_size()
 
-    PartialState(cpu=True)  # a trainer built in the kernel leaves this behind
-    assert kernel_problems(), "the accelerate state was not noticed"
-    try:
-        launch(rank_and_world, num_processes=2, cpu=True, fresh_process=False)
-    except KernelNotSafe as exc:
-        assert "Fix:" in str(exc) and "fresh_process=True" in str(exc), exc
-        print("REFUSED")
-    res = launch(rank_and_world, num_processes=2, cpu=True, echo=False)  # auto: a fresh process instead
-    print("FRESH", res.how, res.results)
+    if __name__ == "__main__":  # spawned workers import this script again as their main module
+        PartialState(cpu=True)  # a trainer built in the kernel leaves this behind
+        assert kernel_problems(), "the accelerate state was not noticed"
+        try:
+            launch(rank_and_world, num_processes=2, cpu=True, fresh_process=False)
+        except KernelNotSafe as exc:
+            assert "Fix:" in str(exc) and "fresh_process=True" in str(exc), exc
+            print("REFUSED")
+        res = launch(rank_and_world, num_processes=2, cpu=True, echo=False)  # auto: spawned instead
+        print("FRESH", res.how, res.results)
 """)
 
 
@@ -102,7 +132,7 @@ def test_an_unsafe_kernel_is_refused_with_the_fix_or_launched_fresh(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED" in proc.stdout
-    assert "FRESH torchrun (fresh process) [(0, 2), (1, 2)]" in proc.stdout
+    assert "FRESH elastic_launch (spawn) [(0, 2), (1, 2)]" in proc.stdout
 
 
 _PARTIALSTATE_SCRIPT = textwrap.dedent("""
@@ -199,7 +229,7 @@ def test_cuda_initialised_in_the_kernel_is_detected_and_launched_fresh():
     with pytest.raises(KernelNotSafe, match="restart the kernel"):
         launch(_who, "x", fresh_process=False)
     res = launch(_who, "gpu")
-    assert res.how == "torchrun (fresh process)" and [r["rank"] for r in res.results] == list(range(len(res)))
+    assert res.how == "elastic_launch (spawn)" and [r["rank"] for r in res.results] == list(range(len(res)))
 
 
 _FORK_ON_GPU_SCRIPT = textwrap.dedent("""
@@ -236,7 +266,7 @@ def test_a_gpu_node_forks_workers_that_use_cuda(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "PROBLEMS []" in proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCHED"))
-    assert "notebook_launcher (fork)" in line
+    assert "elastic_launch (fork)" in line
     from colo_kit.env import gpu_count
 
     n = gpu_count()

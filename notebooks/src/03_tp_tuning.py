@@ -20,7 +20,7 @@
 #
 # This notebook measures both on the GPUs of one node, TP 1 against TP 2: **generation alone** (N prompts × T
 # tokens through colocated engines) and **colocated GRPO steps** with TRL. Each run spans several processes,
-# started from a cell with accelerate's `notebook_launcher` through `colo_kit.launch`, which keeps the kernel
+# started from a cell with torch elastic's `elastic_launch` through `colo_kit.launch`, which keeps the kernel
 # safe. Then it explains the flip: communication against room for the KV cache.
 #
 # **On a CPU** (a laptop, or the kit's test machine) the same cells run the kit's tiny model on 2 processes over gloo: a
@@ -50,19 +50,18 @@ MACHINE.say(LIVE["plan"])
 # ## 1 · Multi-process cells that cannot kill the kernel
 #
 # `launch(fn, *args)` runs `fn` in one process per GPU (2 on a CPU) and returns what each rank returned.
-# Around accelerate's `notebook_launcher` it adds what a notebook needs:
+# Around torch elastic's `elastic_launch` (which accelerate's `notebook_launcher` wraps) it adds what a notebook needs:
 #
 # | what goes wrong with a bare `notebook_launcher` | what `colo_kit.launch` does |
 # |---|---|
-# | a CUDA context in the kernel breaks the forked workers (accelerate #1751/#3925) | `kernel_problems()` checks first; then a fresh `torchrun` process runs the function (cloudpickled), or `fresh_process=False` raises with the fix |
+# | a CUDA context in the kernel breaks the forked workers (accelerate #1751/#3925) | `kernel_problems()` checks first; then the workers are spawned (fresh interpreters, the function cloudpickled), or `fresh_process=False` raises with the fix |
 # | a fixed `MASTER_PORT` makes a re-run collide (TRL #3979) | a free port per launch |
-# | return values are dropped | each rank pickles its result into the launch folder |
-# | worker output lands in the terminal, a worker crash is a wall of elastic errors | worker logs stream into the cell as `[rank N] …`; a crash becomes one `WorkerError` with the worker's traceback, and the kernel lives |
+# | return values are dropped | `elastic_launch`'s `{rank: value}`, in rank order |
+# | worker output lands in the terminal, a worker crash is a wall of elastic errors | per-rank logs (elastic's `DefaultLogsSpecs`) teed into the cell as `[rank N] …`; a crash becomes one `WorkerError` with the worker's traceback, and the kernel lives |
 # | on a CPU, `PartialState()` quietly makes each process a world of one (and `accelerate launch --cpu --num_processes 2` starts one process) | every worker starts `PartialState(cpu=True)`: gloo, world size 2 |
 #
-# Keep every GPU call inside the launched function. Two small launches in a row (accelerate 1.15 prints
-# "Launching training on 2 CUDAs" even on a CPU — its device probe falls back to `cuda`; each worker's
-# first line says what it really got):
+# Keep every GPU call inside the launched function. Two small launches in a row (each worker's first line
+# says what it got):
 
 # %%
 print("kernel problems before forking:", kernel_problems() or "none")
