@@ -27,7 +27,7 @@ from importlib import metadata
 
 def _nvml_gpus() -> list[dict]:
     """Every NVIDIA GPU NVML sees: index, name, memory (GiB). Read through NVML, never CUDA: a CUDA
-    context made in this process before accelerate's notebook_launcher forks breaks the launch."""
+    context made in this process before colo_kit.launch forks its workers breaks the launch."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -146,7 +146,7 @@ def apply_defaults() -> None:
         # torch.cuda.is_available() initialises the CUDA driver unless this is set, and a process that
         # has done so cannot fork workers that use CUDA ("Cannot re-initialize CUDA in forked
         # subprocess"). torch's elastic LaunchConfig calls it in the launching process (the notebook
-        # kernel, under notebook_launcher): without this, the first multi-GPU cell of a GPU node fails.
+        # kernel, under colo_kit.launch): without this, the first multi-GPU cell of a GPU node fails.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

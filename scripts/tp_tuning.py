@@ -5,7 +5,7 @@
   grpo  --model M --tp T --out F      TRL colocate GRPO step time at vllm_tensor_parallel_size T
   merge PARTS... --out results/tp_gpu.json
 
-Every part runs its processes through colo_kit.launch (accelerate's notebook_launcher, forked
+Every part runs its processes through colo_kit.launch (torch's elastic_launch, forked
 from this process, which never touches CUDA itself), so the GPU run exercises the notebook path.
 `--smoke` runs the same code with the tiny model on 2 CPU processes (not evidence).
 """
