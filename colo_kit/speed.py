@@ -320,6 +320,9 @@ def _summarize_one(records: list[dict]) -> dict:
     target = threshold(base[0]) if base else None
     base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]
     base_ttr = {r["seed"]: time_to_reward(r, target) for r in base} if target is not None else {}
+    # how long the defaults trained without reaching the threshold: a configuration that got there in t s is at
+    # least this / t times faster (a lower bound, not a ratio)
+    base_span = {r["seed"]: max((row["t_s"] for row in r["rows"]), default=None) for r in base}
     out = {"threshold": {"rule": f"the mean reward of trl_defaults' (seed 0) first generation times "
                                  f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
                                  f"{WINDOW_COMPLETIONS} completions gets there",
@@ -344,6 +347,9 @@ def _summarize_one(records: list[dict]) -> dict:
             row["time_to_reward_speedup_per_seed"] = [
                 round(base_ttr[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"]) else None
                 for r, t in zip(runs, ttr)]
+            row["time_to_reward_speedup_at_least_per_seed"] = [
+                round(base_span[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"], 0) is None
+                and base_span.get(r["seed"]) else None for r, t in zip(runs, ttr)]
         peak, pred = runs[0]["nvml_peak_gib"], runs[0]["planner_peak_gib"]
         if peak and pred:
             row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
@@ -352,6 +358,17 @@ def _summarize_one(records: list[dict]) -> dict:
 
 
 # --- what notebook 04 shows -----------------------------------------------------------------------------
+
+def _speedups(c: dict) -> str:
+    """Per seed: the time ratio to the defaults; '≥ x' where only this configuration reached the threshold (the
+    defaults' training time over this one's time); 'not reached' where this one did not."""
+    at_least = c.get("time_to_reward_speedup_at_least_per_seed") or []
+    out = []
+    for i, ratio in enumerate(c.get("time_to_reward_speedup_per_seed") or []):
+        bound = at_least[i] if i < len(at_least) else None
+        out.append(f"{ratio:.2f}" if ratio is not None else f"≥ {bound:.2f}" if bound is not None else "not reached")
+    return " / ".join(out)
+
 
 def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
     """One row per learning rate and configuration of a merged `speed_1xh200.json`: the numbers a learner
@@ -372,7 +389,7 @@ def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
                 "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
                                                        f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
                 "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
-                "× defaults (time)": seeds(c.get("time_to_reward_speedup_per_seed") or [], "{:.2f}") or "",
+                "× defaults (time)": _speedups(c),
                 "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
             })
     return rows

@@ -102,11 +102,13 @@ def main(argv=None) -> int:
     r.add_argument("--max-completion-length", type=int, default=None, help="instead of the task's")
     r.add_argument("--out", required=True)
     m = sub.add_parser("merge")
-    m.add_argument("parts", nargs="+")
+    m.add_argument("parts", nargs="*", help="part JSONs; none with --into: summarize that file's records again")
     m.add_argument("--out", required=True)
     m.add_argument("--into", default=None, help="an earlier merged JSON whose records are kept")
     m.add_argument("--note", default=None, help="how the parts were made (kept by later merges --into this file)")
     args = ap.parse_args(argv)
+    if args.cmd == "merge" and not args.parts and not args.into:
+        ap.error("merge: give part JSONs, or --into FILE to summarize its records again")
     return run(args) if args.cmd == "run" else merge(args)
 
 

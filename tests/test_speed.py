@@ -99,7 +99,21 @@ def test_summary_compares_seed_by_seed_and_keeps_learning_rates_apart():
     assert spg8["tokens_per_s_vs_defaults"] == pytest.approx(3.0)
     assert spg8["time_to_reward_s"] == [5.0, None]
     assert spg8["time_to_reward_speedup_per_seed"] == [2.0, None]
+    assert spg8["time_to_reward_speedup_at_least_per_seed"] == [None, None]  # the defaults reached it: a ratio
     assert spg8["planner_error_seed0"] == pytest.approx(-0.05)
+
+
+def test_where_only_the_configuration_reached_the_threshold_the_table_gives_a_lower_bound():
+    records = [_record("trl_defaults", 0, 1000.0, [(1, -2000), (30, -1500)]),  # never reaches -1000
+               _record("spg4", 0, 2000.0, [(1, -2000), (10, -900)]),
+               _record("spg2", 0, 1500.0, [(1, -2000), (20, -1900)])]
+    summary = speed.summarize(records)
+    g = summary["lr=0.0005"]
+    assert g["configs"]["spg4"]["time_to_reward_speedup_per_seed"] == [None]
+    assert g["configs"]["spg4"]["time_to_reward_speedup_at_least_per_seed"] == [3.0]  # 30 s of defaults / 10 s
+    rows = {r["configuration"]: r for r in speed.table({"summary": {"qwen2.5-1.5b": summary}})}
+    assert rows["spg4"]["× defaults (time)"] == "≥ 3.00"
+    assert rows["spg2"]["× defaults (time)"] == "not reached"
 
 
 def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
