@@ -263,7 +263,7 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
     return fig
 
 
-def costs_from_speed(result: dict, learning_rate: str = "lr=0.005") -> PhaseCosts:
+def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
     """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
     without a committed ping-pong sweep: generation seconds per generation call at 8, 64 and 256 completions
     (TRL's defaults, steps_per_generation=8 at batch 8 and at batch 32), training (forward, backward, optimizer,
@@ -273,9 +273,11 @@ def costs_from_speed(result: dict, learning_rate: str = "lr=0.005") -> PhaseCost
     Two assumptions, named in `notes` and wherever the costs are shown: a server's generation costs what the
     colocated engine's did (it had 0.3 of the GPU, a server 0.9: more KV cache, which these batches do not need),
     and server mode's weight sync costs what the colocated push did."""
-    configs = result["summary"]["qwen2.5-1.5b"][learning_rate]["configs"]
-    recs = {(r["config"], r["seed"]): r for r in result["records"]
-            if f"lr={r['grpo_config'].get('learning_rate')}" == learning_rate}
+    from colo_kit.speed import first_race, race
+
+    key = first_race(result, "qwen2.5-1.5b", learning_rate)
+    configs = result["summary"]["qwen2.5-1.5b"][key]["configs"]
+    recs = {(r["config"], r["seed"]): r for r in result["records"] if r["model"] == "qwen2.5-1.5b" and race(r) == key}
     gen_points, train_points = [], []
     for name in ("trl_defaults", "spg8", "batch32"):
         rec = recs[(name, 0)]

@@ -80,6 +80,7 @@ class Plan:
     vllm_gpu_memory_utilization: float = 0.3
     vllm_tensor_parallel_size: int = 1
     sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
+    kv_only_sleep: bool = False               # with sleep: release the KV cache only, keep the weights (colo_kit.kv_sleep)
     per_device_batch: int = 8                 # completions per GPU per step (TRL per_device_train_batch_size)
     steps_per_generation: int = 1             # TRL's: one generation feeds this many optimizer steps
     prompt_length: int = 96
@@ -117,6 +118,8 @@ class Plan:
             bad("vllm_tensor_parallel_size", tp, f"use a TP size that divides the GPU count ({self.gpus})")
         if self.sleep_level not in (0, 1, 2):
             bad("sleep_level", self.sleep_level, "use 0 (no sleep), 1 (weights to CPU) or 2 (discard weights)")
+        if self.kv_only_sleep and not self.sleep_level:
+            bad("kv_only_sleep", True, "it changes how the engine sleeps: give a sleep_level of 1 or 2 with it")
         if self.mode == "server" and self.sleep_level:
             bad("sleep_level", self.sleep_level, "sleep is for colocate mode; use 0 with --mode server")
         for name in ("per_device_batch", "steps_per_generation", "prompt_length", "completion_length"):
@@ -218,6 +221,8 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
                      f"raise vllm_gpu_memory_utilization to >= {vllm_min_util:.2f} or the TP size")
 
     asleep = VLLM_ASLEEP_GIB if (colocate and plan.sleep_level) else vllm_total
+    if colocate and plan.kv_only_sleep:
+        asleep += vllm_weights  # the weights stay mapped through training; only the KV cache is released
     training = {
         "cuda_context_nccl": ctx,
         "weights": g(weights),

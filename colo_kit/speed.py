@@ -244,23 +244,24 @@ def switch_parts(tl, skip_steps: int) -> dict:
 
 def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
                  completion_length: int = TASK["max_completion_length"],
-                 vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0) -> float:
+                 vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
+                 kv_only_sleep: bool = False) -> float:
     from colo_kit.planner import estimate
 
     return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
                     completion_length=completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                    sleep_level=sleep_level)["peak_gib_per_gpu"]
+                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep)["peak_gib_per_gpu"]
 
 
 def planner_peak_for(name: str, model: str, completion_length: int = TASK["max_completion_length"]) -> float:
-    """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep. The
-    planner has no level for the KV-only sleep: it counts that engine awake, an upper bound."""
+    """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
+    level 2, or the KV cache only)."""
     fields, knobs = config(name, model)
-    sleeps = fields.get("vllm_enable_sleep_mode", False) and not knobs.get("kv_only_sleep", False)
+    sleeps = fields.get("vllm_enable_sleep_mode", False)
     return planner_peak(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
                         completion_length,
                         fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
-                        2 if sleeps else 0)
+                        2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
 
 
 # --- the reward race ------------------------------------------------------------------------------------
@@ -297,13 +298,44 @@ def time_to_reward(record: dict, target: float) -> float | None:
     return None
 
 
+def race(record: dict) -> str:
+    """Which race a record ran in: its learning rate, its budget per seed and the commit it ran at. Ratios are
+    taken only inside one race, against the defaults run in it: runs of another day, budget or code are not
+    compared with each other."""
+    parts = [f"lr={record['grpo_config'].get('learning_rate')}"]
+    if record.get("budget_s"):
+        parts.append(f"{record['budget_s']:g} s")
+    if record.get("commit"):
+        parts.append(f"at {record['commit']}")
+    return ", ".join(parts)
+
+
 def summarize(records: list[dict]) -> dict:
-    """Per learning rate, per configuration: tokens/s per seed and their ratio to TRL's defaults, time to the
-    threshold per seed and its ratio, the step split, the switch and the peaks."""
-    by_lr: dict = {}
+    """Per race (`race`), per configuration: tokens/s per seed and their ratio to TRL's defaults of the same race,
+    time to the threshold per seed and its ratio, the step split, the switch and the peaks."""
+    by_race: dict = {}
     for r in records:
-        by_lr.setdefault(f"lr={r['grpo_config'].get('learning_rate')}", []).append(r)
-    return {lr: _summarize_one(rs) for lr, rs in by_lr.items()}
+        by_race.setdefault(race(r), []).append(r)
+    out = {}
+    for key, rs in by_race.items():
+        out[key] = _summarize_one(rs)
+        out[key]["race"] = {"learning_rate": rs[0]["grpo_config"].get("learning_rate"),
+                            "budget_s": rs[0].get("budget_s"), "commit": rs[0].get("commit")}
+    return out
+
+
+def first_race(result: dict, model: str, learning_rate: float) -> str:
+    """The key of `model`'s first race at `learning_rate` in a merged result's summary."""
+    return next(k for k, g in result["summary"][model].items() if g["race"]["learning_rate"] == learning_rate)
+
+
+def _planner_now(record: dict) -> float | None:
+    """The planner's peak for a record's configuration as the planner is now (the record keeps the one of its
+    day); the recorded one where the configuration is not the kit's."""
+    try:
+        return planner_peak_for(record["config"], record["model"])
+    except (KeyError, ValueError):
+        return record["planner_peak_gib"]
 
 
 def _mean_length(record: dict) -> float | None:
@@ -338,7 +370,7 @@ def _summarize_one(records: list[dict]) -> dict:
                "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
                "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
                "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
-               "planner_peak_gib": runs[0]["planner_peak_gib"],
+               "planner_peak_gib": _planner_now(runs[0]),
                "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
         if base_tps and all(base_tps) and all(tps):
             row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
@@ -350,7 +382,7 @@ def _summarize_one(records: list[dict]) -> dict:
             row["time_to_reward_speedup_at_least_per_seed"] = [
                 round(base_span[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"], 0) is None
                 and base_span.get(r["seed"]) else None for r, t in zip(runs, ttr)]
-        peak, pred = runs[0]["nvml_peak_gib"], runs[0]["planner_peak_gib"]
+        peak, pred = runs[0]["nvml_peak_gib"], row["planner_peak_gib"]
         if peak and pred:
             row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
         out["configs"][name] = row
@@ -371,17 +403,19 @@ def _speedups(c: dict) -> str:
 
 
 def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
-    """One row per learning rate and configuration of a merged `speed_1xh200.json`: the numbers a learner
-    compares, each per seed where there are seeds."""
+    """One row per race (learning rate, budget per seed, commit) and configuration of a merged
+    `speed_1xh200.json`: the numbers a learner compares, each per seed where there are seeds."""
     def seeds(values, fmt):
         return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
 
     rows = []
-    for lr, group in result["summary"].get(model, {}).items():
-        for name, c in group["configs"].items():
+    for g in result["summary"].get(model, {}).values():
+        r = g["race"]
+        for name, c in g["configs"].items():
             gen = c["phase_s_per_step"]
             rows.append({
-                "learning rate": lr.removeprefix("lr="), "configuration": name, "adds": c.get("adds") or "",
+                "learning rate": f"{r['learning_rate']:g}", "s per seed": f"{r['budget_s']:g}" if r["budget_s"] else "",
+                "ran at": r["commit"] or "", "configuration": name, "adds": c.get("adds") or "",
                 "seeds": ", ".join(map(str, c["seeds"])),
                 "completion tok/s": seeds(c["completion_tokens_per_s"], "{:,.0f}"),
                 "× defaults (tok/s)": c.get("tokens_per_s_vs_defaults"),

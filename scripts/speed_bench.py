@@ -59,7 +59,8 @@ def run(args) -> int:
 
 
 def _key(record: dict) -> tuple:
-    return record["config"], record["model"], record["seed"], record["grpo_config"].get("learning_rate")
+    return (record["config"], record["model"], record["seed"], record["grpo_config"].get("learning_rate"),
+            record.get("budget_s"), record.get("commit"))
 
 
 def merge(args) -> int:
@@ -71,7 +72,9 @@ def merge(args) -> int:
         records, parts = old.get("records", []), old.get("parts", [])
     for path in args.parts:
         part = json.loads(Path(path).read_text())
-        # a configuration run again replaces its earlier records (same config, model and seed)
+        # each record knows the commit it ran at: the summary compares only records of one race (colo_kit.speed.race)
+        part["records"] = [{**r, "commit": r.get("commit") or part.get("commit")} for r in part["records"]]
+        # a configuration run again at the same commit, budget and learning rate replaces its earlier records
         keys = {_key(r) for r in part["records"]}
         records = [r for r in records if _key(r) not in keys] + part["records"]
         lrs = sorted({r["grpo_config"].get("learning_rate") for r in part["records"]})

@@ -105,6 +105,17 @@ def test_without_sleep_vllm_holds_its_share_through_training_and_with_sleep_it_d
     assert asleep["peak_gib_per_gpu"] < awake["peak_gib_per_gpu"]
 
 
+def test_kv_only_sleep_keeps_the_engines_weights_through_training():
+    level2 = estimate(model="qwen2.5-7b", vllm_gpu_memory_utilization=0.5, sleep_level=2)
+    kv = estimate(model="qwen2.5-7b", vllm_gpu_memory_utilization=0.5, sleep_level=2, kv_only_sleep=True)
+    weights = kv["parts"]["generation"]["vllm_weights"]
+    assert weights > 10  # 7B in bf16
+    assert kv["parts"]["training"]["vllm_asleep"] == pytest.approx(planner.VLLM_ASLEEP_GIB + weights)
+    assert kv["phase_peaks_gib"]["training"] == pytest.approx(level2["phase_peaks_gib"]["training"] + weights, abs=0.02)
+    with pytest.raises(ValueError, match="kv_only_sleep=True.*sleep_level"):
+        estimate(model="qwen2.5-1.5b", kv_only_sleep=True)
+
+
 def test_zero3_shards_by_gpu_count_and_offload_moves_the_optimizer_to_the_host():
     one = estimate(model="qwen2.5-7b", gpus=2, zero_stage=3)["parts"]["training"]
     four = estimate(model="qwen2.5-7b", gpus=4, zero_stage=3)["parts"]["training"]
