@@ -16,7 +16,6 @@ TRL_NAMES = {"per_device_train_batch_size": "per_device_batch", "vllm_enable_sle
              "vllm_server_base_url": "server_url", "max_steps": "max_steps", "num_generations": "num_generations",
              "max_completion_length": "max_completion_length", "learning_rate": "learning_rate", "seed": "seed",
              "vllm_gpu_memory_utilization": "vllm_gpu_memory_utilization"}
-KIT_SET_FIELDS = {"output_dir": "the kit's run folder under results/runs/ (--json writes the log)"}
 
 
 def _config_path(args: list[str]) -> str | None:
@@ -33,8 +32,6 @@ def trl_overrides(args: list[str]) -> dict:
     from a YAML file (`--config recipe.yaml`, as TRL's scripts and alignment-handbook take one),
     parsed and checked by TRL's `TrlParser`. Returns the fields given, with TRL's parsed values;
     a bad one is a `UsageError` naming it."""
-    import tempfile
-
     import yaml
     from trl import GRPOConfig, TrlParser
 
@@ -54,15 +51,12 @@ def trl_overrides(args: list[str]) -> dict:
         given = [g for g in given if g != "config"] + [k for k in loaded if k != "env"]
         args = [t for t in args if not t.startswith("--config=")] + (
             ["--config", path] if any(t.startswith("--config=") for t in args) else [])
-    if owned := [g for g in given if g in KIT_SET_FIELDS]:
-        raise UsageError(f"--{owned[0]}: the kit sets it; use {KIT_SET_FIELDS[owned[0]]}")
-
     def one_line(message):
         raise UsageError(f"{message} (GRPOConfig fields in TRL's spelling, e.g. --beta 0.04)")
 
     parser = TrlParser((GRPOConfig,))
     parser.error = one_line
-    base = ["--output_dir", tempfile.gettempdir()] + ([] if has_cuda() else ["--use_cpu", "true", "--bf16", "false"])
+    base = [] if has_cuda() else ["--use_cpu", "true", "--bf16", "false"]
     try:
         (config,) = parser.parse_args_and_config(base + list(args))
     except UsageError:  # TRL's parser already said it in one line (one_line above)
@@ -110,6 +104,7 @@ def cli_main(argv: list[str]) -> int:
     for trl_name, kit_name in TRL_NAMES.items():  # TRL's spelling wins over the kit's flag
         if trl_name in overrides:
             setattr(a, kit_name, overrides.pop(trl_name))
+    output_dir = overrides.pop("output_dir", None)  # TRL's run folder; the kit's own under results/runs/ if not given
     use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
     if use_vllm is False:
         a.mode = "plain"
@@ -136,7 +131,7 @@ def cli_main(argv: list[str]) -> int:
                    max_completion_length=a.max_completion_length, learning_rate=a.learning_rate,
                    target_length=a.target_length, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
                    sleep=a.sleep, server_url=a.server_url, seed=a.seed,
-                   push_bucket_mb=0 if a.bucketed_push else None, **overrides)
+                   push_bucket_mb=0 if a.bucketed_push else None, output_dir=output_dir, **overrides)
     rewards = run.rewards
     print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
     if out:

@@ -41,7 +41,6 @@ CASES = [
     (["train", "--mode", "server"], "server_url"),
     (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
     (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes its own flags"),
-    (["train", "--output_dir", "/tmp/x"], "--output_dir: the kit sets it"),
     (["train", "--config={files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
     (["train", "--per_device_train_batch_size", "6", "--num_generations", "4"],
      "generation_batch_size (6) must be divisible by num_generations (4) (TRL's GRPOConfig refused"),
@@ -117,8 +116,9 @@ def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
     monkeypatch.setattr(train, "run_grpo", run_grpo)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("beta: 0.02\nlr_scheduler_type: cosine\nloss_type: dr_grpo\n")
-    assert main(["train", "--max-steps", "3", "--config", str(recipe), "--beta", "0.04", "--num_iterations", "2"]) == 0
-    assert seen["max_steps"] == 3
+    assert main(["train", "--max-steps", "3", "--config", str(recipe), "--beta", "0.04", "--num_iterations", "2",
+                 "--output_dir", str(tmp_path / "run")]) == 0
+    assert seen["max_steps"] == 3 and seen["output_dir"] == str(tmp_path / "run")  # TRL's field, the run's folder
     assert (seen["beta"], seen["lr_scheduler_type"], seen["loss_type"], seen["num_iterations"]) == \
         (0.04, "cosine", "dr_grpo", 2)
     assert "per_device_train_batch_size" not in seen  # only the fields given
@@ -144,6 +144,7 @@ def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
     assert seen["sleep"] is False and seen["push_bucket_mb"] == 0
     assert seen["gradient_checkpointing"] is False and seen["generation_kwargs"] == {"detokenize": False}
     assert "per_device_train_batch_size" not in seen and "use_vllm" not in seen
+    assert seen["output_dir"] is None  # not given: run_grpo's own folder under results/runs/
 
 
 def test_build_model_keeps_one_folder_per_seed(tmp_path, monkeypatch):
