@@ -3,11 +3,14 @@
 `launch_replicas()` starts N vLLM OpenAI servers from `colo_kit.lora.replica_launch` recipes in
 parallel (each takes ~20-60 s on CPU, ~75-105 s on a GPU; replicas sharing a GPU one after
 another), waits for `/health`, and stops them all on exit, even on error. `placement()` says
-where N replicas go on this machine. `prefix_cache_counters()` reads a replica's
+where N replicas go on this machine. `replica_counters()` reads a replica's
 `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (vLLM v1 counts both in
-tokens). `prefix_hit_rate_experiment()` sends GRPO-shaped traffic — groups of G requests that
-share one prompt, the G of a group at once, as TRL's rollout worker does — through a proxy, and
-returns the hit rate the replicas themselves report.
+tokens) and `vllm:request_success_total`. `measure_prefix_hits()` sends GRPO-shaped traffic —
+groups of G requests that share one prompt, the G of a group at once, as TRL's rollout worker
+does — to a proxy or router, and counts what the replicas did meanwhile;
+`prefix_hit_rate_experiment()` runs it through the kit's proxy and returns the hit rate the
+replicas themselves report (scripts/router_compare.py runs `measure_prefix_hits()` through
+vllm-router too).
 """
 
 from __future__ import annotations
@@ -149,9 +152,9 @@ def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = 
     return ReplicaSet(launches, log_dir, token).start(timeout_s)
 
 
-def prefix_cache_counters(url: str, token: str | None = None) -> dict:
-    """{'hits': tokens, 'queries': tokens} summed over the replica's engines, read from its
-    Prometheus `/metrics` with prometheus_client's parser."""
+def replica_counters(url: str, token: str | None = None) -> dict:
+    """{'hits': tokens, 'queries': tokens, 'requests': finished requests} summed over the replica's
+    engines, read from its Prometheus `/metrics` with prometheus_client's parser."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -160,15 +163,90 @@ def prefix_cache_counters(url: str, token: str | None = None) -> dict:
     # vLLM v1 names them vllm:prefix_cache_{hits,queries}; older releases also had a
     # vllm:gpu_prefix_cache_* pair (deprecated). Use the first family present, never both.
     found: dict[str, dict[str, float]] = {"": {}, "gpu_": {}}
+    requests = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removeprefix("vllm:").removesuffix("_total")
+            if name == "request_success":  # one series per finish reason and engine
+                requests += sample.value
             for prefix in found:
                 for kind in ("hits", "queries"):
                     if name == f"{prefix}prefix_cache_{kind}":
                         found[prefix][kind] = found[prefix].get(kind, 0.0) + sample.value
     use = found[""] or found["gpu_"]
-    return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0)}
+    return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0), "requests": requests}
+
+
+def prefix_cache_counters(url: str, token: str | None = None) -> dict:
+    """{'hits': tokens, 'queries': tokens} summed over the replica's engines (`replica_counters`)."""
+    counters = replica_counters(url, token)
+    return {"hits": counters["hits"], "queries": counters["queries"]}
+
+
+def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
+                     interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
+    """The replicas' counters once they account for the `requests` just answered.
+
+    vLLM hands a request its final output before its stats logger records that step, so a client
+    can read /metrics before the counters include its own requests. Read until the finished
+    requests, summed over replicas, have grown by `requests` since `before`, and two reads in a row
+    agree (no step still on its way); after `deadline_s`, the last read."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while True:
+        now = [replica_counters(u, token) for u in replica_urls]
+        done = sum(a["requests"] - b["requests"] for a, b in zip(now, before)) >= requests
+        if (done and now == last) or time.monotonic() >= deadline:
+            return now
+        last = now
+        time.sleep(interval_s)
+
+
+def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_size: int, model: str, *,
+                        token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
+                        max_tokens: int = 4, seed_rng: random.Random | None = None,
+                        timeout_s: float = 600.0) -> dict:
+    """Send `prompts` as GRPO groups to `url` and count what the replicas did meanwhile.
+
+    Each prompt (token ids or text) goes as `group_size` separate n=1 requests at once, as TRL's
+    rollout worker sends a group; `concurrent_groups` groups are in flight. `token` reads the
+    replicas' /metrics, `headers` go with the completions; with `seed_rng`, each request carries a
+    seed drawn from it. Returns the per-replica deltas of `replica_counters` (lists in the order of
+    `replica_urls`), each request's latency in seconds, and the wall time. Resetting the caches
+    first is the caller's part (through a proxy, or on each replica)."""
+    import asyncio
+
+    import aiohttp
+
+    before = [replica_counters(u, token) for u in replica_urls]
+
+    async def run():
+        sem, latencies = asyncio.Semaphore(concurrent_groups), []
+        async with aiohttp.ClientSession(headers=headers or {}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+            async def one(prompt):
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0}
+                if seed_rng is not None:
+                    body["seed"] = seed_rng.getrandbits(31)
+                t = time.perf_counter()
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"completion through {url}: HTTP {r.status} {(await r.text())[:300]}")
+                    await r.read()
+                latencies.append(time.perf_counter() - t)
+
+            async def group(prompt):
+                async with sem:
+                    await asyncio.gather(*(one(prompt) for _ in range(group_size)))
+
+            await asyncio.gather(*(group(p) for p in prompts))
+        return latencies
+
+    t0 = time.perf_counter()
+    latencies = run_async(run())
+    wall_s = time.perf_counter() - t0
+    after = settled_counters(replica_urls, before, len(prompts) * group_size, token)
+    return {**{k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("hits", "queries", "requests")},
+            "latency_s": latencies, "wall_s": wall_s}
 
 
 def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: str, *, groups: int = 16,
@@ -184,58 +262,26 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
     through the proxy), so the rate measures this traffic only. Hit rate = cached prompt tokens /
     queried prompt tokens, summed over replicas.
     """
-    import asyncio
-
-    import aiohttp
+    import httpx
 
     rng = random.Random(seed)
     shared = [rng.randrange(10, vocab) for _ in range(shared_prefix_tokens)]
     prompts = [shared + [rng.randrange(10, vocab) for _ in range(prompt_tokens - shared_prefix_tokens)]
                for _ in range(groups)]
-    import httpx
-
     r = httpx.post(proxy_url + "/reset_prefix_cache", timeout=60)
     if r.status_code != 200:
         raise RuntimeError(f"prefix-cache reset failed through the proxy: {r.status_code} {r.text[:300]}")
-    before = [prefix_cache_counters(u, token) for u in replica_urls]
-
-    async def run():
-        sem = asyncio.Semaphore(concurrent_groups)
-        latencies = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-            async def one(ids):
-                t = time.perf_counter()
-                async with s.post(proxy_url + "/v1/completions", json={
-                        "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 1.0,
-                        "seed": rng.getrandbits(31)}) as resp:
-                    body = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"completion failed: {resp.status} {str(body)[:300]}")
-                latencies.append(time.perf_counter() - t)
-
-            async def group(ids):
-                async with sem:
-                    await asyncio.gather(*(one(ids) for _ in range(group_size)))
-
-            await asyncio.gather(*(group(p) for p in prompts))
-        return latencies
-
-    t0 = time.perf_counter()
-    latencies = run_async(run())
-    wall_s = time.perf_counter() - t0
-    # The counters are updated by the engine's stats logger; give it a moment to publish.
-    time.sleep(1.0)
-    after = [prefix_cache_counters(u, token) for u in replica_urls]
-    per = [{"replica": u, "hits": a["hits"] - b["hits"], "queries": a["queries"] - b["queries"]}
-           for u, a, b in zip(replica_urls, after, before)]
-    hits, queries = sum(p["hits"] for p in per), sum(p["queries"] for p in per)
+    m = measure_prefix_hits(proxy_url, replica_urls, prompts, group_size, model, token=token,
+                            concurrent_groups=concurrent_groups, max_tokens=max_tokens, seed_rng=rng,
+                            timeout_s=timeout_s)
+    per = [{"replica": u, "hits": h, "queries": q} for u, h, q in zip(replica_urls, m["hits"], m["queries"])]
+    hits, queries = sum(m["hits"]), sum(m["queries"])
     return {"hit_rate": hits / queries if queries else None, "hits_tokens": hits, "queries_tokens": queries,
-            "per_replica": per, "wall_s": round(wall_s, 3), "requests": groups * group_size,
-            "latency_s": sorted(round(x, 4) for x in latencies),
+            "per_replica": per, "wall_s": round(m["wall_s"], 3), "requests": groups * group_size,
+            "latency_s": sorted(round(x, 4) for x in m["latency_s"]),
             "settings": {"groups": groups, "group_size": group_size, "prompt_tokens": prompt_tokens,
                          "shared_prefix_tokens": shared_prefix_tokens,
                          "max_tokens": max_tokens, "concurrent_groups": concurrent_groups, "model": model}}
-
 
 
 def compare_routing(replica_urls: list[str], model: str, *, token_env: str | None = None, block_size: int = 16,

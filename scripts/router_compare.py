@@ -212,17 +212,6 @@ async def open_loop(targets: dict[str, list[str]], rate: float, seconds: float, 
             "groups": groups}
 
 
-def replica_counters(url: str) -> dict:
-    """Prefix-cache hits/queries (tokens) and finished requests, from the replica's own /metrics."""
-    import httpx
-
-    from colo_kit.replicas import prefix_cache_counters
-
-    done = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", headers=auth(), timeout=10)
-               .text.splitlines() if line.startswith("vllm:request_success_total{"))
-    return {**prefix_cache_counters(url, os.environ[KEY_ENV]), "requests": done}
-
-
 def render_calls(log: Path) -> int:
     """Calls of vLLM's /v1/completions/render in a replica's access log (vllm-router asks it to tokenise text)."""
     return log.read_text(errors="replace").count("/v1/completions/render")
@@ -230,50 +219,27 @@ def render_calls(log: Path) -> int:
 
 def hit_rate_run(url: str, replicas: list[str], logs: list[Path], prompts: list, group_size: int, model: str,
                  concurrent_groups: int = 2, max_tokens: int = 4, router_log: Path | None = None) -> dict:
-    """One workload through one router, closed loop (`concurrent_groups` groups in flight, a group's requests at
-    once, as TRL's rollout worker sends them): caches reset on every replica first, then the replicas' counters.
-    With `router_log` (vllm-router's, at debug level), the cache_aware decisions it logged meanwhile."""
-    import aiohttp
+    """One workload through one router, closed loop (`colo_kit.replicas.measure_prefix_hits`: `concurrent_groups`
+    groups in flight, a group's requests at once, as TRL's rollout worker sends them): caches reset on every replica
+    first, then the replicas' counters. With `router_log` (vllm-router's, at debug level), the cache_aware decisions
+    it logged meanwhile."""
     import httpx
 
-    from colo_kit.replicas import run_async
+    from colo_kit.replicas import measure_prefix_hits
 
     for u in replicas:  # straight to each replica: vllm-router would pass a reset to one of them only
         httpx.post(u + "/reset_prefix_cache", headers=auth(), timeout=60).raise_for_status()
-    before, renders0 = [replica_counters(u) for u in replicas], [render_calls(p) for p in logs]
+    renders0 = [render_calls(p) for p in logs]
     log_at = router_log.stat().st_size if router_log else 0
-
-    async def run():
-        sem, latencies = asyncio.Semaphore(concurrent_groups), []
-        async with aiohttp.ClientSession(headers=auth(), timeout=aiohttp.ClientTimeout(total=600)) as s:
-            async def one(prompt):
-                t = time.perf_counter()
-                async with s.post(url + "/v1/completions", json={"model": model, "prompt": prompt,
-                                                                 "max_tokens": max_tokens, "temperature": 1.0}) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"completion through {url}: HTTP {r.status} {(await r.text())[:300]}")
-                    await r.read()
-                latencies.append(1e3 * (time.perf_counter() - t))
-
-            async def group(prompt):
-                async with sem:
-                    await asyncio.gather(*(one(prompt) for _ in range(group_size)))
-
-            await asyncio.gather(*(group(p) for p in prompts))
-        return latencies
-
-    t0 = time.perf_counter()
-    latencies = run_async(run())
-    wall_s = time.perf_counter() - t0
-    time.sleep(1.0)  # the engines' stats loggers publish the counters
-    after, renders1 = [replica_counters(u) for u in replicas], [render_calls(p) for p in logs]
-    d = {k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("hits", "queries", "requests")}
+    d = measure_prefix_hits(url, replicas, prompts, group_size, model, token=os.environ[KEY_ENV], headers=auth(),
+                            concurrent_groups=concurrent_groups, max_tokens=max_tokens)
+    renders1 = [render_calls(p) for p in logs]
     hits, queries = sum(d["hits"]), sum(d["queries"])
     return {"hit_rate": round(hits / queries, 4) if queries else None, "hits_tokens": hits, "queries_tokens": queries,
             "requests_per_replica": d["requests"], "busiest_share": round(max(d["requests"]) / sum(d["requests"]), 4),
             "render_calls_per_replica": [b - a for a, b in zip(renders0, renders1)],
             "render_calls": sum(renders1) - sum(renders0),
-            "wall_s": round(wall_s, 3), "latency_ms": summary(latencies),
+            "wall_s": round(d["wall_s"], 3), "latency_ms": summary([1e3 * x for x in d["latency_s"]]),
             **({"decisions": decisions(router_log, log_at, replicas)} if router_log else {})}
 
 
