@@ -8,9 +8,4 @@
 #     bash scripts/server_node.sh --steps 3 --out /tmp/server_node.json
 #
 # About 2 minutes on 2 cores (the server's start-up is most of it). Exit status: 0 when both nodes did their part.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-PYTHON=${PYTHON:-.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
-exec "$PYTHON" scripts/server_node.py drive "$@"
+source "$(dirname "$0")/_drive.sh" server_node "$@"  # exec scripts/server_node.py drive "$@"

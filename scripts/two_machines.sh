@@ -9,9 +9,4 @@
 # carry, is installed into .cache/deepspeed-cpu (pip, the version of requirements/gpu.txt) and JIT-compiles its CPU
 # ops (shm comm, CPU Adam) into ~/.cache/torch_extensions. Without network that part is recorded as "not run".
 # Exit status: 0 when every part that ran succeeded.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-PYTHON=${PYTHON:-.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
-exec "$PYTHON" scripts/two_machines.py drive "$@"
+source "$(dirname "$0")/_drive.sh" two_machines "$@"  # exec scripts/two_machines.py drive "$@"

@@ -69,6 +69,21 @@ def _restore_environ():
         torch.cuda.empty_cache()
 
 
+def load_script(relpath: str):
+    """The module of a script under the repository, e.g. `load_script("scripts/gpu/kernel_kill.py")`: scripts are
+    files, not a package, so the tests import them by path (each call runs the file afresh). The module is named
+    after the file's stem."""
+    import importlib.util
+
+    from colo_kit.paths import REPO_ROOT
+
+    path = REPO_ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def gpu_share() -> dict:
     """A tiny replica's `replica_launch` keywords: on a GPU a small share of GPU 0 (vLLM's default
     0.9 would not start beside an engine this process still holds); nothing on a CPU."""

@@ -3,10 +3,10 @@
 On this machine the kill check runs for real (a Jupyter kernel starts a vLLM-CPU server and is SIGKILLed); the GPU
 memory and the two-kernel check come from the committed H200 run."""
 
-import importlib.util
 import json
 
 import pytest
+from conftest import load_script
 
 from colo_kit.paths import REPO_ROOT
 
@@ -14,10 +14,7 @@ RESULT = REPO_ROOT / "results" / "kernel_kill_1xh200.json"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("kernel_kill", REPO_ROOT / "scripts" / "gpu" / "kernel_kill.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/gpu/kernel_kill.py")
 
 
 @pytest.mark.slow

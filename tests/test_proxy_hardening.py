@@ -9,6 +9,7 @@ Real HTTP servers on 127.0.0.1 (`tests/stub_replica.py`), as in tests/test_proxy
 import asyncio
 import base64
 import collections
+import contextlib
 import json
 import os
 import pickle
@@ -40,6 +41,35 @@ def _wait_for(check, timeout_s: float, what: str):
             return value
         time.sleep(0.05)
     pytest.fail(f"{what}: not within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _proxy_cli(tmp_path, args: list[str], env: dict | None = None):
+    """`python -m colo_kit proxy --port 0 ARGS` in its own process, as a user starts it, its stdout and stderr in
+    tmp_path/proxy.out and proxy.err. Yields (process, URL, stdout path, stderr path) once it has printed its address
+    and that address answers /health (any status: the port is served); terminated and reaped on the way out."""
+    out, err = tmp_path / "proxy.out", tmp_path / "proxy.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--port", "0", *args],
+                                stdout=o, stderr=e, env=env)
+    try:
+        def serving():
+            if proc.poll() is not None:
+                pytest.fail(f"the proxy exited ({proc.returncode}): {err.read_text()}")
+            printed = re.search(r"serving on (http://\S+)", out.read_text())
+            if printed is None:
+                return None
+            try:
+                httpx.get(printed.group(1) + "/health", timeout=5)
+            except httpx.TransportError:
+                return None
+            return printed.group(1)
+
+        url = _wait_for(serving, 60, "the proxy answering /health at the address it printed")
+        yield proc, url, out, err
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,31 +192,21 @@ def test_a_replica_password_is_neither_printed_nor_served(tmp_path, adapters):
     password = "pw-not-for-the-logs"
     port = free_port()
     stub = start_stub(port, "plain", log_path=tmp_path / "plain.log")  # no token: the URL's credentials only
-    out, err = tmp_path / "proxy.out", tmp_path / "proxy.err"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--replica",
-                                 f"http://alice:{password}@127.0.0.1:{port}", "--port", "0", "--block-size", "16",
-                                 "--adapter-root", str(adapters), "--log-level", "info"], stdout=o, stderr=e)
+    args = ["--replica", f"http://alice:{password}@127.0.0.1:{port}", "--block-size", "16",
+            "--adapter-root", str(adapters), "--log-level", "info"]
     try:
-        def serving():
-            if proc.poll() is not None:
-                pytest.fail(f"the proxy exited ({proc.returncode}): {err.read_text()}")
-            return re.search(r"serving on (http://\S+)", out.read_text())
-
-        url = _wait_for(serving, 60, "the proxy printing its address").group(1)
-        shown = f"http://alice:***@127.0.0.1:{port}"
-        metrics, as_json = H.get(url + "/metrics").text, H.get(url + "/metrics?format=json").text
-        assert shown in metrics and shown in json.loads(as_json)["replicas"]
-        # the credentials still reach the replica: only what is shown is redacted
-        assert H.post(url + "/pause", params={"mode": "keep"}).status_code == 200
-        sent = [c["auth"] for c in _state(port)["calls"] if c["path"] == "/pause"]
-        assert sent == ["Basic " + base64.b64encode(f"alice:{password}".encode()).decode()]
-        for text in (out.read_text(), err.read_text(), metrics, as_json, H.get(url + "/health").text):
-            assert password not in text
-        assert shown in out.read_text()  # "serving on ... -> <replicas>" names it, redacted
+        with _proxy_cli(tmp_path, args) as (_, url, out, err):
+            shown = f"http://alice:***@127.0.0.1:{port}"
+            metrics, as_json = H.get(url + "/metrics").text, H.get(url + "/metrics?format=json").text
+            assert shown in metrics and shown in json.loads(as_json)["replicas"]
+            # the credentials still reach the replica: only what is shown is redacted
+            assert H.post(url + "/pause", params={"mode": "keep"}).status_code == 200
+            sent = [c["auth"] for c in _state(port)["calls"] if c["path"] == "/pause"]
+            assert sent == ["Basic " + base64.b64encode(f"alice:{password}".encode()).decode()]
+            for text in (out.read_text(), err.read_text(), metrics, as_json, H.get(url + "/health").text):
+                assert password not in text
+            assert shown in out.read_text()  # "serving on ... -> <replicas>" names it, redacted
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
         stub.kill()
         stub.wait()
 
@@ -360,22 +380,12 @@ def test_a_huge_text_prompt_with_a_tokenizer_does_not_stall_health(stubs, tiny_m
     import psutil
 
     ports, _ = stubs
-    argv = [sys.executable, "-m", "colo_kit", "proxy", "--port", "0", "--block-size", "16", "--token-env", TOKEN_ENV,
-            "--tokenizer", tiny_model_path, "--log-level", "info"]
+    args = ["--block-size", "16", "--token-env", TOKEN_ENV, "--tokenizer", tiny_model_path, "--log-level", "info"]
     for port in ports:
-        argv += ["--replica", f"http://127.0.0.1:{port}"]
-    out, err = tmp_path / "proxy.out", tmp_path / "proxy.err"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(argv, stdout=o, stderr=e, env={**os.environ, "TOKENIZERS_PARALLELISM": "true"})
+        args += ["--replica", f"http://127.0.0.1:{port}"]
     text = ("Solve the problem step by step and box the answer. " * 200_000)[:8_000_000]
     done = {}
-    try:
-        def serving():
-            if proc.poll() is not None:
-                pytest.fail(f"the proxy exited ({proc.returncode}): {err.read_text()}")
-            return re.search(r"serving on (http://\S+)", out.read_text())
-
-        url = _wait_for(serving, 60, "the proxy printing its address").group(1)
+    with _proxy_cli(tmp_path, args, env={**os.environ, "TOKENIZERS_PARALLELISM": "true"}) as (proc, url, _, _):
         rss = psutil.Process(proc.pid)
         before_mb = rss.memory_info().rss / 2**20
         sender = threading.Thread(target=lambda: done.update(response=httpx.post(
@@ -394,9 +404,6 @@ def test_a_huge_text_prompt_with_a_tokenizer_does_not_stall_health(stubs, tiny_m
         assert done["response"].status_code == 200, done["response"].text[:300]
         assert worst_s < 1.0, f"/health took {worst_s:.2f} s while the prompt was routed ({polls} polls)"
         assert peak_mb - before_mb < 400, f"the proxy grew by {peak_mb - before_mb:.0f} MB for one 8 MB prompt"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_a_text_prompt_is_tokenised_only_as_far_as_routing_reads(tiny_model_path):

@@ -2,7 +2,6 @@
 TRL's own parsers and run under stand-in SLURM tools; and the two-"node" form run for real on this host
 (scripts/server_node.py: the vLLM server as one process group on its own port, the trainer as another)."""
 
-import importlib.util
 import os
 import shlex
 import signal
@@ -11,16 +10,13 @@ import sys
 import time
 
 import pytest
+from conftest import load_script
 
-from colo_kit.paths import REPO_ROOT
 from colo_kit.recipes import TRL_SERVER_FIELDS, node_commands, server_node_commands
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("server_node", REPO_ROOT / "scripts" / "server_node.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/server_node.py")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,16 +8,14 @@ import sys
 import time
 
 import pytest
+from conftest import load_script
 
 from colo_kit.paths import REPO_ROOT
 from colo_kit.recipes import node_commands
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("two_machines", REPO_ROOT / "scripts" / "two_machines.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/two_machines.py")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -42,27 +44,23 @@ def _gpu_used_gib() -> float | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     try:  # a zombie holds no memory: count it as gone
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True
 
 
 def _group_pids(pgid: int) -> list[int]:
+    """The live pids of process group `pgid` (zombies, which hold no memory, left out)."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in psutil.process_iter():
         try:
-            fields = stat.read_text().split(")")[-1].split()
-        except OSError:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):  # gone between the listing and the look (or unreadable)
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
     return pids
 
 
