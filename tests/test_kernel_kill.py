@@ -27,7 +27,7 @@ def test_a_sigkilled_kernel_takes_what_it_started_with_it(tmp_path, what, groups
     assert rec["status"] == "ok" and rec["freed_after_s"] <= rec["deadline_s"], rec["polls"]
 
 
-def test_committed_h200_run_freed_the_memory_and_refused_the_second_kernel_in_one_line():
+def test_committed_h200_run_freed_the_memory_of_a_server_and_of_two_replicas_and_refused_the_second_kernel():
     rec = json.loads(RESULT.read_text())
     assert rec["env"]["gpus"][0]["name"] == "NVIDIA H200"
     killed = rec["checks"]["killed"]
@@ -39,6 +39,12 @@ def test_committed_h200_run_freed_the_memory_and_refused_the_second_kernel_in_on
     b = two["kernel_b"]["error"]
     assert b["ename"] == "GpuBusy" and "\n" not in b["evalue"].strip()
     assert "Shut the other notebook's kernel down" in b["evalue"] and "AssertionError" not in json.dumps(two)
+    replicas = rec["checks"]["replicas"]  # notebook 06's two replicas, each in a process group of its own
+    assert replicas["env"]["gpus"][0]["name"] == "NVIDIA H200" and replicas["start_error"] is None
+    assert len(replicas["pgids"]) == 2 and all(replicas["group_pids_before"])
+    assert replicas["gpu_used_gib_before_kill"] - replicas["baseline_gpu_used_gib"] > 10  # two 12 GiB shares
+    assert replicas["polls"][-1]["group_pids"] == 0 and replicas["freed_after_s"] <= 10
+    assert replicas["polls"][-1]["gpu_used_gib"] <= replicas["baseline_gpu_used_gib"] + 0.5
 
 
 def test_bad_check_name_is_one_line_and_exit_2(capsys):
