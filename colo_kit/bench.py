@@ -75,8 +75,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
     t0 = time.time()
     try:
         run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
-                       per_device_batch=per_device_batch, max_completion_length=max_completion_length,
-                       server_url=server_url, on_trainer=on_trainer, **overrides)
+                       per_device_train_batch_size=per_device_batch, max_completion_length=max_completion_length,
+                       vllm_server_base_url=server_url, on_trainer=on_trainer, **overrides)
     finally:
         tl.unhook()
         tl.util = sampler.stop()

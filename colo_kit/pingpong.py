@@ -285,7 +285,9 @@ def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
         gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
     for name in ("no_grad_ckpt", "batch32"):
         rec = recs[(name, 0)]
-        train_points.append((rec["grpo_config"]["per_device_batch"], configs[name]["phase_s_per_step"]["training"]))
+        cfg = rec["grpo_config"]  # run settings in TRL's names; records from before that say per_device_batch
+        batch = cfg.get("per_device_train_batch_size", cfg.get("per_device_batch"))
+        train_points.append((batch, configs[name]["phase_s_per_step"]["training"]))
     fixed, per_sample = _line(train_points)
     push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
     notes = ["measured on one H200 (results/speed_1xh200.json); a server generates as fast as the colocated engine "

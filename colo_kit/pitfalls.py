@@ -37,7 +37,7 @@ def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int =
     reuse_engines()  # top_p is a sampling setting, not an engine one: both runs share one engine
     try:
         for top_p in top_ps:
-            run = run_grpo(model, "colocate", max_steps=steps, num_generations=4, per_device_batch=8,
+            run = run_grpo(model, "colocate", max_steps=steps, num_generations=4, per_device_train_batch_size=8,
                            max_completion_length=32, learning_rate=1e-3, top_p=top_p, disable_tqdm=True, on_trainer=quiet,
                            **run_kwargs)
             rows.append({

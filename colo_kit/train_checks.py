@@ -13,30 +13,32 @@ MAX_SEED = 2**32 - 1  # numpy's seed range: TRL's set_seed seeds numpy too
 NO_CONFIG_MAX_POSITIONS = 1_048_576  # a completion-length bound when the model's config cannot be read offline
 
 
-def check_settings(mode: str, *, max_steps: int, num_generations: int, per_device_batch: int,
-                   vllm_gpu_memory_utilization: float, server_url: str | None = None,
+def check_settings(mode: str, *, max_steps: int, num_generations: int, per_device_train_batch_size: int,
+                   vllm_gpu_memory_utilization: float, vllm_server_base_url: str | None = None,
+                   vllm_server_host: str | None = None,
                    max_completion_length: int | None = None, learning_rate: float | None = None,
                    seed: int | None = None) -> None:
     """Raise ValueError naming the bad value and the fix, before any model or trainer is built.
-    The keyword arguments left as None are not checked."""
+    The keyword arguments are GRPOConfig's fields, by TRL's names; those left as None are not checked."""
     import math
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
     for name, value, least in (("max_steps", max_steps, 1), ("num_generations", num_generations, 2),
-                               ("per_device_batch", per_device_batch, 1),
+                               ("per_device_train_batch_size", per_device_train_batch_size, 1),
                                ("max_completion_length", 1 if max_completion_length is None else max_completion_length, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             why = " (GRPO compares completions of one prompt with each other)" if name == "num_generations" else ""
             raise ValueError(f"{name}={value!r}: give a whole number of at least {least}{why}")
-    if per_device_batch > MAX_PER_DEVICE_BATCH:
-        tokens = f" x max_completion_length {max_completion_length} = {per_device_batch * max_completion_length:.3g} " \
+    batch = per_device_train_batch_size
+    if batch > MAX_PER_DEVICE_BATCH:
+        tokens = f" x max_completion_length {max_completion_length} = {batch * max_completion_length:.3g} " \
                  "tokens" if max_completion_length else ""
-        raise ValueError(f"per_device_batch={per_device_batch}: more than {MAX_PER_DEVICE_BATCH} completions per device "
+        raise ValueError(f"per_device_train_batch_size={batch}: more than {MAX_PER_DEVICE_BATCH} completions per device "
                          f"per step{tokens}, whose activations no GPU holds; give at most {MAX_PER_DEVICE_BATCH} "
                          "(colo-kit plan sizes a batch)")
-    if per_device_batch % num_generations:
-        raise ValueError(f"per_device_batch={per_device_batch} must be a multiple of num_generations="
+    if batch % num_generations:
+        raise ValueError(f"per_device_train_batch_size={batch} must be a multiple of num_generations="
                          f"{num_generations}: GRPO compares the completions of one prompt with each other")
     if not isinstance(vllm_gpu_memory_utilization, (int, float)) or not 0 < vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization}; it is a fraction in (0, 1]")
@@ -46,10 +48,12 @@ def check_settings(mode: str, *, max_steps: int, num_generations: int, per_devic
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
         raise ValueError(f"seed={seed!r}: give a whole number from 0 to {MAX_SEED} (numpy's seed range, which "
                          "TRL's set_seed uses)")
-    if server_url is not None:
-        check_server_url(server_url)
-    if mode == "server" and not server_url:
-        raise ValueError("mode='server' needs server_url (start a server with colo_kit.server)")
+    if vllm_server_base_url is not None:
+        check_server_url(vllm_server_base_url)
+    # TRL takes the server as a base URL or as host and port; without either it waits 240 s for 0.0.0.0:8000
+    if mode == "server" and not (vllm_server_base_url or vllm_server_host):
+        raise ValueError("mode='server' needs vllm_server_base_url, or vllm_server_host and vllm_server_port "
+                         "(start a server with colo_kit.server)")
 
 
 def check_server_url(url) -> None:
@@ -64,7 +68,7 @@ def check_server_url(url) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"server_url={url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:8000 "
+        raise ValueError(f"vllm_server_base_url={url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:8000 "
                          "(colo_kit.server starts a server)")
 
 

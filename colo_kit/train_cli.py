@@ -10,12 +10,11 @@ from pathlib import Path
 from colo_kit.env import has_cuda
 from colo_kit.train_checks import MODES, check_context, check_grpo_fields, check_settings
 
-# GRPOConfig fields that `colo-kit train` also takes as its own flags. Given in TRL's spelling (on the command line
-# or in a --config YAML such as `colo-kit plan --recommend` writes) they set the same setting, and win.
-TRL_NAMES = {"per_device_train_batch_size": "per_device_batch", "vllm_enable_sleep_mode": "sleep",
-             "vllm_server_base_url": "server_url", "max_steps": "max_steps", "num_generations": "num_generations",
-             "max_completion_length": "max_completion_length", "learning_rate": "learning_rate", "seed": "seed",
-             "vllm_gpu_memory_utilization": "vllm_gpu_memory_utilization"}
+# GRPOConfig fields that `colo-kit train` also takes as its own flags (--per-device-batch, --sleep, --server-url set
+# per_device_train_batch_size, vllm_enable_sleep_mode, vllm_server_base_url). Given in TRL's spelling (on the command
+# line or in a --config YAML such as `colo-kit plan --recommend` writes) they set the same setting, and win.
+TRL_NAMES = ("per_device_train_batch_size", "vllm_enable_sleep_mode", "vllm_server_base_url", "max_steps",
+             "num_generations", "max_completion_length", "learning_rate", "seed", "vllm_gpu_memory_utilization")
 
 
 def _config_path(args: list[str]) -> str | None:
@@ -87,13 +86,15 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--reward", default="length", choices=["length", "math500"])
     ap.add_argument("--max-steps", type=positive_int, default=20)
     ap.add_argument("--num-generations", type=positive_int, default=4)
-    ap.add_argument("--per-device-batch", type=positive_int, default=8)
+    ap.add_argument("--per-device-batch", dest="per_device_train_batch_size", metavar="PER_DEVICE_BATCH",
+                    type=positive_int, default=8)
     ap.add_argument("--max-completion-length", type=positive_int, default=32)
     ap.add_argument("--learning-rate", type=positive_float, default=1e-3)
     ap.add_argument("--target-length", type=nonneg_int, default=20, help="the length reward's target, in characters")
     ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
-    ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode between generations (GPU only)")
-    ap.add_argument("--server-url", default=None)
+    ap.add_argument("--sleep", dest="vllm_enable_sleep_mode", action="store_true",
+                    help="vLLM sleep mode between generations (GPU only)")
+    ap.add_argument("--server-url", dest="vllm_server_base_url", metavar="SERVER_URL", default=None)
     ap.add_argument("--seed", type=seed_int, default=0)
     ap.add_argument("--bucketed-push", action="store_true",
                     help="push the weights in one load_weights call instead of TRL's one per tensor (colo_kit.bucketed_push)")
@@ -101,9 +102,7 @@ def cli_main(argv: list[str]) -> int:
     a, rest = ap.parse_known_args(argv)
     overrides = trl_overrides(rest) if rest else {}
     given = dict(overrides)  # in TRL's names, as given: checked below, after the kit's flags take theirs
-    for trl_name, kit_name in TRL_NAMES.items():  # TRL's spelling wins over the kit's flag
-        if trl_name in overrides:
-            setattr(a, kit_name, overrides.pop(trl_name))
+    settings = {name: overrides.pop(name, getattr(a, name)) for name in TRL_NAMES}  # TRL's spelling wins
     output_dir = overrides.pop("output_dir", None)  # TRL's run folder; the kit's own under results/runs/ if not given
     use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
     if use_vllm is False:
@@ -112,12 +111,10 @@ def cli_main(argv: list[str]) -> int:
         a.mode = vllm_mode
     try:
         check_grpo_fields(given)
-        check_settings(a.mode, max_steps=a.max_steps, num_generations=a.num_generations,
-                       per_device_batch=a.per_device_batch, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                       server_url=a.server_url, max_completion_length=a.max_completion_length,
-                       learning_rate=a.learning_rate, seed=a.seed)
+        check_settings(a.mode, vllm_server_host=overrides.get("vllm_server_host"),
+                       **{k: v for k, v in settings.items() if k != "vllm_enable_sleep_mode"})  # a bool: no check
         resolve_model(a.model, build=False)
-        check_context(a.model, a.max_completion_length)
+        check_context(a.model, settings["max_completion_length"])
     except (ValueError, LookupError) as exc:
         raise UsageError(str(exc)) from None
     out = writable_file(a.json, "--json") if a.json else None
@@ -126,12 +123,8 @@ def cli_main(argv: list[str]) -> int:
         from colo_kit.data import load_math, math_prompt
 
         dataset = load_math().map(lambda r: {"prompt": math_prompt(r["problem"])})
-    run = train.run_grpo(a.model, a.mode, reward=a.reward, dataset=dataset, max_steps=a.max_steps,
-                   num_generations=a.num_generations, per_device_batch=a.per_device_batch,
-                   max_completion_length=a.max_completion_length, learning_rate=a.learning_rate,
-                   target_length=a.target_length, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                   sleep=a.sleep, server_url=a.server_url, seed=a.seed,
-                   push_bucket_mb=0 if a.bucketed_push else None, output_dir=output_dir, **overrides)
+    run = train.run_grpo(a.model, a.mode, reward=a.reward, dataset=dataset, target_length=a.target_length,
+                         push_bucket_mb=0 if a.bucketed_push else None, output_dir=output_dir, **settings, **overrides)
     rewards = run.rewards
     print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
     if out:

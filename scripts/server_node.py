@@ -140,10 +140,10 @@ def trainer_main(argv: list[str]) -> int:
             record["server_dtype"] = (info.get("model_config") or {}).get("dtype")
             record["server_before"] = probe(url, client.model)
 
-        # server_url makes run_grpo's checks pass; vllm_server_base_url=None hands TRL host and port instead
-        run = run_grpo(own.model, "server", server_url=url, max_steps=own.steps, num_generations=4, per_device_batch=4,
+        # vllm_server_base_url left None: TRL builds the URL from vllm_server_host and vllm_server_port
+        run = run_grpo(own.model, "server", max_steps=own.steps, num_generations=4, per_device_train_batch_size=4,
                        max_completion_length=16, num_prompts=32, on_trainer=on_trainer, output_dir=out / "grpo",
-                       vllm_server_base_url=None, **{k: v for k, v in fields.items() if k not in ("use_vllm", "vllm_mode")})
+                       **{k: v for k, v in fields.items() if k not in ("use_vllm", "vllm_mode")})
         record.update(rewards=run.rewards, train_s=run.elapsed_s, settings=run.settings,
                       steps=[{k: v for k, v in s.items() if k in ("step", "reward", "reward_std", "loss", "grad_norm",
                                                                   "wall_s")} for s in run.steps])

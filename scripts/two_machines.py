@@ -132,7 +132,7 @@ def rank_main(out: Path, steps: int, probe: bool) -> int:
             cpu = cpu_state_kwargs()
             extra = {"use_cpu": False, "ddp_backend": cpu["backend"]} if "backend" in cpu else {}
             run = run_grpo("tiny", "colocate", reward=length_reward, max_steps=steps, num_generations=4,
-                           per_device_batch=4, max_completion_length=16, num_prompts=32, on_trainer=on_trainer,
+                           per_device_train_batch_size=4, max_completion_length=16, num_prompts=32, on_trainer=on_trainer,
                            output_dir=out / f"trainer-rank{record['rank']}", **extra)
             record.update(rewards=run.rewards, local_rewards=local_rewards, train_s=run.elapsed_s,
                           steps=[{k: v for k, v in s.items() if k in ("step", "reward", "reward_std", "loss",

@@ -97,7 +97,7 @@ def test_cached_engine_is_not_reused_after_its_groups_were_destroyed(tiny_model_
     from colo_kit.engine import ColocatedEngine, ColocateSettings
     from colo_kit.train import run_grpo
 
-    small = dict(max_steps=1, per_device_batch=4, num_generations=4, max_completion_length=8)
+    small = dict(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     bench.reuse_engines()
     try:
         run = run_grpo("tiny", "colocate", **small)

@@ -35,10 +35,10 @@ CASES = [
     (["train", "--num-generations", "0"], "'0'"),
     (["train", "--num-generations", "1"], "num_generations=1"),
     (["train", "--model", "no-such-model"], "'no-such-model' is neither"),
-    (["train", "--per-device-batch", "6", "--num-generations", "4"], "per_device_batch=6"),
+    (["train", "--per-device-batch", "6", "--num-generations", "4"], "per_device_train_batch_size=6"),
     (["train", "--vllm-gpu-memory-utilization", "nan"], "'nan': give a fraction"),
     (["train", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json"),
-    (["train", "--mode", "server"], "server_url"),
+    (["train", "--mode", "server"], "needs vllm_server_base_url"),
     (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
     (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes its own flags"),
     (["train", "--config={files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
@@ -121,12 +121,12 @@ def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
     assert seen["max_steps"] == 3 and seen["output_dir"] == str(tmp_path / "run")  # TRL's field, the run's folder
     assert (seen["beta"], seen["lr_scheduler_type"], seen["loss_type"], seen["num_iterations"]) == \
         (0.04, "cosine", "dr_grpo", 2)
-    assert "per_device_train_batch_size" not in seen  # only the fields given
+    assert "temperature" not in seen and seen["per_device_train_batch_size"] == 8  # the kit's flags, and the fields given
 
 
 def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
     """`colo-kit plan --recommend --out r.yaml` then `colo-kit train --config r.yaml`: the fields the kit also
-    has flags for (batch, sleep, steps, ...) arrive as the kit's arguments, the rest as GRPOConfig fields;
+    has flags for (batch, sleep, steps, ...) arrive once, in TRL's names as every other GRPOConfig field does;
     `--config=FILE` works as `--config FILE` does."""
     from colo_kit import train
 
@@ -140,10 +140,10 @@ def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
     recipe = tmp_path / "r.yaml"
     assert main(["plan", "--model", "qwen2.5-1.5b", "--per-device-batch", "16", "--recommend", "--out", str(recipe)]) == 0
     assert main(["train", f"--config={recipe}", "--max_steps", "2", "--bucketed-push"]) == 0
-    assert seen["mode"] == "colocate" and seen["per_device_batch"] == 16 and seen["max_steps"] == 2
-    assert seen["sleep"] is False and seen["push_bucket_mb"] == 0
+    assert seen["mode"] == "colocate" and seen["per_device_train_batch_size"] == 16 and seen["max_steps"] == 2
+    assert seen["vllm_enable_sleep_mode"] is False and seen["push_bucket_mb"] == 0
     assert seen["gradient_checkpointing"] is False and seen["generation_kwargs"] == {"detokenize": False}
-    assert "per_device_train_batch_size" not in seen and "use_vllm" not in seen
+    assert "per_device_batch" not in seen and "use_vllm" not in seen
     assert seen["output_dir"] is None  # not given: run_grpo's own folder under results/runs/
 
 

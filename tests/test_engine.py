@@ -205,7 +205,8 @@ for i in (1, 2):  # CUDA graphs on (the GPU default): the second capture is the 
     engine = ColocatedEngine("tiny", settings)
     print("ENGINE", i, len(engine.generate(["x"], max_tokens=4, ignore_eos=True).completion_ids[0]), flush=True)
     engine.close()
-run = run_grpo("tiny", "colocate", max_steps=2, per_device_batch=4, num_generations=4, max_completion_length=8)
+run = run_grpo("tiny", "colocate", max_steps=2, per_device_train_batch_size=4, num_generations=4,
+               max_completion_length=8)
 print("TRL", len(run.steps), flush=True)
 """
 

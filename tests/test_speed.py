@@ -219,7 +219,7 @@ def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
 def _short_run(tmp_path, **kw):
     from colo_kit.train import run_grpo
 
-    return run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_batch=8, max_completion_length=16,
+    return run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_train_batch_size=8, max_completion_length=16,
                     learning_rate=1e-3, output_dir=tmp_path, vllm_enforce_eager=True, **kw)
 
 
@@ -239,7 +239,7 @@ def test_bucketed_push_keeps_vllm_on_the_trainers_weights(tmp_path):
 
 @pytest.mark.gpu
 def test_kv_only_sleep_inside_trls_trainer_keeps_vllm_on_the_trainers_weights(tmp_path):
-    run = _short_run(tmp_path, push_bucket_mb=0, sleep=True, kv_only_sleep=True)
+    run = _short_run(tmp_path, push_bucket_mb=0, vllm_enable_sleep_mode=True, kv_only_sleep=True)
     assert run.settings["kv_only_sleep"] is True
     executor = __import__("colo_kit.kv_sleep", fromlist=["x"]).engine_core(run.trainer.vllm_generation.llm).model_executor
     assert executor.sleeping_tags == {"kv_cache"}  # after the last generation: asleep, weights kept

@@ -145,7 +145,7 @@ from colo_kit.train import run_grpo
 from trl.extras.profiling import ProfilingContext
 
 tl = Timeline()
-run_grpo("tiny", "colocate", max_steps=3, per_device_batch=4, num_generations=4, max_completion_length=16,
+run_grpo("tiny", "colocate", max_steps=3, per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
          on_trainer=tl.hook)
 tl.unhook()
 json.dump({"intervals": [[iv.phase, iv.step, iv.start_s, iv.end_s] for iv in tl.intervals],

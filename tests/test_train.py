@@ -20,7 +20,7 @@ def test_vllm_generates_from_the_tiny_model(tiny_model_path):
 
 @pytest.mark.slow
 def test_grpo_colocate_learns_the_length_reward(tmp_path):
-    run = run_grpo("tiny", "colocate", max_steps=30, num_generations=8, per_device_batch=16,
+    run = run_grpo("tiny", "colocate", max_steps=30, num_generations=8, per_device_train_batch_size=16,
                    max_completion_length=32, learning_rate=5e-3, seed=0, output_dir=tmp_path, vllm_enforce_eager=True)
     assert len(run.steps) == 30
     assert all(s["completions/max_length"] <= 32 for s in run.steps)
@@ -34,14 +34,23 @@ def test_grpo_colocate_learns_the_length_reward(tmp_path):
 
 
 def test_config_validation_names_the_bad_value(tmp_path):
-    with pytest.raises(ValueError, match="per_device_batch=6"):
-        grpo_config(output_dir=tmp_path, per_device_batch=6, num_generations=4)
+    with pytest.raises(ValueError, match="per_device_train_batch_size=6 must be a multiple of num_generations=4"):
+        grpo_config(output_dir=tmp_path, per_device_train_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="vllm_gpu_memory_utilization=1.5"):
         grpo_config(output_dir=tmp_path, vllm_gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="mode='async'"):
         grpo_config("async", output_dir=tmp_path)
-    with pytest.raises(ValueError, match="server_url"):
+    with pytest.raises(ValueError, match="needs vllm_server_base_url, or vllm_server_host"):
         grpo_config("server", output_dir=tmp_path)
+    with pytest.raises(ValueError, match="kv_only_sleep=True .* needs vllm_enable_sleep_mode=True"):
+        run_grpo("tiny", "colocate", kv_only_sleep=True, output_dir=tmp_path)
+
+
+def test_server_mode_takes_trls_base_url_or_host_and_port(tmp_path):
+    by_url = grpo_config("server", output_dir=tmp_path, vllm_server_base_url="http://10.0.0.5:8000")
+    assert (by_url.vllm_mode, by_url.vllm_server_base_url) == ("server", "http://10.0.0.5:8000")
+    by_host = grpo_config("server", output_dir=tmp_path, vllm_server_host="10.0.0.5", vllm_server_port=8001)
+    assert (by_host.vllm_server_base_url, by_host.vllm_server_host, by_host.vllm_server_port) == (None, "10.0.0.5", 8001)
 
 
 def test_checkpointing_is_off_on_cpu_trls_default_on_gpu_and_an_override_wins(tmp_path):
@@ -61,6 +70,6 @@ def test_a_server_mode_run_gives_trl_its_own_weight_sync_back_even_when_it_fails
 
     own = VLLMClient.init_communicator
     with pytest.raises(requests.ConnectionError, match="can't be reached"):  # nobody serves there; TRL gives up after 1 s
-        run_grpo("tiny", "server", server_url=f"http://127.0.0.1:{free_port()}", http_weight_sync=True, max_steps=1,
-                 num_generations=2, per_device_batch=2, output_dir=tmp_path, vllm_server_timeout=1)
+        run_grpo("tiny", "server", vllm_server_base_url=f"http://127.0.0.1:{free_port()}", http_weight_sync=True,
+                 max_steps=1, num_generations=2, per_device_train_batch_size=2, output_dir=tmp_path, vllm_server_timeout=1)
     assert VLLMClient.init_communicator is own

@@ -110,7 +110,7 @@ from colo_kit.train import run_grpo
 run = run_grpo(
     preset.name, "colocate",
     reward="length", target_length=target_w.value,
-    max_steps=steps_w.value, num_generations=gen_w.value, per_device_batch=2 * gen_w.value,
+    max_steps=steps_w.value, num_generations=gen_w.value, per_device_train_batch_size=2 * gen_w.value,
     max_completion_length=32, learning_rate=5e-3, seed=0, vllm_enforce_eager=not compiled_w.value,
 )
 print(f"{len(run.steps)} steps in {run.elapsed_s} s: mean reward {run.rewards[0]:.1f} -> {run.rewards[-1]:.1f}")

@@ -182,7 +182,7 @@ display(widgets.VBox([model_w, steps_w, gen_w, seed_w, problems_w, tokens_w]))
 from colo_kit.train import run_grpo
 
 common = dict(reward="length", target_length=20, max_steps=steps_w.value, num_generations=gen_w.value,
-              per_device_batch=2 * gen_w.value, max_completion_length=32, learning_rate=5e-3, seed=seed_w.value,
+              per_device_train_batch_size=2 * gen_w.value, max_completion_length=32, learning_rate=5e-3, seed=seed_w.value,
               vllm_enforce_eager=True)  # short runs: an eager engine starts in seconds (notebook 00 says why)
 runs = {mode: run_grpo(model_w.value, mode, **common) for mode in ("colocate", "plain")}
 LABEL = {"colocate": "colocated vLLM", "plain": "no vLLM (use_vllm=False)"}

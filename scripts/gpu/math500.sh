@@ -42,7 +42,7 @@ def save():
 
 preset = "tiny" if smoke else "qwen2.5-0.5b"
 steps = 6 if smoke else 30
-common = dict(reward="length", target_length=20, max_steps=steps, num_generations=8, per_device_batch=16,
+common = dict(reward="length", target_length=20, max_steps=steps, num_generations=8, per_device_train_batch_size=16,
               max_completion_length=32, learning_rate=5e-3 if smoke else 1e-3, seed=0)
 out["settings"] = {"model": preset, "random_weights": True, **common}
 runs = {}
