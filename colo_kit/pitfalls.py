@@ -145,7 +145,7 @@ def one_adapter_name(replica_url: str, token: str | None, first, second, workdir
 
     import httpx
 
-    from colo_kit.replicas import prefix_cache_counters
+    from colo_kit.replicas import replica_counters, settled_counters
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prompt = [random.Random(7).randrange(10, 1000) for _ in range(prompt_tokens)]
@@ -155,9 +155,10 @@ def one_adapter_name(replica_url: str, token: str | None, first, second, workdir
         r.raise_for_status()
 
     def reused(name) -> float:  # prompt tokens served from cached blocks for one request
-        before = prefix_cache_counters(replica_url, token)["hits"]
+        before = replica_counters(replica_url, token)
         post("/v1/completions", model=name, prompt=prompt, max_tokens=1, temperature=0.0)
-        return prefix_cache_counters(replica_url, token)["hits"] - before
+        (after,) = settled_counters([replica_url], [before], 1, token)  # once the counters include this request
+        return after["hits"] - before["hits"]
 
     def publish(src, dst: Path):
         shutil.rmtree(dst, ignore_errors=True)

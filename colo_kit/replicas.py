@@ -177,12 +177,6 @@ def replica_counters(url: str, token: str | None = None) -> dict:
     return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0), "requests": requests}
 
 
-def prefix_cache_counters(url: str, token: str | None = None) -> dict:
-    """{'hits': tokens, 'queries': tokens} summed over the replica's engines (`replica_counters`)."""
-    counters = replica_counters(url, token)
-    return {"hits": counters["hits"], "queries": counters["queries"]}
-
-
 def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
                      interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
     """The replicas' counters once they account for the `requests` just answered.

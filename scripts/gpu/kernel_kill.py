@@ -43,15 +43,6 @@ def _gpu_used_gib() -> float | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:  # a zombie holds no memory: count it as gone
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
 def _group_pids(pgid: int) -> list[int]:
     """The live pids of process group `pgid` (zombies, which hold no memory, left out)."""
     pids = []
