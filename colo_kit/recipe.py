@@ -85,7 +85,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
         ("steps_per_generation", None,
          "TRL's default, on-policy: 4 and 8 gave 1.9-3.3x the tokens/s at batch 8 but reached the reward threshold "
-         f"no sooner (4: in 82 s against the defaults' 37 s in a 150 s race; measured, {MEASURED})"),
+         f"no sooner (4: in 82 s against the defaults' 37 s in a 150 s race; 2: 40.5 s against 34.7 s in a 120 s race; "
+         f"measured, {MEASURED})"),
         ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
         ("vllm_importance_sampling_correction", True,
          "TRL's default: corrects for vLLM sampling from a slightly different distribution than the trainer "

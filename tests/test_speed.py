@@ -182,8 +182,9 @@ def test_committed_chain_has_raw_step_times_hardware_and_versions():
 @pytest.mark.xfail(strict=True, reason="owed: a recipe that is >= 4x TRL's defaults in tokens/s and >= 2.5x faster to "
                                        "the threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
                                        "one H200 (results/speed_1xh200.json: batch32 is 5.1x in tokens/s but 0.3-0.4x in "
-                                       "time; spg4 in a 150 s race 1.9x in tokens/s, 0.45x in time; no configuration "
-                                       "yet beats the defaults' time by 2.5x)")
+                                       "time; spg4 in a 150 s race 1.9x in tokens/s, 0.45x in time; the recipe in a 120 s "
+                                       "race 1.15x in tokens/s, 0.85x and 1.18x in time; no configuration yet beats "
+                                       "the defaults' time by 2.5x)")
 def test_some_configuration_meets_both_speed_goals_for_both_seeds():
     result = json.loads(RESULT.read_text())
     met = []
@@ -237,10 +238,31 @@ def test_bucketed_push_keeps_vllm_on_the_trainers_weights(tmp_path):
     assert _gap(run) < 0.05, [s.get("sampling/sampling_logp_difference/mean") for s in run.steps]
 
 
+_KV_ONLY_RUN = """
+import json, sys
+import colo_kit
+colo_kit.setup()
+from colo_kit.kv_sleep import engine_core
+from colo_kit.train import run_grpo
+run = run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_train_batch_size=8,
+               max_completion_length=16, learning_rate=1e-3, output_dir=sys.argv[1], vllm_enforce_eager=True,
+               push_bucket_mb=0, vllm_enable_sleep_mode=True, kv_only_sleep=True)
+print("RESULT", json.dumps({
+    "kv_only_sleep": run.settings["kv_only_sleep"],
+    "sleeping_tags": sorted(engine_core(run.trainer.vllm_generation.llm).model_executor.sleeping_tags),
+    "gaps": [s.get("sampling/sampling_logp_difference/mean", 0.0) for s in run.steps]}))
+"""
+
+
 @pytest.mark.gpu
 def test_kv_only_sleep_inside_trls_trainer_keeps_vllm_on_the_trainers_weights(tmp_path):
-    run = _short_run(tmp_path, push_bucket_mb=0, vllm_enable_sleep_mode=True, kv_only_sleep=True)
-    assert run.settings["kv_only_sleep"] is True
-    executor = __import__("colo_kit.kv_sleep", fromlist=["x"]).engine_core(run.trainer.vllm_generation.llm).model_executor
-    assert executor.sleeping_tags == {"kv_cache"}  # after the last generation: asleep, weights kept
-    assert _gap(run) < 0.05, [s.get("sampling/sampling_logp_difference/mean") for s in run.steps]
+    # In a process of its own: vLLM's sleep-mode allocator serves one engine per process, and the trainer's engine
+    # lives as long as the run, so in pytest's process it would refuse test_sleep's engines after it.
+    proc = subprocess.run([sys.executable, "-c", _KV_ONLY_RUN, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["kv_only_sleep"] is True
+    assert got["sleeping_tags"] == ["kv_cache"]  # after the last generation: asleep, weights kept
+    assert max(got["gaps"]) < 0.05, got["gaps"]
