@@ -1,132 +1,154 @@
-"""`colo-kit train`: `run_grpo` (colo_kit.train) as a command. Its own flags, plus any other `GRPOConfig` field in
-TRL's spelling (`--beta 0.04`) or a YAML of them (`--config recipe.yaml`, what `colo-kit plan --recommend` writes),
-parsed by TRL's own `TrlParser`; everything checked (colo_kit.train_checks) before a model loads."""
+"""`colo-kit train`: `run_grpo` (colo_kit.train) as a command, parsed by TRL's own `TrlParser` into one
+`GRPOConfig` and the kit's few knobs of its own (`TrainArgs`): every `GRPOConfig` field in TRL's name
+(`--per_device_train_batch_size 16`, `--beta 0.04`; `--max-steps` with dashes is the same field), or a YAML
+of them (`--config recipe.yaml`, what `colo-kit plan --recommend` writes). Everything is checked
+(colo_kit.train_checks) before a model loads."""
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
 from colo_kit.env import has_cuda
+from colo_kit.train import run_grpo as _run_grpo  # its signature holds the defaults (tests stand another in later)
 from colo_kit.train_checks import MODES, check_context, check_grpo_fields, check_settings
 
-# GRPOConfig fields that `colo-kit train` also takes as its own flags (--per-device-batch, --sleep, --server-url set
-# per_device_train_batch_size, vllm_enable_sleep_mode, vllm_server_base_url). Given in TRL's spelling (on the command
-# line or in a --config YAML such as `colo-kit plan --recommend` writes) they set the same setting, and win.
-TRL_NAMES = ("per_device_train_batch_size", "vllm_enable_sleep_mode", "vllm_server_base_url", "max_steps",
-             "num_generations", "max_completion_length", "learning_rate", "seed", "vllm_gpu_memory_utilization")
+
+@dataclass
+class TrainArgs:
+    """What `colo-kit train` takes beyond TRL's `GRPOConfig`."""
+
+    model: str = field(default="tiny", metadata={"help": "a preset (tiny, qwen2.5-0.5b, ...), a model folder or a hub id"})
+    mode: str = field(default="colocate", metadata={"help": "where vLLM generates", "choices": list(MODES)})
+    reward: str = field(default="length", metadata={"help": "the reward", "choices": ["length", "math500"]})
+    target_length: int = field(default=20, metadata={"help": "the length reward's target, in characters"})
+    bucketed_push: bool = field(default=False, metadata={
+        "help": "push the weights in one load_weights call instead of TRL's one per tensor (colo_kit.bucketed_push)"})
+    json: str | None = field(default=None, metadata={"help": "write the per-step log here (checked before training)"})
 
 
-def _config_path(args: list[str]) -> str | None:
-    for i, token in enumerate(args):
-        if token == "--config":
-            return args[i + 1] if i + 1 < len(args) else ""
-        if token.startswith("--config="):
-            return token.split("=", 1)[1]
-    return None
+def run_defaults() -> dict:
+    """`run_grpo`'s defaults for `GRPOConfig` fields (20 steps of the tiny model, not TRL's open-ended run): the
+    command's defaults too, so `colo-kit train` and `run_grpo()` run the same thing."""
+    from trl import GRPOConfig
+
+    fields = GRPOConfig.__dataclass_fields__
+    return {k: p.default for k, p in inspect.signature(_run_grpo).parameters.items()
+            if k in fields and k != "output_dir" and p.default is not inspect.Parameter.empty}
 
 
-def trl_overrides(args: list[str]) -> dict:
-    """Any other `GRPOConfig` field, in TRL's own spelling (`--beta 0.04`, `--loss_type dr_grpo`) or
-    from a YAML file (`--config recipe.yaml`, as TRL's scripts and alignment-handbook take one),
-    parsed and checked by TRL's `TrlParser`. Returns the fields given, with TRL's parsed values;
-    a bad one is a `UsageError` naming it."""
+def _underscored(args: list[str]) -> list[str]:
+    """`--max-steps 3` and `--max_steps 3` name one field (HfArgumentParser registers only the underscored
+    spelling); `--config=X` becomes `--config X`, the form TrlParser looks for."""
+    out = []
+    for t in args:
+        if not t.startswith("--"):
+            out.append(t)
+            continue
+        name, eq, value = t.partition("=")
+        name = "--" + name[2:].replace("-", "_")
+        out += [name, value] if name == "--config" and eq else [name + eq + value]
+    return out
+
+
+def _given(args: list[str]) -> list[str]:
+    """The fields named on the command line and in its --config YAML, in order."""
     import yaml
+
+    from colo_kit.cli import UsageError
+
+    names = [t[2:].split("=")[0] for t in args if t.startswith("--")]
+    if "config" not in names:
+        return names
+    path = args[args.index("--config") + 1]
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"--config {path!r}: cannot read it as YAML ({exc}); give a YAML file of GRPOConfig "
+                         "fields") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"--config {path!r}: holds a YAML {type(loaded).__name__}, not a mapping of GRPOConfig fields")
+    return [n for n in names if n != "config"] + [k for k in loaded if k != "env"]
+
+
+def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
+    """(the `GRPOConfig` fields as TRL parsed them, with the kit's run defaults where not given; the kit's own
+    knobs; the fields given). A bad value or an unknown name is a `UsageError` in one line."""
     from trl import GRPOConfig, TrlParser
 
     from colo_kit.cli import UsageError
 
-    given = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--")]
-    path = _config_path(args)
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise UsageError(f"--config {path!r}: cannot read it as YAML ({exc}); give a YAML file of GRPOConfig "
-                             "fields") from None
-        if not isinstance(loaded, dict):
-            raise UsageError(f"--config {path!r}: holds a YAML {type(loaded).__name__}, not a mapping of GRPOConfig "
-                             "fields")
-        given = [g for g in given if g != "config"] + [k for k in loaded if k != "env"]
-        args = [t for t in args if not t.startswith("--config=")] + (
-            ["--config", path] if any(t.startswith("--config=") for t in args) else [])
+    args = _underscored(list(argv))
+    if "--config" in args and args.index("--config") == len(args) - 1:
+        raise UsageError("--config needs a YAML file of GRPOConfig fields")
+    given = _given(args)
+
     def one_line(message):
         raise UsageError(f"{message} (GRPOConfig fields in TRL's spelling, e.g. --beta 0.04)")
 
-    parser = TrlParser((GRPOConfig,))
+    parser = TrlParser((GRPOConfig, TrainArgs), prog="colo-kit train",
+                       description="GRPO with TRL's GRPOTrainer; any GRPOConfig field in TRL's name, or --config "
+                                   "FILE.yaml of them")
     parser.error = one_line
+    parser.set_defaults(**run_defaults())
     base = [] if has_cuda() else ["--use_cpu", "true", "--bf16", "false"]
     try:
-        (config,) = parser.parse_args_and_config(base + list(args))
+        config, kit = parser.parse_args_and_config(base + args)
     except UsageError:  # TRL's parser already said it in one line (one_line above)
         raise
+    except ZeroDivisionError:  # GRPOConfig.__post_init__ divides by num_generations before checking it
+        ns, _ = parser.parse_known_args(base + args)
+        zero = next((n for n in given if getattr(ns, n, None) == 0), "a count")
+        raise UsageError(f"{zero}=0: give a whole number of at least 1 (TRL's GRPOConfig divides by it)") from None
     except ValueError as exc:
         first = str(exc).splitlines()[0].rstrip(".")
-        if "not used by the HfArgumentParser" in first:  # a name neither the kit nor GRPOConfig knows
-            raise UsageError(f"{first}: colo-kit train takes its own flags (--help) and GRPOConfig fields in "
-                             "TRL's spelling") from None
+        if "not used by the HfArgumentParser" in first:
+            raise UsageError(f"{first}: colo-kit train takes GRPOConfig fields in TRL's names and --model, --mode, "
+                             "--reward, --target-length, --bucketed-push, --json (see --help)") from None
         raise UsageError(f"{first} (TRL's GRPOConfig refused the settings)") from None
-    values = {name: getattr(config, name) for name in dict.fromkeys(given)}
-    return {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}  # e.g. lr_scheduler_type
+    grpo = {name: getattr(config, name) for name in dict.fromkeys(list(run_defaults()) + given)
+            if name in GRPOConfig.__dataclass_fields__}
+    return {k: v.value if isinstance(v, Enum) else v for k, v in grpo.items()}, kit, given  # e.g. lr_scheduler_type
 
 
 def cli_main(argv: list[str]) -> int:
     import json
 
-    from colo_kit.cli import (ArgumentParser, UsageError, fraction, nonneg_int, positive_float, positive_int, seed_int,
-                              writable_file)
     from colo_kit import train  # looked up at call time: tests stand a recording run_grpo in for it
-    from colo_kit.models import PRESETS, resolve_model
+    from colo_kit.cli import UsageError, writable_file
+    from colo_kit.models import resolve_model
 
-    ap = ArgumentParser(prog="colo-kit train", description=train.run_grpo.__doc__,
-                        epilog="Any other GRPOConfig field in TRL's spelling (--beta 0.04, --loss_type dr_grpo), "
-                               "or --config FILE.yaml of them, is handed to TRL's own parser.")
-    ap.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}), a model folder or a hub id")
-    ap.add_argument("--mode", default="colocate", choices=MODES)
-    ap.add_argument("--reward", default="length", choices=["length", "math500"])
-    ap.add_argument("--max-steps", type=positive_int, default=20)
-    ap.add_argument("--num-generations", type=positive_int, default=4)
-    ap.add_argument("--per-device-batch", dest="per_device_train_batch_size", metavar="PER_DEVICE_BATCH",
-                    type=positive_int, default=8)
-    ap.add_argument("--max-completion-length", type=positive_int, default=32)
-    ap.add_argument("--learning-rate", type=positive_float, default=1e-3)
-    ap.add_argument("--target-length", type=nonneg_int, default=20, help="the length reward's target, in characters")
-    ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
-    ap.add_argument("--sleep", dest="vllm_enable_sleep_mode", action="store_true",
-                    help="vLLM sleep mode between generations (GPU only)")
-    ap.add_argument("--server-url", dest="vllm_server_base_url", metavar="SERVER_URL", default=None)
-    ap.add_argument("--seed", type=seed_int, default=0)
-    ap.add_argument("--bucketed-push", action="store_true",
-                    help="push the weights in one load_weights call instead of TRL's one per tensor (colo_kit.bucketed_push)")
-    ap.add_argument("--json", default=None, help="write the per-step log here (checked writable before training)")
-    a, rest = ap.parse_known_args(argv)
-    overrides = trl_overrides(rest) if rest else {}
-    given = dict(overrides)  # in TRL's names, as given: checked below, after the kit's flags take theirs
-    settings = {name: overrides.pop(name, getattr(a, name)) for name in TRL_NAMES}  # TRL's spelling wins
+    grpo, kit, given = parse(argv)
+    checked = {k: grpo[k] for k in given if k in grpo}  # as given: their types are checked below
+    settings = {k: grpo.pop(k) for k in run_defaults()}  # run_grpo's own keyword arguments, in TRL's names
+    # every other field: only those given (TRL's parser fills in all of GRPOConfig, most of which run_grpo sets)
+    overrides = {k: v for k, v in grpo.items() if k in given}
     output_dir = overrides.pop("output_dir", None)  # TRL's run folder; the kit's own under results/runs/ if not given
     use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
-    if use_vllm is False:
-        a.mode = "plain"
-    elif vllm_mode is not None:
-        a.mode = vllm_mode
+    mode = "plain" if use_vllm is False else vllm_mode or kit.mode
     try:
-        check_grpo_fields(given)
-        check_settings(a.mode, vllm_server_host=overrides.get("vllm_server_host"),
+        if kit.target_length < 0:
+            raise ValueError(f"target_length={kit.target_length}: give a whole number of at least 0 (characters)")
+        check_grpo_fields(checked)
+        check_settings(mode, vllm_server_host=overrides.get("vllm_server_host"),
                        **{k: v for k, v in settings.items() if k != "vllm_enable_sleep_mode"})  # a bool: no check
-        resolve_model(a.model, build=False)
-        check_context(a.model, settings["max_completion_length"])
+        resolve_model(kit.model, build=False)
+        check_context(kit.model, settings["max_completion_length"])
     except (ValueError, LookupError) as exc:
         raise UsageError(str(exc)) from None
-    out = writable_file(a.json, "--json") if a.json else None
+    out = writable_file(kit.json, "--json") if kit.json else None
     dataset = None
-    if a.reward == "math500":
+    if kit.reward == "math500":
         from colo_kit.data import load_math, math_prompt
 
         dataset = load_math().map(lambda r: {"prompt": math_prompt(r["problem"])})
-    run = train.run_grpo(a.model, a.mode, reward=a.reward, dataset=dataset, target_length=a.target_length,
-                         push_bucket_mb=0 if a.bucketed_push else None, output_dir=output_dir, **settings, **overrides)
+    run = train.run_grpo(kit.model, mode, reward=kit.reward, dataset=dataset, target_length=kit.target_length,
+                         push_bucket_mb=0 if kit.bucketed_push else None, output_dir=output_dir, **settings,
+                         **overrides)
     rewards = run.rewards
-    print(f"[colo_kit] {a.mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
+    print(f"[colo_kit] {mode}: {len(rewards)} steps in {run.elapsed_s} s; reward {rewards[0]:.2f} -> {rewards[-1]:.2f}")
     if out:
         out.write_text(json.dumps(run.to_dict(), indent=1))
     return 0

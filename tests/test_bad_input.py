@@ -32,12 +32,13 @@ def nothing_runs(monkeypatch):
 
 
 CASES = [
-    (["train", "--target-length", "-5"], "argument --target-length: '-5': give a whole number of at least 0"),
-    (["train", "--seed", "-1"], "argument --seed: '-1': give a whole number from 0 to 2**32 - 1"),
-    (["train", "--seed", "4294967296"], "'4294967296': give a whole number from 0 to 2**32 - 1"),
+    (["train", "--target-length", "-5"], "target_length=-5: give a whole number of at least 0"),
+    (["train", "--seed", "-1"], "seed=-1: give a whole number from 0 to 4294967295"),
+    (["train", "--seed", "4294967296"], "seed=4294967296: give a whole number from 0 to 4294967295"),
     (["train", "--config", "{files}/seed.yaml"], "seed=-1: give a whole number from 0 to 4294967295"),
     (["train", "--loss_type", "bogus"], "loss_type='bogus': TRL implements grpo, dr_grpo"),
-    (["train", "--per-device-batch", "1000000000"], "per_device_train_batch_size=1000000000: more than 65536 completions"),
+    (["train", "--per-device-train-batch-size", "1000000000"],
+     "per_device_train_batch_size=1000000000: more than 65536 completions"),
     (["train", "--per_device_train_batch_size", "131072"], "per_device_train_batch_size=131072: more than 65536"),
     (["train", "--max-completion-length", "1000000000000"],
      "max_completion_length=1000000000000: longer than tiny's context (max_position_embeddings=2048)"),
@@ -45,8 +46,8 @@ CASES = [
     (["train", "--model", "no-such-org/no-such-model", "--max-completion-length", "2000000"],
      "max_completion_length=2000000: above 1048576 tokens"),
     (["train", "--max_completion_length", "0"], "max_completion_length=0: give a whole number of at least 1"),
-    (["train", "--server-url", "notaurl"], "vllm_server_base_url='notaurl': give an http(s) URL with a host"),
-    (["train", "--mode", "server", "--server-url", "localhost:8000"], "vllm_server_base_url='localhost:8000'"),
+    (["train", "--vllm-server-base-url", "notaurl"], "vllm_server_base_url='notaurl': give an http(s) URL with a host"),
+    (["train", "--mode", "server", "--vllm_server_base_url", "localhost:8000"], "vllm_server_base_url='localhost:8000'"),
     (["train", "--vllm_server_base_url", "http://"], "vllm_server_base_url='http://': give an http(s) URL"),
     (["train", "--config", "{files}/temperature.yaml"], "temperature=-1: give a finite number above 0"),
     (["train", "--temperature", "0"], "temperature=0.0: give a finite number above 0"),
@@ -108,8 +109,8 @@ def test_good_train_settings_still_reach_the_run(monkeypatch, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: 1e-3\ngeneration_kwargs: {detokenize: false}\ntemperature: 0.7\nbeta: 0\n")
     assert main(["train", "--config", str(recipe), "--seed", "4294967295", "--loss_type", "dr_grpo",
-                 "--max-completion-length", "2048", "--per-device-batch", "65536", "--mode", "server",
-                 "--server-url", "https://gpu-host:8000"]) == 0
+                 "--max-completion-length", "2048", "--per_device_train_batch_size", "65536", "--mode", "server",
+                 "--vllm-server-base-url", "https://gpu-host:8000"]) == 0
     assert (seen["seed"], seen["loss_type"], seen["max_completion_length"], seen["per_device_train_batch_size"]) == \
         (4294967295, "dr_grpo", 2048, 65536)
     assert (seen["learning_rate"], seen["temperature"], seen["beta"], seen["generation_kwargs"]) == \

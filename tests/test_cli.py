@@ -30,17 +30,19 @@ CASES = [
     (["bench", "--steps", "1"], "--steps 1"),
     (["bench", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json"),
     (["bench", "--extra-colocate", '{"fast": {"stepz_per_generation": 4}}'], "'fast': ['stepz_per_generation'] are neither"),
-    (["train", "--max-steps", "0"], "'0': give a whole number of at least 1"),
-    (["train", "--max-steps", "-1"], "'-1'"),
-    (["train", "--num-generations", "0"], "'0'"),
-    (["train", "--num-generations", "1"], "num_generations=1"),
+    (["train", "--max-steps", "0"], "max_steps=0: give a whole number of at least 1"),
+    (["train", "--max-steps", "-1"], "max_steps=-1"),
+    (["train", "--num-generations", "0"], "num_generations=0: give a whole number of at least 1"),
+    (["train", "--num-generations", "1"], "at least 2 generations per prompt"),
     (["train", "--model", "no-such-model"], "'no-such-model' is neither"),
-    (["train", "--per-device-batch", "6", "--num-generations", "4"], "per_device_train_batch_size=6"),
-    (["train", "--vllm-gpu-memory-utilization", "nan"], "'nan': give a fraction"),
+    (["train", "--per-device-train-batch-size", "6", "--num-generations", "4"],
+     "generation_batch_size (6) must be divisible by num_generations (4)"),
+    (["train", "--per-device-batch", "8"], "['--per_device_batch', '8']: colo-kit train takes GRPOConfig fields"),
+    (["train", "--vllm-gpu-memory-utilization", "nan"], "vllm_gpu_memory_utilization=nan"),
     (["train", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json"),
     (["train", "--mode", "server"], "needs vllm_server_base_url"),
     (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
-    (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes its own flags"),
+    (["train", "--no-such-field", "1"], "['--no_such_field', '1']: colo-kit train takes GRPOConfig fields"),
     (["train", "--config={files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
     (["train", "--per_device_train_batch_size", "6", "--num_generations", "4"],
      "generation_batch_size (6) must be divisible by num_generations (4) (TRL's GRPOConfig refused"),
@@ -122,6 +124,32 @@ def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
     assert (seen["beta"], seen["lr_scheduler_type"], seen["loss_type"], seen["num_iterations"]) == \
         (0.04, "cosine", "dr_grpo", 2)
     assert "temperature" not in seen and seen["per_device_train_batch_size"] == 8  # the kit's flags, and the fields given
+
+
+def test_train_is_one_grpo_config_with_run_grpos_defaults(monkeypatch):
+    """`colo-kit train` with no flags runs what `run_grpo()` runs (its defaults, not TRL's open-ended ones), hands
+    on no other GRPOConfig default, and `--max-steps` is the same field as TRL's `--max_steps`."""
+    import inspect
+
+    from colo_kit import train
+
+    real = inspect.signature(train.run_grpo).parameters
+    seen = []
+
+    def run_grpo(model, mode, **kwargs):
+        seen.append(dict(kwargs, model=model, mode=mode))
+        return types.SimpleNamespace(rewards=[0.0], elapsed_s=0.0, to_dict=dict)
+
+    monkeypatch.setattr(train, "run_grpo", run_grpo)
+    assert main(["train"]) == 0
+    assert main(["train", "--max-steps", "3"]) == 0 and main(["train", "--max_steps=3"]) == 0
+    first = seen[0]
+    assert (first["model"], first["mode"]) == ("tiny", "colocate")
+    for name in ("max_steps", "num_generations", "per_device_train_batch_size", "max_completion_length",
+                 "learning_rate", "seed", "vllm_gpu_memory_utilization"):
+        assert first[name] == real[name].default, name
+    assert "beta" not in first and "temperature" not in first  # TRL's own defaults stay TRL's
+    assert seen[1] == seen[2] and seen[1]["max_steps"] == 3
 
 
 def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
