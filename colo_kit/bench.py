@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # --- one measured run -------------------------------------------------------------------------------
 
-def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps: int = 4, num_generations: int = 4,
+def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int = 8, steps: int = 4, num_generations: int = 4,
             max_completion_length: int = 32, server_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
@@ -53,7 +53,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
 
     if steps <= warmup_steps:
         raise ValueError(f"steps={steps} must exceed warmup_steps={warmup_steps}: the first step is discarded")
-    label = label or f"{mode}-b{per_device_batch}"
+    label = label or f"{mode}-b{per_device_train_batch_size}"
     tl = Timeline()
     pids = {"trainer": os.getpid()}
     if server_pid:
@@ -75,7 +75,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
     t0 = time.time()
     try:
         run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
-                       per_device_train_batch_size=per_device_batch, max_completion_length=max_completion_length,
+                       per_device_train_batch_size=per_device_train_batch_size, max_completion_length=max_completion_length,
                        vllm_server_base_url=server_url, on_trainer=on_trainer, **overrides)
     finally:
         tl.unhook()
@@ -84,7 +84,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
     marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
     ends = [s["end_s"] for s in marks]
     step_times = [round(b - a, 4) for a, b in zip([t0] + ends[:-1], ends)]
-    completions = per_device_batch * world
+    completions = per_device_train_batch_size * world
     # TRL logs completion lengths and rewards on the steps that generate; with
     # steps_per_generation > 1 the steps in between train on buffered completions of the last one.
     logged = {row.get("step"): row for row in run.steps}
@@ -99,7 +99,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_batch: int = 8, steps:
     per_step = tl.phase_per_step(skip_steps=warmup_steps)
     rec = {
         "label": label, "mode": mode, "model": model, "rank": rank, "world_size": world,
-        "per_device_batch": per_device_batch, "num_generations": num_generations,
+        "per_device_train_batch_size": per_device_train_batch_size, "num_generations": num_generations,
         "max_completion_length": max_completion_length, "steps": rows, "warmup_steps": warmup_steps,
         "step_time_s": round(total_s / len(meas), 4) if meas else None,
         "median_step_time_s": round(statistics.median(r["step_time_s"] for r in meas), 4) if meas else None,
@@ -200,7 +200,7 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
                     out.append(measure(**cfg, timeline_dir=workdir))
                 except Exception as exc:  # one failure must not lose the others
                     out.append({"label": cfg.get("label"), "mode": cfg["mode"], "error": repr(exc)[:2000],
-                                "per_device_batch": cfg.get("per_device_batch")})
+                                "per_device_train_batch_size": cfg.get("per_device_train_batch_size")})
                 log.info("%s: %s tok/s %s", out[-1].get("label"), out[-1].get("tokens_per_s"),
                          out[-1].get("error", ""))
         finally:  # a notebook or test process goes on to build other engines: leave TRL as it was
@@ -232,7 +232,8 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
             out.append(rec)
         else:
             tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
-            out.append({"label": cfg["label"], "mode": cfg["mode"], "per_device_batch": cfg.get("per_device_batch"),
+            out.append({"label": cfg["label"], "mode": cfg["mode"],
+                        "per_device_train_batch_size": cfg.get("per_device_train_batch_size"),
                         "error": f"worker rc={rc}; no record. log tail:\n{tail}"})
     return out
 
@@ -249,7 +250,8 @@ def _worker_main(plan_path: str) -> int:
             traceback.print_exc()
             # Kept by rank 0 like a measurement: an error record dropped here is a config that
             # "exited 0 with no record" (the first H200 sweep lost three colocate configs that way).
-            rec = {"label": cfg["label"], "mode": cfg["mode"], "per_device_batch": cfg.get("per_device_batch"),
+            rec = {"label": cfg["label"], "mode": cfg["mode"],
+                   "per_device_train_batch_size": cfg.get("per_device_train_batch_size"),
                    "error": repr(exc)[:2000], "traceback": traceback.format_exc()[-3000:],
                    "rank": int(os.environ.get("RANK", "0"))}
         if rec.get("rank", 0) == 0:
@@ -270,17 +272,17 @@ def live_settings(machine=None) -> dict:
 
     m = machine or Machine.here()
     if not m.gpus:
-        return dict(model="tiny", per_device_batch=8, num_generations=4, max_completion_length=32, steps=3,
+        return dict(model="tiny", per_device_train_batch_size=8, num_generations=4, max_completion_length=32, steps=3,
                     n_devices=None, vllm_enforce_eager=True,
                     plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
                     "one trainer process on the same cores, colocate one process")
     model = "qwen2.5-1.5b" if m.gpu_mem_gib >= 70 else "qwen2.5-0.5b"
     if m.gpus == 1:
-        return dict(model=model, per_device_batch=16, num_generations=8, max_completion_length=128, steps=3,
+        return dict(model=model, per_device_train_batch_size=16, num_generations=8, max_completion_length=128, steps=3,
                     n_devices=1, vllm_enforce_eager=True,
                     plan=f"{model} on the one GPU, eager engines; in server mode the vLLM server shares it with the "
                     "trainer (0.3 of its memory each way), so the timeline shows the ping-pong but no idle GPU")
-    return dict(model=model, per_device_batch=32, num_generations=8, max_completion_length=256, steps=3,
+    return dict(model=model, per_device_train_batch_size=32, num_generations=8, max_completion_length=256, steps=3,
                 n_devices=m.gpus, vllm_enforce_eager=True,
                 plan=f"{model}, eager engines; server mode trains on {m.gpus - 1} GPU(s) and serves on 1 (the "
                 f"post's layout), colocate trains on all {m.gpus}")
@@ -353,7 +355,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus,
                                "shares_the_trainer_gpu": shared}
                 log.info("server up in %s s", srv.startup_s)
-                cfgs = [dict(base, mode="server", per_device_batch=b, label=f"server-b{b}", server_url=srv.url,
+                cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}", server_url=srv.url,
                              server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
                 # small request that pays any first-request cost
@@ -376,10 +378,10 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
         except Exception as exc:
             records.append({"label": "server", "mode": "server", "error": repr(exc)[:3000]})
     if "colocate" in modes:
-        cfgs = [dict(base, mode="colocate", per_device_batch=b, label=f"colocate-b{b}",
+        cfgs = [dict(base, mode="colocate", per_device_train_batch_size=b, label=f"colocate-b{b}",
                      vllm_gpu_memory_utilization=vllm_gpu_memory_utilization) for b in desc]
         for name, ov in (extra_colocate or {}).items():
-            cfg = dict(base, mode="colocate", per_device_batch=max(batches), label=name,
+            cfg = dict(base, mode="colocate", per_device_train_batch_size=max(batches), label=name,
                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
             cfg.update(ov)
             spg = int(cfg.get("steps_per_generation") or 1)
@@ -388,7 +390,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 cfg["steps"] = max(cfg["steps"], cfg["warmup_steps"] + spg)
             cfgs.append(cfg)
         # the engine with the most sequences first, so later configs can reuse it (reuse_engines)
-        cfgs.sort(key=lambda c: -c["per_device_batch"] * int(c.get("steps_per_generation") or 1))
+        cfgs.sort(key=lambda c: -c["per_device_train_batch_size"] * int(c.get("steps_per_generation") or 1))
         records += run_configs(cfgs, n_procs=n_devices if gpu else 1, gpus=all_gpus if gpu else None,
                                workdir=workdir, timeout_s=left())
     result = {

@@ -14,13 +14,13 @@ def summarize(records: list[dict], n_devices: int, k_server: int) -> list[dict]:
     """Per batch: raw ratio colocate/server and the post's normalised ratio (server × N/(N−k))."""
     rows = []
     by = {(r["label"]): r for r in records}
-    for b in sorted({r["per_device_batch"] for r in records if r["mode"] == "server"}):
+    for b in sorted({r["per_device_train_batch_size"] for r in records if r["mode"] == "server"}):
         s = by.get(f"server-b{b}")
         c = by.get(f"colocate-b{b}")
         if not s or not c or not s.get("tokens_per_s") or not c.get("tokens_per_s"):
             continue
         norm = s["tokens_per_s"] * n_devices / (n_devices - k_server)
-        rows.append({"per_device_batch": b, "server_tok_per_s": s["tokens_per_s"],
+        rows.append({"per_device_train_batch_size": b, "server_tok_per_s": s["tokens_per_s"],
                      "colocate_tok_per_s": c["tokens_per_s"],
                      "server_normalised_tok_per_s": round(norm, 1),
                      "raw_ratio": round(c["tokens_per_s"] / s["tokens_per_s"], 3),
@@ -35,8 +35,9 @@ def variants(records: list[dict]) -> list[dict]:
     for r in records:
         if r["mode"] != "colocate" or r["label"].startswith("colocate-b") or not r.get("tokens_per_s"):
             continue
-        base = by.get(f"colocate-b{r['per_device_batch']}")
-        out.append({"label": r["label"], "per_device_batch": r["per_device_batch"], "tokens_per_s": r["tokens_per_s"],
+        base = by.get(f"colocate-b{r['per_device_train_batch_size']}")
+        out.append({"label": r["label"], "per_device_train_batch_size": r["per_device_train_batch_size"],
+                    "tokens_per_s": r["tokens_per_s"],
                     "trl_default_tok_per_s": base and base["tokens_per_s"],
                     "vs_trl_default": round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None})
     return out
@@ -49,7 +50,7 @@ def throughput_figure(result: dict, title: str = ""):
     rows = result["summary"]
     s = result["settings"]
     fig = go.Figure()
-    xs = [str(r["per_device_batch"]) for r in rows]
+    xs = [str(r["per_device_train_batch_size"]) for r in rows]
     fig.add_bar(x=xs, y=[r["server_tok_per_s"] for r in rows],
                 name=f"server, raw ({s['n_devices'] - s['k_server']} train + {s['k_server']} vLLM)")
     fig.add_bar(x=xs, y=[r["server_normalised_tok_per_s"] for r in rows],

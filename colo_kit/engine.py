@@ -19,7 +19,7 @@ each idea's line in the TRL installed here:
    completions, each keeps its slice. One completion per prompt: the trainer's sampler already
    repeats every prompt `num_generations` times.
 4. **Engine sizes from training settings** (`GRPOTrainer` passes them): `max_num_seqs =
-   per_device_batch * tp * grad_accum`, `max_model_len = prompt_len + completion_len`, and
+   per_device_train_batch_size * tp * grad_accum`, `max_model_len = prompt_len + completion_len`, and
    `vllm_gpu_memory_utilization`, the share of the GPU the engine may take beside the trainer.
 5. **Weight push** (`VLLMGeneration._iter_named_params`, `sync_weights`): after each optimizer step
    the trainer's parameters are walked one at a time (ZeRO-3: each gathered; PEFT: adapters merged

@@ -84,7 +84,7 @@ def _exercises() -> dict[str, Exercise]:
     twenty = length_reward(["Exactly twenty chars"])[0]
     out = [
         # 00 · quickstart
-        Exercise("00.prompts_per_step", "num_generations=8 and per_device_batch=16: how many different prompts "
+        Exercise("00.prompts_per_step", "num_generations=8 and per_device_train_batch_size=16: how many different prompts "
                  "does one optimizer step train on (one process)?", _number(2, 0), 2,
                  "16 completions in groups of 8 completions of the same prompt: 2 prompts, each compared within its "
                  "own group.", "the batch holds whole groups; a group is num_generations completions of one prompt",
@@ -120,9 +120,9 @@ def _exercises() -> dict[str, Exercise]:
             "how many completions does the single vLLM GPU generate per step, compared with one colocated GPU?",
             ("not colocate", "both", "neither", "colocated")),
         # 02 · sleep
-        Exercise("02.max_num_seqs", "per_device_batch=8, tensor parallel size 2, gradient accumulation 4: what "
+        Exercise("02.max_num_seqs", "per_device_train_batch_size=8, tensor parallel size 2, gradient accumulation 4: what "
                  "max_num_seqs does the colocated engine get?", _number(64, 0), 64,
-                 "per_device_batch x tp x grad_accum = 8 x 2 x 4: a TP group's engine generates for all its ranks' "
+                 "per_device_train_batch_size x tp x grad_accum = 8 x 2 x 4: a TP group's engine generates for all its ranks' "
                  "prompts of a whole accumulation.", "the engine of a TP group serves every rank of the group, for "
                  "every micro-batch of one optimizer step", (8, 16, 32, 128, 63, "64 or 32", "I don't know", None)),
         _choice_exercise(

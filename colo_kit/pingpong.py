@@ -87,9 +87,9 @@ class PhaseCosts:
         return asdict(self)
 
 
-def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_batch: int, k_server: int = 1) -> dict:
+def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_train_batch_size: int, k_server: int = 1) -> dict:
     """Step time and throughput of one configuration."""
-    b = per_device_batch
+    b = per_device_train_batch_size
     if mode == "server":
         n = n_devices - k_server
         if n < 1 or k_server < 1:
@@ -107,20 +107,20 @@ def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_batch: int,
     else:
         raise ValueError(f"mode={mode!r}; use 'server' or 'colocate'")
     return {"mode": mode, "n_devices": n_devices, "k_server": k_server if mode == "server" else 0,
-            "per_device_batch": b, "step_s": step, "samples_per_s": samples / step,
+            "per_device_train_batch_size": b, "step_s": step, "samples_per_s": samples / step,
             "tokens_per_s": samples * costs.tokens_per_sample / step,
             "parts_s": {p: round(v, 4) for p, v in parts.items()}}
 
 
-def speedup(costs: PhaseCosts, n_devices: int, per_device_batch: int, k_server: int = 1) -> dict:
+def speedup(costs: PhaseCosts, n_devices: int, per_device_train_batch_size: int, k_server: int = 1) -> dict:
     """Colocate on N devices vs server mode with k of them serving: raw and normalised (× N/(N−k))."""
-    s = predict(costs, "server", n_devices, per_device_batch, k_server)
-    c = predict(costs, "colocate", n_devices, per_device_batch)
+    s = predict(costs, "server", n_devices, per_device_train_batch_size, k_server)
+    c = predict(costs, "colocate", n_devices, per_device_train_batch_size)
     raw = c["tokens_per_s"] / s["tokens_per_s"]
     norm = raw / (n_devices / (n_devices - k_server))
     idle_server_trainers = s["parts_s"]["generation"] / s["step_s"]
     idle_server_vllm = 1 - (s["parts_s"]["generation"] + s["parts_s"]["sync"]) / s["step_s"]
-    return {"n_devices": n_devices, "k_server": k_server, "per_device_batch": per_device_batch,
+    return {"n_devices": n_devices, "k_server": k_server, "per_device_train_batch_size": per_device_train_batch_size,
             "raw": round(raw, 3), "normalised": round(norm, 3), "server_step_s": round(s["step_s"], 4),
             "colocate_step_s": round(c["step_s"], 4), "server_trainer_idle": round(idle_server_trainers, 3),
             "server_vllm_idle": round(idle_server_vllm, 3)}
@@ -146,7 +146,7 @@ def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True
     other = {"server": [], "colocate": []}
     tokens = []
     for r in _plain_runs(records):
-        b, world, mode = r["per_device_batch"], r.get("world_size", 1), r["mode"]
+        b, world, mode = r["per_device_train_batch_size"], r.get("world_size", 1), r["mode"]
         phases = r["phase_s_per_step"]
         train_dev = [d for d in phases if "vLLM server" not in d]
         server_dev = [d for d in phases if "vLLM server" in d]
@@ -220,9 +220,10 @@ def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
     def row(r, costs, method):
         world = r.get("world_size", 1)
         n_dev = world + 1 if r["mode"] == "server" else world
-        pred = predict(costs, r["mode"], n_dev, r["per_device_batch"], 1)
+        pred = predict(costs, r["mode"], n_dev, r["per_device_train_batch_size"], 1)
         measured = _step(r)
-        return {"method": method, "label": r["label"], "mode": r["mode"], "per_device_batch": r["per_device_batch"],
+        return {"method": method, "label": r["label"], "mode": r["mode"],
+                "per_device_train_batch_size": r["per_device_train_batch_size"],
                 "n_devices": n_dev, "measured_step_s": measured, "predicted_step_s": round(pred["step_s"], 4),
                 "error_pct": round(100 * (pred["step_s"] - measured) / measured, 1)}
 
@@ -251,7 +252,7 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    xs = [str(r["per_device_batch"]) for r in rows]
+    xs = [str(r["per_device_train_batch_size"]) for r in rows]
     fig.add_scatter(x=xs, y=[r["normalised"] for r in rows], mode="lines+markers", name="model: normalised speedup")
     fig.add_scatter(x=xs, y=[r["raw"] for r in rows], mode="lines+markers", name="model: raw speedup",
                     line_dash="dot")
@@ -285,8 +286,7 @@ def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
         gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
     for name in ("no_grad_ckpt", "batch32"):
         rec = recs[(name, 0)]
-        cfg = rec["grpo_config"]  # run settings in TRL's names; records from before that say per_device_batch
-        batch = cfg.get("per_device_train_batch_size", cfg.get("per_device_batch"))
+        batch = rec["grpo_config"]["per_device_train_batch_size"]
         train_points.append((batch, configs[name]["phase_s_per_step"]["training"]))
     fixed, per_sample = _line(train_points)
     push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]

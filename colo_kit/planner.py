@@ -81,10 +81,10 @@ class Plan:
     vllm_tensor_parallel_size: int = 1
     sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
     kv_only_sleep: bool = False               # with sleep: release the KV cache only, keep the weights (colo_kit.kv_sleep)
-    per_device_batch: int = 8                 # completions per GPU per step (TRL per_device_train_batch_size)
+    per_device_train_batch_size: int = 8      # completions per GPU per step
     steps_per_generation: int = 1             # TRL's: one generation feeds this many optimizer steps
     prompt_length: int = 96
-    completion_length: int = 256
+    max_completion_length: int = 256
     lora_rank: int = 0                        # 0 = full fine-tuning
     gradient_checkpointing: bool = True       # TRL GRPOConfig's default
     train_dtype: str = "float32"              # TRL's default for a model given by path; bfloat16 via model_init_kwargs
@@ -122,7 +122,7 @@ class Plan:
             bad("kv_only_sleep", True, "it changes how the engine sleeps: give a sleep_level of 1 or 2 with it")
         if self.mode == "server" and self.sleep_level:
             bad("sleep_level", self.sleep_level, "sleep is for colocate mode; use 0 with --mode server")
-        for name in ("per_device_batch", "steps_per_generation", "prompt_length", "completion_length"):
+        for name in ("per_device_train_batch_size", "steps_per_generation", "prompt_length", "max_completion_length"):
             if getattr(self, name) < 1:
                 bad(name, getattr(self, name), "use a positive whole number")
         if self.lora_rank < 0:
@@ -167,7 +167,7 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     w_bytes = 4 if plan.train_dtype == "float32" else 2
     deepspeed = plan.zero_stage >= 1
     lora = plan.lora_rank > 0
-    tokens = plan.per_device_batch * (plan.prompt_length + plan.completion_length)
+    tokens = plan.per_device_train_batch_size * (plan.prompt_length + plan.max_completion_length)
     notes: list[str] = []
 
     # ---- training state -------------------------------------------------------------------------
@@ -211,9 +211,9 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     kv_bytes_per_token = 2 * m.num_hidden_layers * kv_heads_per_gpu * m.head_dim * 2
     kv_cache = max(0.0, vllm_total - vllm_weights - VLLM_OVERHEAD_GIB) if colocate else 0.0
     # TRL's colocate engine gets every prompt of its TP group for a whole generation:
-    # max_num_seqs = per_device_batch × TP × steps_per_generation.
-    seqs = plan.per_device_batch * tp * plan.steps_per_generation
-    kv_needed = g(seqs * (plan.prompt_length + plan.completion_length) * kv_bytes_per_token)
+    # max_num_seqs = per_device_train_batch_size × TP × steps_per_generation.
+    seqs = plan.per_device_train_batch_size * tp * plan.steps_per_generation
+    kv_needed = g(seqs * (plan.prompt_length + plan.max_completion_length) * kv_bytes_per_token)
     vllm_min_util = (vllm_weights + VLLM_OVERHEAD_GIB + kv_needed) / plan.gpu_mem_gib if colocate else 0.0
     if colocate and kv_cache < kv_needed:
         notes.append(f"vLLM's KV cache ({kv_cache:.1f} GiB) holds less than one step's sequences ({kv_needed:.1f} GiB): "

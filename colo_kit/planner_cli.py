@@ -76,9 +76,9 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--vllm-tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--sleep-level", type=int, default=0, help="0 = no sleep, 1, 2")
-    ap.add_argument("--per-device-batch", type=int, default=8)
+    ap.add_argument("--per-device-train-batch-size", type=int, default=8)
     ap.add_argument("--prompt-length", type=int, default=96)
-    ap.add_argument("--completion-length", type=int, default=256)
+    ap.add_argument("--max-completion-length", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
     ap.add_argument("--no-gradient-checkpointing", action="store_true", help="TRL's GRPOConfig enables it by default")
     ap.add_argument("--train-dtype", default="float32", help="float32 (TRL default) or bfloat16")
@@ -116,8 +116,8 @@ def cli_main(argv: list[str]) -> int:
                 zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                 offload_params=args.offload_params, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_level=args.sleep_level,
-                per_device_batch=args.per_device_batch, prompt_length=args.prompt_length,
-                completion_length=args.completion_length, lora_rank=args.lora_rank,
+                per_device_train_batch_size=args.per_device_train_batch_size, prompt_length=args.prompt_length,
+                max_completion_length=args.max_completion_length, lora_rank=args.lora_rank,
                 gradient_checkpointing=not args.no_gradient_checkpointing, train_dtype=args.train_dtype,
                 gpus_per_node=args.gpus_per_node, host_mem_gib=args.host_mem_gib,
                 steps_per_generation=args.steps_per_generation)

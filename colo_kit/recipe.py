@@ -65,11 +65,11 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
     fields += [
         ("use_vllm", True, "generation with vLLM"),
         ("vllm_mode", "colocate", "vLLM inside each training process: no GPU waits for another (notebook 01)"),
-        ("per_device_train_batch_size", chosen.per_device_batch,
+        ("per_device_train_batch_size", chosen.per_device_train_batch_size,
          "yours: a bigger batch gave more tokens/s but not a faster reward (batch 32: 5.1x the tokens/s, about 3x "
          f"longer to the threshold, measured, {MEASURED})"),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
-        ("max_completion_length", chosen.completion_length, "the planner sized the KV cache and activations for it"),
+        ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
         ("vllm_gpu_memory_utilization", u,
          "TRL's default, measured with this plan; a bigger KV cache does not generate faster once a generation's "

@@ -88,7 +88,7 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
     if name == RECIPE:
         from colo_kit.recipe import recipe
 
-        r = recipe(model=model, per_device_batch=8, completion_length=TASK["max_completion_length"])
+        r = recipe(model=model, per_device_train_batch_size=8, max_completion_length=TASK["max_completion_length"])
         if not r["fits"]:
             raise ValueError(f"no recipe for {model}: {r['why']}")
         fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
@@ -239,23 +239,23 @@ def switch_parts(tl, skip_steps: int) -> dict:
 
 
 def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
-                 completion_length: int = TASK["max_completion_length"],
+                 max_completion_length: int = TASK["max_completion_length"],
                  vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
                  kv_only_sleep: bool = False) -> float:
     from colo_kit.planner import estimate
 
-    return estimate(model=model, per_device_batch=batch, gradient_checkpointing=gradient_checkpointing,
-                    completion_length=completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+    return estimate(model=model, per_device_train_batch_size=batch, gradient_checkpointing=gradient_checkpointing,
+                    max_completion_length=max_completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                     sleep_level=sleep_level, kv_only_sleep=kv_only_sleep)["peak_gib_per_gpu"]
 
 
-def planner_peak_for(name: str, model: str, completion_length: int = TASK["max_completion_length"]) -> float:
+def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
     """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
     level 2, or the KV cache only)."""
     fields, knobs = config(name, model)
     sleeps = fields.get("vllm_enable_sleep_mode", False)
     return planner_peak(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
-                        completion_length,
+                        max_completion_length,
                         fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
                         2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
 

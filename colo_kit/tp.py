@@ -52,7 +52,7 @@ GPU_RESULTS = "tp_gpu.json"
 # Colocated GRPO on 2 H200s, shared by scripts/gpu/tp_tuning.sh and notebook 03: bf16 weights and
 # Adam states (TRL loads a model path in fp32, and 7B in fp32 beside a 0.3 engine does not fit one
 # H200: see colo_kit.planner), gradient checkpointing, 16 completions per GPU in groups of 8.
-GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_batch=16, num_generations=8, max_completion_length=256,
+GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_train_batch_size=16, num_generations=8, max_completion_length=256,
                          model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=True)
 # On a CPU the kernel imports vLLM once and every forked worker inherits it (importing it costs each
 # worker 10-60 s on 2 busy cores). On a GPU the workers import it themselves: nothing that might
@@ -258,7 +258,7 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
 # Colocated GRPO with TRL
 # ---------------------------------------------------------------------------------------------
 
-def grpo_worker(model: str, tp: int, max_steps: int, per_device_batch: int, num_generations: int,
+def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
                 max_completion_length: int, gpu_memory_utilization: float, overrides: dict,
                 enforce_eager: bool = False) -> dict:
     """One rank of a TRL colocate run with `vllm_tensor_parallel_size=tp` (inside `colo_kit.launch`).
@@ -270,7 +270,7 @@ def grpo_worker(model: str, tp: int, max_steps: int, per_device_batch: int, num_
     from colo_kit.train import run_grpo
 
     unique_cpu_shm_names()
-    run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_batch,
+    run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_train_batch_size,
                    num_generations=num_generations, max_completion_length=max_completion_length,
                    vllm_gpu_memory_utilization=gpu_memory_utilization, vllm_tensor_parallel_size=tp,
                    vllm_enforce_eager=enforce_eager or None, **overrides)
@@ -293,7 +293,7 @@ def summarize_grpo(ranks: list[dict]) -> dict:
             "ranks": ranks}
 
 
-def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = None, per_device_batch: int = 4,
+def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = None, per_device_train_batch_size: int = 4,
                num_generations: int = 4, max_completion_length: int | None = None,
                gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
                enforce_eager: bool = False, **overrides) -> dict:
@@ -303,7 +303,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
     max_completion_length = max_completion_length or (256 if gpu else 16)
     model_path = resolve_model(model)
     out = {"model": model, "tier": "gpu" if gpu else "cpu",
-           "settings": {"max_steps": max_steps, "per_device_batch": per_device_batch,
+           "settings": {"max_steps": max_steps, "per_device_train_batch_size": per_device_train_batch_size,
                         "num_generations": num_generations, "max_completion_length": max_completion_length,
                         "vllm_gpu_memory_utilization": gpu_memory_utilization, "vllm_enforce_eager": enforce_eager,
                         **overrides},
@@ -312,7 +312,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
         out["label"] = CPU_LABEL
     out["tp"] = _launch_per_tp(
         tp_sizes, grpo_worker, summarize_grpo,
-        lambda tp: (model_path, tp, max_steps, per_device_batch, num_generations, max_completion_length,
+        lambda tp: (model_path, tp, max_steps, per_device_train_batch_size, num_generations, max_completion_length,
                     gpu_memory_utilization, overrides, enforce_eager),
         num_processes=num_processes, echo=echo,
         preimport=_preimport() + (("trl", "colo_kit.train") if not gpu else ()))

@@ -83,7 +83,7 @@ def cmd_grpo(a) -> int:
         overrides = {k: v for k, v in tp.GPU_GRPO_SETTINGS.items()
                      if k in ("model_init_kwargs", "gradient_checkpointing")}
     try:
-        sw = tp.grpo_sweep(model, (a.tp,), max_steps=a.steps, per_device_batch=a.per_device_batch,
+        sw = tp.grpo_sweep(model, (a.tp,), max_steps=a.steps, per_device_train_batch_size=a.per_device_train_batch_size,
                            num_generations=a.num_generations, max_completion_length=a.max_tokens,
                            gpu_memory_utilization=a.util, enforce_eager=bool(a.eager), echo="brief", **overrides)
         part["sweep"] = sw
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
             from colo_kit.tp import GPU_GRPO_SETTINGS as g
 
             p.add_argument("--steps", type=int, default=g["max_steps"])
-            p.add_argument("--per-device-batch", type=int, default=g["per_device_batch"])
+            p.add_argument("--per-device-train-batch-size", type=int, default=g["per_device_train_batch_size"])
             p.add_argument("--num-generations", type=int, default=g["num_generations"])
             p.add_argument("--max-tokens", type=int, default=g["max_completion_length"])
     m = sub.add_parser("merge")
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     if a.smoke and a.cmd == "gen":  # CPU: the tiny model and a short run, the same output structure
         a.num_prompts, a.max_tokens, a.repeats = 8, 16, 1
     if a.smoke and a.cmd == "grpo":
-        a.steps, a.per_device_batch, a.num_generations, a.max_tokens = 2, 4, 4, 16
+        a.steps, a.per_device_train_batch_size, a.num_generations, a.max_tokens = 2, 4, 4, 16
     if a.cmd == "build" and a.smoke:
         a.model = "tiny"
     return {"build": cmd_build, "gen": cmd_gen, "grpo": cmd_grpo, "merge": cmd_merge}[a.cmd](a)

@@ -128,9 +128,9 @@ def grpo_config(args, output_dir: str):
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     kw = dict(
         output_dir=output_dir,
-        per_device_train_batch_size=args.per_device_batch,
+        per_device_train_batch_size=args.per_device_train_batch_size,
         num_generations=args.num_generations,
-        max_completion_length=args.completion_length,
+        max_completion_length=args.max_completion_length,
         max_steps=args.steps,
         learning_rate=1e-6,
         beta=0.0,
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--per-device-batch", type=int, default=8)
+    ap.add_argument("--per-device-train-batch-size", type=int, default=8)
     ap.add_argument("--num-generations", type=int, default=8)
-    ap.add_argument("--completion-length", type=int, default=128)
+    ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--no-sleep", action="store_true")
@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny model, no DeepSpeed, no vLLM")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.steps, args.per_device_batch, args.num_generations, args.completion_length = "tiny", 2, 4, 4, 16
+        args.model, args.steps, args.num_generations, args.max_completion_length = "tiny", 2, 4, 16
+        args.per_device_train_batch_size = 4
 
     from accelerate import PartialState
 
@@ -214,9 +215,9 @@ def main(argv=None) -> int:
             model=args.model, gpus=world, gpu_mem_gib=round(gib or 139.8, 2),
             zero_stage=0 if args.smoke else 3, offload_optimizer=not (args.smoke or args.no_offload),
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_tensor_parallel_size=args.tp,
-            sleep_level=0 if (args.smoke or args.no_sleep) else 2, per_device_batch=args.per_device_batch,
+            sleep_level=0 if (args.smoke or args.no_sleep) else 2, per_device_train_batch_size=args.per_device_train_batch_size,
             prompt_length=record.get("prompt_tokens", {}).get("max", 96),
-            completion_length=args.completion_length,
+            max_completion_length=args.max_completion_length,
             gradient_checkpointing=not args.no_gradient_checkpointing,
             mode="server" if args.smoke else "colocate")  # smoke: no vLLM on the device, like server mode's GPU
         record["planner_settings"] = planner_settings
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
             def length_reward(completions, **kw):
                 return [-abs(20 - len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
 
-        n_prompts = args.steps * args.per_device_batch * world // args.num_generations + world
+        n_prompts = args.steps * args.per_device_train_batch_size * world // args.num_generations + world
         rows = load_tldr(source="offline")
         ds = Dataset.from_list([{"prompt": rows[i % len(rows)]["prompt"]} for i in range(max(n_prompts, 8))])
         tok = AutoTokenizer.from_pretrained(model_path)

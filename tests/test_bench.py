@@ -49,7 +49,7 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     for r in recs.values():
         assert "error" not in r, r.get("error")
         assert r["tokens_per_s"] > 0 and len(r["steps"]) == 3
-        assert r["steps"][1]["samples"] == r["per_device_batch"]
+        assert r["steps"][1]["samples"] == r["per_device_train_batch_size"]
         for phases in r["phase_s_per_step"].values():  # "cpu:rank0", or "cuda:<i>" per GPU
             assert {"generation", "forward", "backward"} <= set(phases)
         assert max(r["peak_mem_gib"].values()) > 0
@@ -78,15 +78,15 @@ def test_worker_keeps_the_record_of_a_config_that_failed(tmp_path):
     os.environ.clear()
     os.environ.update(clean_env())
     try:
-        recs = run_configs([dict(mode="colocate", model="no-such-model-anywhere", label="broken", per_device_batch=4),
-                            dict(mode="nonsense", model="tiny", label="bad-mode", per_device_batch=4)],
+        recs = run_configs([dict(mode="colocate", model="no-such-model-anywhere", label="broken", per_device_train_batch_size=4),
+                            dict(mode="nonsense", model="tiny", label="bad-mode", per_device_train_batch_size=4)],
                            workdir=tmp_path, in_process=False, timeout_s=300)
     finally:
         os.environ.clear()
         os.environ.update(env)
     assert [r["label"] for r in recs] == ["broken", "bad-mode"]
     assert "no-such-model-anywhere" in recs[0]["error"] and "no record" not in recs[0]["error"]
-    assert "nonsense" in recs[1]["error"] and recs[1]["per_device_batch"] == 4
+    assert "nonsense" in recs[1]["error"] and recs[1]["per_device_train_batch_size"] == 4
 
 
 @pytest.mark.slow

@@ -166,12 +166,13 @@ def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train, "run_grpo", run_grpo)
     recipe = tmp_path / "r.yaml"
-    assert main(["plan", "--model", "qwen2.5-1.5b", "--per-device-batch", "16", "--recommend", "--out", str(recipe)]) == 0
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--per-device-train-batch-size", "16", "--recommend",
+                 "--out", str(recipe)]) == 0
     assert main(["train", f"--config={recipe}", "--max_steps", "2", "--bucketed-push"]) == 0
     assert seen["mode"] == "colocate" and seen["per_device_train_batch_size"] == 16 and seen["max_steps"] == 2
     assert seen["vllm_enable_sleep_mode"] is False and seen["push_bucket_mb"] == 0
     assert seen["gradient_checkpointing"] is False and seen["generation_kwargs"] == {"detokenize": False}
-    assert "per_device_batch" not in seen and "use_vllm" not in seen
+    assert "use_vllm" not in seen
     assert seen["output_dir"] is None  # not given: run_grpo's own folder under results/runs/
 
 

@@ -13,8 +13,8 @@ from colo_kit.planner import GIB, Plan, estimate, model_shape, recommend
 from colo_kit.recipes import deepspeed_config, write_configs
 
 ISSUE_EXAMPLE = ["--model", "qwen2.5-1.5b", "--gpus", "2", "--gpu-mem-gib", "141", "--mode", "colocate",
-                 "--vllm-gpu-memory-utilization", "0.3", "--sleep-level", "2", "--per-device-batch", "64",
-                 "--prompt-length", "96", "--completion-length", "256", "--zero-stage", "0", "--json"]
+                 "--vllm-gpu-memory-utilization", "0.3", "--sleep-level", "2", "--per-device-train-batch-size", "64",
+                 "--prompt-length", "96", "--max-completion-length", "256", "--zero-stage", "0", "--json"]
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
@@ -135,13 +135,15 @@ def test_lora_trains_a_sliver_of_the_parameters():
 
 
 def test_gradient_checkpointing_shrinks_activations_by_an_order_of_magnitude():
-    on = estimate(model="qwen2.5-1.5b", per_device_batch=64)["parts"]["training"]["activations"]
-    off = estimate(model="qwen2.5-1.5b", per_device_batch=64, gradient_checkpointing=False)["parts"]["training"]["activations"]
+    on = estimate(model="qwen2.5-1.5b", per_device_train_batch_size=64)["parts"]["training"]["activations"]
+    off = estimate(model="qwen2.5-1.5b", per_device_train_batch_size=64,
+                   gradient_checkpointing=False)["parts"]["training"]["activations"]
     assert off > 5 * on
 
 
 def test_a_kv_cache_too_small_for_one_step_is_flagged():
-    r = estimate(model="qwen2.5-7b", vllm_gpu_memory_utilization=0.12, per_device_batch=256, completion_length=1024)
+    r = estimate(model="qwen2.5-7b", vllm_gpu_memory_utilization=0.12, per_device_train_batch_size=256,
+                 max_completion_length=1024)
     assert r["vllm"]["kv_cache_gib"] < r["vllm"]["kv_needed_gib"]
     assert any("preempt" in n for n in r["notes"])
 
@@ -149,7 +151,7 @@ def test_a_kv_cache_too_small_for_one_step_is_flagged():
 @pytest.mark.parametrize("field, value, words", [
     ("mode", "hybrid", "colocate"), ("zero_stage", 4, "0 (DDP)"), ("sleep_level", 3, "level"),
     ("vllm_gpu_memory_utilization", 1.5, "(0, 1]"), ("vllm_tensor_parallel_size", 3, "divides"),
-    ("model", "qwen9-1t", "preset"), ("per_device_batch", 0, "positive"),
+    ("model", "qwen9-1t", "preset"), ("per_device_train_batch_size", 0, "positive"),
 ])
 def test_bad_settings_name_the_value_and_the_fix(field, value, words):
     with pytest.raises(ValueError) as err:
@@ -165,19 +167,19 @@ def test_offload_without_deepspeed_is_refused():
 # ---- recommendation -------------------------------------------------------------------------------
 
 def test_recommendation_stays_under_the_safe_fraction_and_above_vllms_minimum():
-    rec = recommend(model="qwen2.5-1.5b", gpus=2, per_device_batch=64)
+    rec = recommend(model="qwen2.5-1.5b", gpus=2, per_device_train_batch_size=64)
     assert rec["fits"]
     assert rec["peak_gib_per_gpu"] <= planner.SAFE_FRACTION * planner.H200_GIB + 0.01
     assert rec["vllm_gpu_memory_utilization"] >= rec["min_vllm_gpu_memory_utilization"]
     # one step more would cross the line
-    over = estimate(model="qwen2.5-1.5b", gpus=2, per_device_batch=64, sleep_level=rec["sleep_level"],
+    over = estimate(model="qwen2.5-1.5b", gpus=2, per_device_train_batch_size=64, sleep_level=rec["sleep_level"],
                     vllm_gpu_memory_utilization=rec["vllm_gpu_memory_utilization"] + 0.02)
     assert over["peak_gib_per_gpu"] > planner.SAFE_FRACTION * planner.H200_GIB
 
 
 def test_72b_full_finetuning_is_refused_on_one_node_for_host_memory_and_fits_on_four():
     kw = dict(model="qwen2.5-math-72b", zero_stage=3, offload_optimizer=True, sleep_level=2,
-              vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
+              vllm_tensor_parallel_size=4, per_device_train_batch_size=8, prompt_length=512, max_completion_length=1024,
               host_mem_gib=560)
     one_node = estimate(gpus=8, **kw)
     assert one_node["fits_gpu"] and not one_node["fits_host"] and not one_node["fits"]
@@ -282,7 +284,7 @@ def test_the_72b_recipe_spans_the_nodes_the_planner_says_it_needs():
 
     from colo_kit.planner import what_fits
 
-    recipe = dict(vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
+    recipe = dict(vllm_tensor_parallel_size=4, per_device_train_batch_size=8, prompt_length=512, max_completion_length=1024,
                   vllm_gpu_memory_utilization=0.3)
     rows = [r for r in what_fits("qwen2.5-math-72b", gpu_counts=(8, 16, 32), host_mem_gib=560, **recipe)
             if r["setup"] == "colocate, sleep 2, offload"]

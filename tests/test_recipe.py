@@ -23,7 +23,7 @@ def _parse(tmp_path, text):
 
 @pytest.mark.parametrize("settings", [dict(model="qwen2.5-1.5b"), dict(model="qwen2.5-7b"),
                                       dict(model="qwen2.5-72b", gpus=8, zero_stage=3, offload_optimizer=True),
-                                      dict(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_batch=16)])
+                                      dict(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16)])
 def test_trls_parser_loads_every_field_with_its_reason(settings, tmp_path):
     from trl import GRPOConfig
 
@@ -47,7 +47,7 @@ def test_speed_choices_follow_what_fits():
     assert roomy["gradient_checkpointing"] is False and roomy["vllm_enable_sleep_mode"] is False
     assert roomy["vllm_gpu_memory_utilization"] == 0.3 and roomy["steps_per_generation"] is None
     # a 40 GiB GPU cannot hold 1.5B's fp32 training state, activations of batch 16 and a 0.3 engine at once
-    tight = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_batch=16)["fields"]}
+    tight = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16)["fields"]}
     assert tight["vllm_gpu_memory_utilization"] != 0.3 or tight["vllm_enable_sleep_mode"] \
         or tight["gradient_checkpointing"]
 
@@ -60,7 +60,7 @@ def test_server_mode_is_refused_with_the_fix():
 def test_recipe_peak_is_within_10pct_of_the_h200_run_of_its_settings():
     """The recipe for 1.5B at batch 8 on one H200 is the speed chain's `bucketed_push` configuration
     (no checkpointing, u 0.3, no sleep, one-call push): its NVML peak, measured, against the recipe's prediction."""
-    r = recipe(model="qwen2.5-1.5b", per_device_batch=8, completion_length=256)
+    r = recipe(model="qwen2.5-1.5b", per_device_train_batch_size=8, max_completion_length=256)
     chosen = {k: v for k, v, _ in r["fields"]}
     assert (chosen["gradient_checkpointing"], chosen["vllm_gpu_memory_utilization"], chosen["vllm_enable_sleep_mode"]) \
         == (False, 0.3, False)

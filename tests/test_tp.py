@@ -35,7 +35,7 @@ def test_generation_at_tp1_and_tp2_on_two_processes():
 @pytest.mark.slow
 @pytest.mark.devices(2)
 def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes():
-    sweep = tp.grpo_sweep("tiny", (2,), max_steps=2, per_device_batch=4, num_generations=4, max_completion_length=8,
+    sweep = tp.grpo_sweep("tiny", (2,), max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           num_processes=2, enforce_eager=True)
     s = sweep["tp"][2]
     assert s["vllm_tp_group_size"] == 2

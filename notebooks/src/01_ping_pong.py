@@ -60,7 +60,7 @@ print(f"vLLM {vllm_version()}")
 # %% [markdown]
 # ## 1 · Settings
 #
-# GRPO with the length reward on tl;dr prompts. `per_device_batch` completions per device per step, in groups of
+# GRPO with the length reward on tl;dr prompts. `per_device_train_batch_size` completions per device per step, in groups of
 # `num_generations` per prompt. `colo_kit.bench.live_settings` picks them for this machine: on a CPU the kit's
 # `tiny` model (Qwen2 architecture, random weights); on a GPU random-weight Qwen2.5-1.5B (0.5B on smaller GPUs) with
 # G = 8.
@@ -84,7 +84,7 @@ SETTINGS
 # shared GPU the trainer saves the weights and the server loads them through `POST /collective_rpc`.
 
 # %%
-common = dict(batches=(SETTINGS["per_device_batch"],), steps=SETTINGS["steps"], n_devices=SETTINGS["n_devices"],
+common = dict(batches=(SETTINGS["per_device_train_batch_size"],), steps=SETTINGS["steps"], n_devices=SETTINGS["n_devices"],
               num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"],
               vllm_enforce_eager=SETTINGS["vllm_enforce_eager"])
 colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
@@ -93,7 +93,7 @@ mine = bench.merge_results([server_res, colocate_res])
 for r in mine["runs"]:
     print(r["label"], r.get("error") or f"{r['tokens_per_s']} tok/s, step {r['step_time_s']} s, idle {r['idle_fraction']}")
 by_label = {r["label"]: r for r in mine["runs"]}
-srv, col = by_label.get(f"server-b{SETTINGS['per_device_batch']}", {}), by_label.get(f"colocate-b{SETTINGS['per_device_batch']}", {})
+srv, col = by_label.get(f"server-b{SETTINGS['per_device_train_batch_size']}", {}), by_label.get(f"colocate-b{SETTINGS['per_device_train_batch_size']}", {})
 if srv.get("tokens_per_s") and col.get("tokens_per_s"):
     lab.see("01.live", "in server mode each side waits while the other works (a large idle share on both rows of the "
             "timeline); colocated, one device does both back to back", colocate_over_server_raw=round(
@@ -111,7 +111,7 @@ def timeline_of(result, label):
     return Timeline.from_dict(rec["timeline"])
 
 
-b = SETTINGS["per_device_batch"]
+b = SETTINGS["per_device_train_batch_size"]
 gantt(timeline_of(mine, f"server-b{b}"), f"server mode, batch {b}: trainer + vLLM server", skip_steps=1).show()
 gantt(timeline_of(mine, f"colocate-b{b}"), f"colocate mode, batch {b}: one device", skip_steps=1).show()
 
@@ -136,7 +136,7 @@ else:
     for mode in ("server", "colocate"):
         runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
         if runs:
-            rec = max(runs, key=lambda r: r["per_device_batch"])
+            rec = max(runs, key=lambda r: r["per_device_train_batch_size"])
             idle = ", ".join(f"{d} {v:.0%}" for d, v in rec["idle_fraction"].items())
             gantt(Timeline.from_dict(rec["timeline"]), f"H200 {rec['label']}: {rec['tokens_per_s']} tok/s; idle {idle}",
                   skip_steps=rec.get("warmup_steps", 1)).show()

@@ -48,7 +48,7 @@ MACHINE.say(f"vLLM {vllm_version()}; " + ("one engine on GPU 0, sleep levels 1 a
 # %% [markdown]
 # ## 1 · Control panel
 #
-# The engine is sized from **training settings**, as in the post: `max_num_seqs = per_device_batch × tp ×
+# The engine is sized from **training settings**, as in the post: `max_num_seqs = per_device_train_batch_size × tp ×
 # grad_accum`, `max_model_len = prompt + completion length`, and `vllm_gpu_memory_utilization`, the share of the
 # GPU the engine may take beside the trainer. Change the values and re-run the cells below.
 
@@ -80,7 +80,7 @@ for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_
 # %% [markdown]
 # ### Exercise 1 · Size the engine
 #
-# `per_device_batch = 8`, `vllm_tensor_parallel_size = 2`, `gradient_accumulation_steps = 4`: what `max_num_seqs`
+# `per_device_train_batch_size = 8`, `vllm_tensor_parallel_size = 2`, `gradient_accumulation_steps = 4`: what `max_num_seqs`
 # does the colocated engine get? (Try it: `ColocateSettings(...).max_num_seqs`.)
 
 # %%
@@ -91,7 +91,7 @@ lab.check("02.max_num_seqs", answer)
 # <details><summary>Solution (click)</summary>
 #
 # **64** = 8 × 2 × 4. The engine of a TP group generates for every rank of the group, for all micro-batches of one
-# optimizer step at once — the post's `max_num_seqs = per_device_batch × tp × grad_accum`.
+# optimizer step at once — the post's `max_num_seqs = per_device_train_batch_size × tp × grad_accum`.
 # </details>
 
 # %% [markdown]
@@ -284,7 +284,7 @@ print("closed")
 # %% [markdown]
 # ## Recap
 #
-# - A colocated engine is sized from training settings: `max_num_seqs = per_device_batch × tp × grad_accum`,
+# - A colocated engine is sized from training settings: `max_num_seqs = per_device_train_batch_size × tp × grad_accum`,
 #   `max_model_len = prompt + completion`, and its share of the GPU, `vllm_gpu_memory_utilization`.
 # - A greedy probe is a fingerprint of the weights an engine holds: it is how the kit checks every push and wake.
 # - Sleep level 1 parks the weights in CPU memory; level 2 drops them and needs a push — the natural fit for GRPO.

@@ -223,7 +223,7 @@ else:
 # colocate TP works over gloo on 2 processes. On one GPU only TP 1 can run; section 5 has TP 2 from 2×H200.
 
 # %%
-grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_batch=4, num_generations=4,
+grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_train_batch_size=4, num_generations=4,
                                                               max_completion_length=8)
 grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], enforce_eager=True,
                              **grpo_kwargs) for m in LIVE["grpo_models"]]

@@ -80,7 +80,7 @@ lab.check("04.bytes_per_param", answer)
 
 # %%
 report = plan_report(model="qwen2.5-1.5b", gpus=2, gpu_mem_gib=141, vllm_gpu_memory_utilization=0.3,
-                     sleep_level=2, per_device_batch=64, prompt_length=96, completion_length=256)
+                     sleep_level=2, per_device_train_batch_size=64, prompt_length=96, max_completion_length=256)
 parts_figure(report, title=f"this setting: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU "
              f"({report['peak_phase']} phase), modelled").show()
 rec = report["recommendation"]
@@ -91,8 +91,8 @@ print(f"the planner's recommendation (modelled): vllm_gpu_memory_utilization={re
 
 # %% [markdown]
 # The same question from a shell: `colo-kit plan --model qwen2.5-1.5b --gpus 2 --gpu-mem-gib 141 --mode colocate
-# --vllm-gpu-memory-utilization 0.3 --sleep-level 2 --per-device-batch 64 --prompt-length 96
-# --completion-length 256 --zero-stage 0 --json`.
+# --vllm-gpu-memory-utilization 0.3 --sleep-level 2 --per-device-train-batch-size 64 --prompt-length 96
+# --max-completion-length 256 --zero-stage 0 --json`.
 #
 # ## 2 · Is the planner right? Measured NVML peaks on H200
 #
@@ -143,7 +143,7 @@ lab.check("04.host_memory", answer)
 # 16 bytes per parameter, spread over the nodes. An 8×H200 node here has 560 GiB of host memory.
 
 # %%
-RECIPE_72B = dict(vllm_tensor_parallel_size=4, per_device_batch=8, prompt_length=512, completion_length=1024,
+RECIPE_72B = dict(vllm_tensor_parallel_size=4, per_device_train_batch_size=8, prompt_length=512, max_completion_length=1024,
                   vllm_gpu_memory_utilization=0.3)
 table = what_fits("qwen2.5-math-72b", gpu_counts=(8, 16, 32), host_mem_gib=560, **RECIPE_72B)
 fig = go.Figure()
@@ -251,7 +251,7 @@ if run is None:
     display(Markdown("**Pending:** `results/zero3_run.json` is not committed yet; run `bash scripts/gpu/zero3.sh` "
                      "on 2 GPUs. Below is the planner's prediction for that run."))
     pred = plan_report(model="qwen2.5-7b", gpus=2, zero_stage=3, offload_optimizer=True, sleep_level=2,
-                       per_device_batch=8, prompt_length=80, completion_length=128, host_mem_gib=256)
+                       per_device_train_batch_size=8, prompt_length=80, max_completion_length=128, host_mem_gib=256)
     parts_figure(pred, title="qwen2.5-7b, ZeRO-3 + offload, sleep 2, 2 GPUs: planner only").show()
 elif run.get("status") not in ("ok", "partial") or not run.get("nvml_peak_gib_per_gpu"):
     display(Markdown(f"**The GPU run failed:** `{run.get('error')}` — see `log_tail` in {run_path.name}."))
@@ -315,8 +315,8 @@ def show(*_):
             r = plan_report(model=model_w.value, gpus=gpus_w.value, zero_stage=zero_w.value,
                             sleep_level=sleep_w.value, offload_optimizer=offload_w.value and zero_w.value > 0,
                             vllm_gpu_memory_utilization=util_w.value, vllm_tensor_parallel_size=tp_w.value,
-                            gpu_mem_gib=mem_w.value, per_device_batch=batch_w.value, prompt_length=256,
-                            completion_length=completion_w.value, gradient_checkpointing=ckpt_w.value)
+                            gpu_mem_gib=mem_w.value, per_device_train_batch_size=batch_w.value, prompt_length=256,
+                            max_completion_length=completion_w.value, gradient_checkpointing=ckpt_w.value)
         except ValueError as exc:
             print(f"not a valid setting: {exc}")
             return
@@ -328,8 +328,8 @@ def show(*_):
         print(rec["why"])
         for note in r["notes"]:
             print("note:", note)
-        rcp = recipe(model=model_w.value, gpus=gpus_w.value, gpu_mem_gib=mem_w.value, per_device_batch=batch_w.value,
-                     prompt_length=256, completion_length=completion_w.value, zero_stage=zero_w.value,
+        rcp = recipe(model=model_w.value, gpus=gpus_w.value, gpu_mem_gib=mem_w.value, per_device_train_batch_size=batch_w.value,
+                     prompt_length=256, max_completion_length=completion_w.value, zero_stage=zero_w.value,
                      offload_optimizer=offload_w.value and zero_w.value > 0)
         if rcp["fits"]:
             print("\nThe recipe for this model, GPU count and batch (`colo-kit plan --recommend` writes it; "
@@ -420,7 +420,7 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 from colo_kit.planner import recommend
 
 u_by_hand = 0.6
-fast = dict(model="qwen2.5-1.5b", per_device_batch=32, gradient_checkpointing=False, completion_length=256)
+fast = dict(model="qwen2.5-1.5b", per_device_train_batch_size=32, gradient_checkpointing=False, max_completion_length=256)
 hand = estimate(**fast, vllm_gpu_memory_utilization=u_by_hand)
 print(f"by hand, u = {u_by_hand}: peak {hand['peak_gib_per_gpu']:.1f} GiB per GPU of {planner.H200_GIB} -> "
       f"{'fits' if hand['fits'] else 'out of memory'} (modelled)")

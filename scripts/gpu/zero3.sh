@@ -68,8 +68,8 @@ log "model built after $(( $(date +%s) - T0 )) s"
 rm -f "$JSON"
 log "accelerate launch ($GPUS processes, timeout ${RUN_TIMEOUT}s)"
 timeout --kill-after=20 "$RUN_TIMEOUT" python3 -m accelerate.commands.launch --config_file "$CFG" --num_processes "$GPUS" \
-  scripts/zero3_run.py --model "$MODEL" --steps "$STEPS" --per-device-batch "$BATCH" \
-  --completion-length "$COMPLETION" --vllm-gpu-memory-utilization "$UTIL" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} 2>&1 | tee "$LOG" | grep --line-buffered -E "\[zero3|Error|error:|Traceback|OutOfMemory|it/s\]" | cut -c1-300
+  scripts/zero3_run.py --model "$MODEL" --steps "$STEPS" --per-device-train-batch-size "$BATCH" \
+  --max-completion-length "$COMPLETION" --vllm-gpu-memory-utilization "$UTIL" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} 2>&1 | tee "$LOG" | grep --line-buffered -E "\[zero3|Error|error:|Traceback|OutOfMemory|it/s\]" | cut -c1-300
 RC=${PIPESTATUS[0]}
 if [ ! -s "$JSON" ]; then
   fail_json "the run exited with code $RC before writing its JSON (124 = timeout)"
