@@ -217,16 +217,16 @@ class ColocatedEngine:
 
         self.model_path = resolve_model(model)
         self.settings = settings or ColocateSettings()
-        if self.settings.enable_sleep_mode and not has_cuda():
+        if self.settings.vllm_enable_sleep_mode and not has_cuda():
             from colo_kit.sleep import SleepModeUnavailable
 
-            raise SleepModeUnavailable.for_this_platform("enable_sleep_mode=True")
+            raise SleepModeUnavailable.for_this_platform("vllm_enable_sleep_mode=True")
 
         close_earlier_engines()
         self._owns_process_group = ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         s = self.settings.validate(self.world_size, model_max_len(self.model_path))
-        self.tp = s.tensor_parallel_size
+        self.tp = s.vllm_tensor_parallel_size
         overrides = {**kit_llm_overrides(s, dtype=dtype, enforce_eager=enforce_eager,
                                          max_num_batched_tokens=max_num_batched_tokens), **extra_llm_kwargs}
 

@@ -31,18 +31,18 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 class ColocateSettings:
     """The training settings an engine is sized from, named as in TRL's `GRPOConfig`."""
 
-    tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = 1
     per_device_train_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     max_prompt_length: int = 256
     max_completion_length: int = 256
     vllm_gpu_memory_utilization: float = 0.3
-    enable_sleep_mode: bool = False
+    vllm_enable_sleep_mode: bool = False
 
     @property
     def max_num_seqs(self) -> int:
         """Sequences one engine runs at once: its TP group's prompts for a whole accumulation."""
-        return self.per_device_train_batch_size * self.tensor_parallel_size * self.gradient_accumulation_steps
+        return self.per_device_train_batch_size * self.vllm_tensor_parallel_size * self.gradient_accumulation_steps
 
     @property
     def max_model_len(self) -> int:
@@ -50,15 +50,15 @@ class ColocateSettings:
 
     def validate(self, world_size: int, model_max_len: int | None = None) -> "ColocateSettings":
         """Raise ValueError naming the bad value and the fix; return self when all is well."""
-        for name in ("tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps",
+        for name in ("vllm_tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps",
                      "max_prompt_length", "max_completion_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        tp = self.tensor_parallel_size
+        tp = self.vllm_tensor_parallel_size
         if world_size % tp:
             choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world_size}: every TP "
+            raise ValueError(f"vllm_tensor_parallel_size={tp} does not divide the world size {world_size}: every TP "
                              f"group needs the same number of ranks; use one of {choices}")
         u = self.vllm_gpu_memory_utilization
         if not isinstance(u, (int, float)) or not 0 < u <= 1:
@@ -76,13 +76,13 @@ class ColocateSettings:
         `max_prompt_length` any more (it infers the context from the model), so pass the longest
         prompt you expect; `steps_per_generation` defaults to `gradient_accumulation_steps`."""
         return cls(
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
             per_device_train_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.steps_per_generation or args.gradient_accumulation_steps,
             max_prompt_length=max_prompt_length,
             max_completion_length=args.max_completion_length,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
         )
 
 
@@ -116,7 +116,7 @@ def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforc
                                           settings.max_model_len),
             "dtype": dtype,
             "enforce_eager": vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
-            "enable_sleep_mode": settings.enable_sleep_mode}
+            "enable_sleep_mode": settings.vllm_enable_sleep_mode}
 
 
 class _Accelerator(SimpleNamespace):
@@ -166,7 +166,7 @@ def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: i
                                is_main_process=rank == 0, state=_backend_state(stand_in))
     with trl_llm_overrides(**overrides) as seen:
         gen = VLLMGeneration(
-            stand_in, accelerator, None, mode="colocate", tensor_parallel_size=settings.tensor_parallel_size,
+            stand_in, accelerator, None, mode="colocate", tensor_parallel_size=settings.vllm_tensor_parallel_size,
             gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
             max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
             enable_sleep_mode=False)  # TRL's own sleeping stays off: colo_kit.sleep sleeps by tags

@@ -3,7 +3,7 @@ colo_kit.engine_check --tp 2 [--sampled] [--push]`.
 
 Every process builds a `ColocatedEngine`, generates greedily (and, with `--sampled`, samples the
 whole TP group's prompts at temperature 1), and prints one JSON line per rank: rank, seed, TP
-size, token ids. With `tensor_parallel_size=2` the two ranks are one model: the same seed
+size, token ids. With `vllm_tensor_parallel_size=2` the two ranks are one model: the same seed
 (`rank // tp`), the same group completions, each rank its own prompts' slice.
 `tests/test_engine.py` compares the ranks' lines.
 """
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--push", action="store_true", help="also push the model's own weights, then perturbed ones")
     ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
     args = ap.parse_args(argv)
-    s = ColocateSettings(tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
+    s = ColocateSettings(vllm_tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
                          max_completion_length=args.max_tokens)
     engine = ColocatedEngine(args.model, s)
     prompts = [f"rank {engine.rank} prompt {i}:" for i in range(2)]

@@ -65,7 +65,7 @@ def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -
 
     unique_cpu_shm_names()
     rank, tp = dist.get_rank(), 2
-    engine = ColocatedEngine(model, ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=2,
+    engine = ColocatedEngine(model, ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=2,
                                                      max_prompt_length=32, max_completion_length=max_tokens),
                              enforce_eager=enforce_eager)
     try:

@@ -48,7 +48,7 @@ class SleepModeUnavailable(RuntimeError):
             platform = "no NVIDIA GPU"
         return cls(f"{what}: vLLM sleep mode needs an NVIDIA GPU, and this process runs on {platform} with vLLM "
                    f"{vllm_version()}: its CPU engine has no sleep mode (it would silently keep all memory). "
-                   "Run without sleep mode here (ColocateSettings(enable_sleep_mode=False)); the H200 numbers are "
+                   "Run without sleep mode here (ColocateSettings(vllm_enable_sleep_mode=False)); the H200 numbers are "
                    "in results/engine_bench.json")
 
 
@@ -95,7 +95,7 @@ def device_memory_gib(device) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 class SleepManager:
-    """Sleep and wake a `ColocatedEngine` built with `ColocateSettings(enable_sleep_mode=True)`.
+    """Sleep and wake a `ColocatedEngine` built with `ColocateSettings(vllm_enable_sleep_mode=True)`.
 
     >>> mgr = SleepManager(engine, level=2)
     >>> with mgr.training(model):      # engine asleep: the trainer has the GPU
@@ -111,9 +111,9 @@ class SleepManager:
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: sleep level 1 offloads the weights to CPU memory, level 2 discards "
                              "them; use 1 or 2")
-        if not engine.settings.enable_sleep_mode:
+        if not engine.settings.vllm_enable_sleep_mode:
             raise ValueError("the engine was built without sleep mode: build it with "
-                             "ColocateSettings(enable_sleep_mode=True)")
+                             "ColocateSettings(vllm_enable_sleep_mode=True)")
         import torch
 
         self.engine, self.level, self.self_check_enabled = engine, level, self_check

@@ -172,7 +172,7 @@ def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, ma
     if num_prompts % world:
         raise ValueError(f"num_prompts={num_prompts} must be a multiple of the {world} processes")
     share = num_prompts // world
-    settings = ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=share,
+    settings = ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=share,
                                 max_prompt_length=prompt_len, max_completion_length=max_tokens,
                                 vllm_gpu_memory_utilization=gpu_memory_utilization)
     t0 = time.perf_counter()

@@ -105,7 +105,7 @@ def run_colocate(args) -> dict:
     out.update(build(args))
     settings = ColocateSettings(per_device_train_batch_size=args.prompts, max_prompt_length=args.prompt_len,
                                 max_completion_length=args.tokens, vllm_gpu_memory_utilization=args.util,
-                                enable_sleep_mode=gpu)
+                                vllm_enable_sleep_mode=gpu)
     out["settings"] = {**settings.__dict__, "max_num_seqs": settings.max_num_seqs,
                        "max_model_len": settings.max_model_len}
     out["memory_before_engine"] = nvml()

@@ -15,7 +15,7 @@ from colo_kit.paths import REPO_ROOT
 # -- settings (no engine) -------------------------------------------------------------------------
 
 def test_settings_follow_the_post():
-    s = ColocateSettings(tensor_parallel_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=3,
+    s = ColocateSettings(vllm_tensor_parallel_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=3,
                          max_prompt_length=100, max_completion_length=28)
     assert s.max_num_seqs == 4 * 2 * 3
     assert s.max_model_len == 128
@@ -35,8 +35,8 @@ def test_settings_from_trl_grpo_config(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, world, words", [
-    ({"tensor_parallel_size": 3}, 2, ["tensor_parallel_size=3", "world size 2", "[1, 2]"]),
-    ({"tensor_parallel_size": 0}, 1, ["tensor_parallel_size=0", "positive"]),
+    ({"vllm_tensor_parallel_size": 3}, 2, ["vllm_tensor_parallel_size=3", "world size 2", "[1, 2]"]),
+    ({"vllm_tensor_parallel_size": 0}, 1, ["vllm_tensor_parallel_size=0", "positive"]),
     ({"vllm_gpu_memory_utilization": 0.0}, 1, ["vllm_gpu_memory_utilization=0.0", "(0, 1]"]),
     ({"vllm_gpu_memory_utilization": 1.5}, 1, ["vllm_gpu_memory_utilization=1.5", "(0, 1]"]),
     ({"per_device_train_batch_size": -1}, 1, ["per_device_train_batch_size=-1"]),
@@ -256,8 +256,8 @@ def test_the_engine_is_trls_own_but_for_the_named_llm_arguments(monkeypatch, tin
     from colo_kit.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, build_trl_generation, kit_llm_overrides
 
     world = 4
-    settings = ColocateSettings(tensor_parallel_size=tp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                max_prompt_length=64, max_completion_length=completion, enable_sleep_mode=sleep)
+    settings = ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                max_prompt_length=64, max_completion_length=completion, vllm_enable_sleep_mode=sleep)
     groups = []
     monkeypatch.setattr(vg, "LLM", _RecordingLLM)
     monkeypatch.setattr(torch.distributed, "new_subgroups_by_enumeration", lambda g: (groups.append(g), None))

@@ -19,15 +19,15 @@ def test_sleep_manager_on_cpu_names_the_platform():
         SleepManager(engine=None)
     msg = str(err.value)
     assert "CpuPlatform" in msg and "'cpu'" in msg and "no sleep mode" in msg
-    assert "enable_sleep_mode=False" in msg  # the fix
+    assert "vllm_enable_sleep_mode=False" in msg  # the fix
 
 
 @cpu_only
 def test_engine_with_sleep_mode_on_cpu_is_refused_before_building(tiny_model_path):
     from colo_kit.engine import ColocatedEngine
 
-    with pytest.raises(SleepModeUnavailable, match="enable_sleep_mode=True: vLLM sleep mode needs an NVIDIA GPU"):
-        ColocatedEngine(tiny_model_path, ColocateSettings(enable_sleep_mode=True))
+    with pytest.raises(SleepModeUnavailable, match="vllm_enable_sleep_mode=True: vLLM sleep mode needs an NVIDIA GPU"):
+        ColocatedEngine(tiny_model_path, ColocateSettings(vllm_enable_sleep_mode=True))
 
 
 def test_reference_numbers_are_labelled(tmp_path, monkeypatch):
@@ -51,7 +51,7 @@ def gpu_engine_and_model():
 
     path = str(build_model("tiny"))
     engine = ColocatedEngine(path, ColocateSettings(max_prompt_length=64, max_completion_length=16,
-                                                    vllm_gpu_memory_utilization=0.2, enable_sleep_mode=True),
+                                                    vllm_gpu_memory_utilization=0.2, vllm_enable_sleep_mode=True),
                              enforce_eager=True)  # a tiny model: no minute of torch.compile + CUDA graphs
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(engine.device)
     yield engine, model
@@ -151,7 +151,7 @@ def cpu_engine_with_fake_sleep(tiny_model_path):
 
     before = dict(os.environ)
     engine = ColocatedEngine(tiny_model_path, ColocateSettings(max_prompt_length=64, max_completion_length=16))
-    engine.settings = dataclasses.replace(engine.settings, enable_sleep_mode=True)
+    engine.settings = dataclasses.replace(engine.settings, vllm_enable_sleep_mode=True)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     lost = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():

@@ -66,12 +66,12 @@ display(widgets.VBox([model_w, batch_w, util_w, level_w, steps_w]))
 
 # %%
 settings = ColocateSettings(per_device_train_batch_size=batch_w.value, max_prompt_length=64, max_completion_length=32,
-                            vllm_gpu_memory_utilization=util_w.value, enable_sleep_mode=GPU)
+                            vllm_gpu_memory_utilization=util_w.value, vllm_enable_sleep_mode=GPU)
 print(f"max_num_seqs={settings.max_num_seqs}, max_model_len={settings.max_model_len}, "
-      f"gpu_memory_utilization={settings.vllm_gpu_memory_utilization}, sleep mode={settings.enable_sleep_mode}")
+      f"gpu_memory_utilization={settings.vllm_gpu_memory_utilization}, sleep mode={settings.vllm_enable_sleep_mode}")
 
 # Bad settings fail before any engine is built, naming the value and the fix:
-for bad in (ColocateSettings(tensor_parallel_size=3), ColocateSettings(vllm_gpu_memory_utilization=1.2)):
+for bad in (ColocateSettings(vllm_tensor_parallel_size=3), ColocateSettings(vllm_gpu_memory_utilization=1.2)):
     try:
         bad.validate(world_size=2)
     except ValueError as err:
@@ -99,7 +99,7 @@ lab.check("02.max_num_seqs", answer)
 #
 # One process here, so the engine makes a one-rank process group (gloo on CPU, NCCL on GPU) before vLLM starts —
 # `external_launcher` joins an existing group, it never makes one. Under `torchrun --nproc_per_node 2` with
-# `tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
+# `vllm_tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
 # fix for vLLM #15895), gather their prompts, and each keep its own completions
 # (`torchrun --nproc_per_node 2 -m colo_kit.engine_check --tp 2 --sampled` shows it).
 
