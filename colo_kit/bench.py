@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # --- one measured run -------------------------------------------------------------------------------
 
 def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int = 8, steps: int = 4, num_generations: int = 4,
-            max_completion_length: int = 32, server_url: str | None = None, server_pid: int | None = None,
+            max_completion_length: int = 32, vllm_server_base_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
     """Train `steps` GRPO steps in this process and return what the bench reports (rank 0's view).
@@ -76,7 +76,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
     try:
         run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
                        per_device_train_batch_size=per_device_train_batch_size, max_completion_length=max_completion_length,
-                       vllm_server_base_url=server_url, on_trainer=on_trainer, **overrides)
+                       vllm_server_base_url=vllm_server_base_url, on_trainer=on_trainer, **overrides)
     finally:
         tl.unhook()
         tl.util = sampler.stop()
@@ -355,8 +355,8 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                 server_info = {"startup_s": srv.startup_s, "command": srv.command[3:], "gpus": server_gpus,
                                "shares_the_trainer_gpu": shared}
                 log.info("server up in %s s", srv.startup_s)
-                cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}", server_url=srv.url,
-                             server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
+                cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}",
+                             vllm_server_base_url=srv.url, server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
                 # small request that pays any first-request cost
                 if gen_probe_batches:
