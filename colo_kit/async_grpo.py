@@ -249,11 +249,11 @@ def _bar_without_log_lines(trainer) -> None:
         trainer.add_callback(BarOnly())
 
 
-def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],
+def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
                    lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
-    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `server_url` (the
+    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the
     proxy), adapters published to `<output_dir>/.vllm_lora/`. On CPU the three patches of
     `cpu_async_grpo_patches` hold for the run; with `client_token_env` (a proxy started with
     `--client-token-env`), `trl_client_auth` does. Returns the log history and what was patched."""
@@ -272,7 +272,7 @@ def run_async_grpo(server_url: str, model: str, output_dir: str | os.PathLike, *
     config.setdefault("disable_tqdm", False)
     args = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
                            per_device_train_batch_size=per_device_train_batch_size,
-                           max_completion_length=max_completion_length, vllm_server_base_url=server_url,
+                           max_completion_length=max_completion_length, vllm_server_base_url=vllm_server_base_url,
                            max_staleness=max_staleness, learning_rate=learning_rate, report_to=[], logging_steps=1,
                            save_strategy="no", **({"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
                                                     "heartbeat_stale_after_s": 120} if cpu else {}), **config)

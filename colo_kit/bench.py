@@ -356,7 +356,8 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
                                "shares_the_trainer_gpu": shared}
                 log.info("server up in %s s", srv.startup_s)
                 cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}",
-                             vllm_server_base_url=srv.url, server_pid=srv.pid, **({"http_weight_sync": True} if shared else {})) for b in desc]
+                             vllm_server_base_url=srv.url, server_pid=srv.pid,
+                             **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
                 # small request that pays any first-request cost
                 if gen_probe_batches:
