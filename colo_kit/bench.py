@@ -160,7 +160,7 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
                     prompt_len: int = 64, repeats: int = 1) -> float:
     """Seconds the server takes to generate `batch` completions (batch/G prompts × G) of exactly
     `max_tokens` tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
-    import requests
+    import httpx
 
     n_prompts = max(1, batch // num_generations)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n_prompts)]
@@ -169,7 +169,7 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()  # (the server was warmed up by its own start: CUDA graphs, compile)
-        r = requests.post(f"{url}/v1/completions", json=payload, timeout=900)
+        r = httpx.post(f"{url}/v1/completions", json=payload, timeout=900)
         r.raise_for_status()
         best = min(best, time.perf_counter() - t0)
     return round(best, 4)

@@ -187,7 +187,7 @@ def _http_init_communicator(self, device=0):
 def _http_update_named_params(self, metadata, named_params):
     """Save the tensors to one safetensors file and have the server load it (see module docstring).
     From a GPU they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
-    import requests
+    import httpx
     import torch
     from safetensors.torch import save_file
 
@@ -208,8 +208,8 @@ def _http_update_named_params(self, metadata, named_params):
     path = folder / f"sync-{os.getpid()}.safetensors"
     save_file(tensors, str(path))
     try:
-        r = requests.post(f"{self.base_url}/collective_rpc", timeout=600,
-                          json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
+        r = httpx.post(f"{self.base_url}/collective_rpc", timeout=600,
+                       json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
     finally:
         path.unlink(missing_ok=True)
     if r.status_code != 200:

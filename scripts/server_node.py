@@ -68,11 +68,11 @@ def _rel(path: Path) -> str:
 
 def probe(url: str, model: str, prompt_ids: list[int] = PROMPT_IDS, tokens: int = 4) -> dict:
     """The server's greedy continuation of `prompt_ids` with the token ids and logprobs it reports."""
-    import requests
+    import httpx
 
-    r = requests.post(f"{url}/v1/completions", timeout=120,
-                      json={"model": model, "prompt": [list(prompt_ids)], "max_tokens": tokens, "temperature": 0.0,
-                            "logprobs": 0, "return_token_ids": True})
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": [list(prompt_ids)], "max_tokens": tokens, "temperature": 0.0,
+                         "logprobs": 0, "return_token_ids": True})
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return {"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
