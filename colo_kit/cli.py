@@ -41,6 +41,33 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def dataclass_parser(types, prog: str, description: str, parser_class=None):
+    """Flags made from dataclass fields by transformers' HfArgumentParser (TRL's `TrlParser` with
+    `parser_class=TrlParser`): `--name_of_field` and `--name-of-field`, `--no-...` for a field that is True, the
+    field's type and default; errors in one line (UsageError), an unknown flag named."""
+    if parser_class is None:
+        from transformers import HfArgumentParser as parser_class
+
+    parser = parser_class(types, prog=prog, description=description)
+
+    def one_line(message):
+        raise UsageError(message)
+
+    parser.error = one_line
+    parse = parser.parse_args_into_dataclasses
+
+    def parse_args_into_dataclasses(args=None, **kw):
+        try:
+            return parse(args, **kw)
+        except ValueError as exc:  # HfArgumentParser's own: "Some specified arguments are not used ..."
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(str(exc).splitlines()[0].rstrip(".") + f" (see {prog} --help)") from None
+
+    parser.parse_args_into_dataclasses = parse_args_into_dataclasses
+    return parser
+
+
 def _typed(check, what: str):
     def parse(text: str):
         try:

@@ -29,7 +29,7 @@ says which, against which measured rows, and the error on every row.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from colo_kit.model_shapes import model_shape  # noqa: F401  (planner.model_shape: callers read it here)
 from colo_kit.models import Preset
@@ -78,7 +78,7 @@ class Plan:
     offload_optimizer: bool = False           # DeepSpeed offload_optimizer: cpu (needs zero_stage >= 1)
     offload_params: bool = False              # DeepSpeed offload_param: cpu (needs zero_stage 3)
     vllm_gpu_memory_utilization: float = 0.3
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"aliases": ["--tp"]})  # `colo-kit plan --tp 2`
     sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
     kv_only_sleep: bool = False               # with sleep: release the KV cache only, keep the weights (colo_kit.kv_sleep)
     per_device_train_batch_size: int = 8      # completions per GPU per step

@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
-from colo_kit.planner import H200_GIB, Plan, plan_report
+from colo_kit.planner import Plan, plan_report
 from colo_kit.planner_validation import write_validation
 
 
@@ -61,46 +62,33 @@ def _write_recipe(plan: Plan, args) -> int:
     return 0
 
 
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError
+@dataclass
+class PlanCommand:
+    """What `colo-kit plan` does with the `Plan` its other flags describe."""
 
-    ap = ArgumentParser(prog="colo-kit plan", description="Estimate per-GPU memory of a TRL GRPO step "
-                                 "(colocated vLLM or server mode) and recommend settings.")
-    ap.add_argument("--model", default="qwen2.5-1.5b", help="preset name or path to an HF config.json / model folder")
-    ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--gpu-mem-gib", type=float, default=H200_GIB)
-    ap.add_argument("--mode", default="colocate", help="colocate | server (server: the training GPU)")
-    ap.add_argument("--zero-stage", type=int, default=0)
-    ap.add_argument("--offload-optimizer", action="store_true")
-    ap.add_argument("--offload-params", action="store_true")
-    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--vllm-tensor-parallel-size", "--tp", type=int, default=1)
-    ap.add_argument("--sleep-level", type=int, default=0, help="0 = no sleep, 1, 2")
-    ap.add_argument("--per-device-train-batch-size", type=int, default=8)
-    ap.add_argument("--prompt-length", type=int, default=96)
-    ap.add_argument("--max-completion-length", type=int, default=256)
-    ap.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
-    ap.add_argument("--no-gradient-checkpointing", action="store_true", help="TRL's GRPOConfig enables it by default")
-    ap.add_argument("--train-dtype", default="float32", help="float32 (TRL default) or bfloat16")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--host-mem-gib", type=float, default=None)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--validate", action="store_true",
-                    help="compare with the measured peaks and write the table to --out")
-    ap.add_argument("--out", default=None, help="--validate's JSON (default results/runs/planner_validation.json; "
-                    "the committed results/planner_validation.json changes only when named here) or --recommend's YAML")
-    ap.add_argument("--steps-per-generation", type=int, default=1, help="TRL's steps_per_generation")
-    ap.add_argument("--num-generations", type=int, default=8, help="G, written into --recommend's recipe")
-    ap.add_argument("--recommend", action="store_true",
-                    help="write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "
-                         "results/runs/recipe_<model>_<gpus>gpu.yaml), and print it")
-    ap.add_argument("--write-configs", action="store_true",
-                    help="also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP "
-                         "yaml; a file already there with other contents is kept, the new one written beside it "
-                         "(*.proposed.*)")
-    ap.add_argument("--replace-configs", action="store_true",
-                    help="with --write-configs: replace files that differ instead of writing beside them")
-    args = ap.parse_args(argv)
+    json: bool = field(default=False, metadata={"help": "print the report as JSON"})
+    validate: bool = field(default=False, metadata={"help": "compare with the measured peaks and write the table to --out"})
+    out: str | None = field(default=None, metadata={
+        "help": "--validate's JSON (default results/runs/planner_validation.json; the committed "
+                "results/planner_validation.json changes only when named here) or --recommend's YAML"})
+    num_generations: int = field(default=8, metadata={"help": "G, written into --recommend's recipe"})
+    recommend: bool = field(default=False, metadata={
+        "help": "write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "
+                "results/runs/recipe_<model>_<gpus>gpu.yaml), and print it"})
+    write_configs: bool = field(default=False, metadata={
+        "help": "also write configs/accelerate/zero3_<model>_<gpus>gpu.yaml, configs/deepspeed/*.json and a DDP yaml; "
+                "a file already there with other contents is kept, the new one written beside it (*.proposed.*)"})
+    replace_configs: bool = field(default=False, metadata={
+        "help": "with --write-configs: replace files that differ instead of writing beside them"})
+
+
+def cli_main(argv: list[str]) -> int:
+    from colo_kit.cli import UsageError, dataclass_parser
+
+    # every field of the planner's Plan is a flag (--per-device-train-batch-size, --zero-stage, --tp, ...)
+    plan, args = dataclass_parser((Plan, PlanCommand), prog="colo-kit plan", description=(
+        "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."),
+    ).parse_args_into_dataclasses(argv)
     if args.validate:
         from colo_kit.cli import writable_file
         from colo_kit.paths import runs_dir
@@ -112,15 +100,6 @@ def cli_main(argv: list[str]) -> int:
                   f"error {r['error']:+.1%}")
         print(f"max |error| {table['max_abs_error']:.1%}; wrote {path}")
         return 0
-    plan = Plan(model=args.model, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib, mode=args.mode,
-                zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-                offload_params=args.offload_params, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_level=args.sleep_level,
-                per_device_train_batch_size=args.per_device_train_batch_size, prompt_length=args.prompt_length,
-                max_completion_length=args.max_completion_length, lora_rank=args.lora_rank,
-                gradient_checkpointing=not args.no_gradient_checkpointing, train_dtype=args.train_dtype,
-                gpus_per_node=args.gpus_per_node, host_mem_gib=args.host_mem_gib,
-                steps_per_generation=args.steps_per_generation)
     try:
         report = plan_report(plan)
     except ValueError as exc:
@@ -130,9 +109,9 @@ def cli_main(argv: list[str]) -> int:
     if args.write_configs:
         from colo_kit.recipes import write_configs
 
-        offload = report["recommendation"].get("offload_optimizer", args.offload_optimizer) or args.offload_optimizer
-        written = write_configs(args.model, args.gpus, offload_optimizer=offload, offload_params=args.offload_params,
-                                gpus_per_node=args.gpus_per_node, replace=args.replace_configs)
+        offload = report["recommendation"].get("offload_optimizer", plan.offload_optimizer) or plan.offload_optimizer
+        written = write_configs(plan.model, plan.gpus, offload_optimizer=offload, offload_params=plan.offload_params,
+                                gpus_per_node=plan.gpus_per_node, replace=args.replace_configs)
         report["configs"] = {k: str(v) for k, v in written.items()}
         beside = [str(v) for v in written.values() if ".proposed." in v.name]
         if beside:

@@ -1,6 +1,6 @@
 """`colo-kit train`: `run_grpo` (colo_kit.train) as a command, parsed by TRL's own `TrlParser` into one
 `GRPOConfig` and the kit's few knobs of its own (`TrainArgs`): every `GRPOConfig` field in TRL's name
-(`--per_device_train_batch_size 16`, `--beta 0.04`; `--max-steps` with dashes is the same field), or a YAML
+(`--per_device_train_batch_size 16` or `--per-device-train-batch-size 16`, `--beta 0.04`), or a YAML
 of them (`--config recipe.yaml`, what `colo-kit plan --recommend` writes). Everything is checked
 (colo_kit.train_checks) before a model loads."""
 
@@ -39,18 +39,9 @@ def run_defaults() -> dict:
             if k in fields and k != "output_dir" and p.default is not inspect.Parameter.empty}
 
 
-def _underscored(args: list[str]) -> list[str]:
-    """`--max-steps 3` and `--max_steps 3` name one field (HfArgumentParser registers only the underscored
-    spelling); `--config=X` becomes `--config X`, the form TrlParser looks for."""
-    out = []
-    for t in args:
-        if not t.startswith("--"):
-            out.append(t)
-            continue
-        name, eq, value = t.partition("=")
-        name = "--" + name[2:].replace("-", "_")
-        out += [name, value] if name == "--config" and eq else [name + eq + value]
-    return out
+def _config_apart(args: list[str]) -> list[str]:
+    """`--config=X` as `--config X`, the form TrlParser looks for."""
+    return [part for t in args for part in (["--config", t[len("--config="):]] if t.startswith("--config=") else [t])]
 
 
 def _given(args: list[str]) -> list[str]:
@@ -59,7 +50,7 @@ def _given(args: list[str]) -> list[str]:
 
     from colo_kit.cli import UsageError
 
-    names = [t[2:].split("=")[0] for t in args if t.startswith("--")]
+    names = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--")]
     if "config" not in names:
         return names
     path = args[args.index("--config") + 1]
@@ -80,7 +71,7 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
 
     from colo_kit.cli import UsageError
 
-    args = _underscored(list(argv))
+    args = _config_apart(list(argv))
     if "--config" in args and args.index("--config") == len(args) - 1:
         raise UsageError("--config needs a YAML file of GRPOConfig fields")
     given = _given(args)
