@@ -414,12 +414,13 @@ def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
                 "ran at": r["commit"] or "", "configuration": name, "adds": c.get("adds") or "",
                 "seeds": ", ".join(map(str, c["seeds"])),
                 "completion tok/s": seeds(c["completion_tokens_per_s"], "{:,.0f}"),
-                "× defaults (tok/s)": c.get("tokens_per_s_vs_defaults"),
+                "× defaults (tok/s)": (f"{c['tokens_per_s_vs_defaults']:.2f}" if c.get("tokens_per_s_vs_defaults")
+                                       is not None else "no defaults in this race"),
                 "s/step": seeds(c["s_per_step"], "{:.3f}"),
                 "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
                                                        f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
                 "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
-                "× defaults (time)": _speedups(c),
+                "× defaults (time)": _speedups(c) or "no defaults in this race",
                 "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
             })
     return rows

@@ -143,6 +143,17 @@ def test_merge_keeps_runs_of_another_commit_and_stamps_each_record_with_its_comm
     assert len(merged["summary"]["qwen2.5-1.5b"]) == 2
 
 
+def test_a_race_without_the_defaults_says_so_instead_of_a_ratio():
+    records = [_record("trl_defaults", 0, 1000.0, [(1, -2000), (10, -900)]),
+               _record("spg4", 0, 2000.0, [(1, -2000), (5, -900)]),
+               _record("sleep_kv", 0, 900.0, [(1, -2000), (30, -1900)], lr=1e-4)]  # a race of its own, no defaults
+    rows = {(r["learning rate"], r["configuration"]): r
+            for r in speed.table({"summary": {"qwen2.5-1.5b": speed.summarize(records)}})}
+    assert rows[("0.0001", "sleep_kv")]["× defaults (tok/s)"] == "no defaults in this race"
+    assert rows[("0.0001", "sleep_kv")]["× defaults (time)"] == "no defaults in this race"
+    assert rows[("0.0005", "spg4")]["× defaults (tok/s)"] == "2.00"
+
+
 def test_where_only_the_configuration_reached_the_threshold_the_table_gives_a_lower_bound():
     records = [_record("trl_defaults", 0, 1000.0, [(1, -2000), (30, -1500)]),  # never reaches -1000
                _record("spg4", 0, 2000.0, [(1, -2000), (10, -900)]),
