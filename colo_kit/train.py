@@ -16,6 +16,7 @@ is a real GRPO run, just on a tiny model.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import types
@@ -247,3 +248,9 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     run.elapsed_s = round(time.perf_counter() - t0, 2)
     run.trainer = trainer  # not serialised; lets a notebook save or evaluate the trained model
     return run
+
+
+# run_grpo's defaults, read from its signature once, when this module loads: `colo-kit train` runs what
+# `run_grpo()` runs (a test may stand another run_grpo in later; these stay the real one's)
+RUN_DEFAULTS = {k: p.default for k, p in inspect.signature(run_grpo).parameters.items()
+                if p.default is not inspect.Parameter.empty}

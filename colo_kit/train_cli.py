@@ -6,13 +6,12 @@ of them (`--config recipe.yaml`, what `colo-kit plan --recommend` writes). Every
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
 from colo_kit.env import has_cuda
-from colo_kit.train import run_grpo as _run_grpo  # its signature holds the defaults (tests stand another in later)
+from colo_kit.train import RUN_DEFAULTS
 from colo_kit.train_checks import MODES, check_context, check_grpo_fields, check_settings
 
 
@@ -35,8 +34,7 @@ def run_defaults() -> dict:
     from trl import GRPOConfig
 
     fields = GRPOConfig.__dataclass_fields__
-    return {k: p.default for k, p in inspect.signature(_run_grpo).parameters.items()
-            if k in fields and k != "output_dir" and p.default is not inspect.Parameter.empty}
+    return {k: v for k, v in RUN_DEFAULTS.items() if k in fields and k != "output_dir"}
 
 
 def _config_apart(args: list[str]) -> list[str]:
