@@ -1,12 +1,16 @@
 """colo_kit — teaches and reproduces colocated vLLM generation for GRPO training.
 
-Modules, one idea each:
-  env       runtime defaults and the machine description every result carries
-  models    real architectures with random weights, and a tokenizer made offline
-  data      the posts' datasets, with offline stand-ins
-  rewards   the length reward and the Math500 reward (TRL's reward-function signature)
-  math500   the answer checker (math-verify) and the evaluation runner
-  train     GRPO runs with TRL, server or colocate, that the notebooks share
+One subpackage per lesson, in the notebooks' order:
+  grpo        00  GRPO with TRL's trainer, its rewards and its step timeline
+  serving     01  a vLLM server beside the trainers against vLLM inside them (ping-pong)
+  colocate    02  the colocated engine: sizing, sleep mode, the weight push
+  parallel    03  tensor parallelism and multi-GPU cells launched from a notebook
+  memory      04  the memory planner, the recipes it writes, the speed race
+  answers     05  the Math500 answer checker and evaluation
+  async_lora  06  async GRPO with LoRA adapters behind a routing proxy
+  labs        all the exercises and break-it labs
+and the plumbing they share, at the top: env (runtime defaults, the machine), models (real architectures
+with random weights), data (the posts' datasets, offline stand-ins), procs, paths, notebook, cli.
 """
 
 from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())

@@ -18,14 +18,14 @@ from pathlib import Path
 COMMANDS = {
     "build-model": ("colo_kit.models:cli_main", "build a preset model (random weights, local tokenizer)"),
     "data": ("colo_kit.data:cli_main", "regenerate the offline prompt sets under data/"),
-    "train": ("colo_kit.train_cli:cli_main", "GRPO with TRL, colocate or server mode"),
+    "train": ("colo_kit.grpo.train_cli:cli_main", "GRPO with TRL, colocate or server mode"),
     "demo": ("colo_kit.notebook:cli_demo", "execute notebooks/00_quickstart.ipynb headless, save it and an HTML copy"),
     "run-notebooks": ("colo_kit.notebook:cli_main", "execute notebooks headless"),
     "env": ("colo_kit.env:cli_main", "print the tier, hardware and versions as JSON"),
-    "eval-math500": ("colo_kit.math500_eval:cli_main", "evaluate a model on MATH-500 (or the offline set)"),
-    "plan": ("colo_kit.planner_cli:cli_main", "estimate per-GPU memory and recommend settings"),
-    "bench": ("colo_kit.bench_cli:cli_main", "server-vs-colocate throughput sweep"),
-    "proxy": ("colo_kit.proxy_cli:cli_main", "prefix-affinity proxy in front of vLLM replicas"),
+    "eval-math500": ("colo_kit.answers.math500_eval:cli_main", "evaluate a model on MATH-500 (or the offline set)"),
+    "plan": ("colo_kit.memory.planner_cli:cli_main", "estimate per-GPU memory and recommend settings"),
+    "bench": ("colo_kit.serving.bench_cli:cli_main", "server-vs-colocate throughput sweep"),
+    "proxy": ("colo_kit.async_lora.proxy_cli:cli_main", "prefix-affinity proxy in front of vLLM replicas"),
 }
 
 

@@ -10,7 +10,7 @@ Import `colo_kit` and these defaults are in place before torch or vLLM are impor
   it starts several times faster, and notebook cells need no `__main__` guard).
 - `VLLM_USE_FLASHINFER_SAMPLER=0` when flashinfer is absent (the GPU stack does not carry it).
 - `PYTORCH_NVML_BASED_CUDA_CHECK=1` on a GPU machine: `torch.cuda.is_available()` then asks NVML
-  instead of initialising CUDA, so the process can still fork multi-GPU workers (`colo_kit.launch`).
+  instead of initialising CUDA, so the process can still fork multi-GPU workers (`colo_kit.parallel.launch`).
 Anything the user already set wins.
 """
 
@@ -27,7 +27,7 @@ from importlib import metadata
 
 def _nvml_gpus() -> list[dict]:
     """Every NVIDIA GPU NVML sees: index, name, memory (GiB). Read through NVML, never CUDA: a CUDA
-    context made in this process before colo_kit.launch forks its workers breaks the launch."""
+    context made in this process before colo_kit.parallel.launch forks its workers breaks the launch."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -146,7 +146,7 @@ def apply_defaults() -> None:
         # torch.cuda.is_available() initialises the CUDA driver unless this is set, and a process that
         # has done so cannot fork workers that use CUDA ("Cannot re-initialize CUDA in forked
         # subprocess"). torch's elastic LaunchConfig calls it in the launching process (the notebook
-        # kernel, under colo_kit.launch): without this, the first multi-GPU cell of a GPU node fails.
+        # kernel, under colo_kit.parallel.launch): without this, the first multi-GPU cell of a GPU node fails.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

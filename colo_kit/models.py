@@ -266,7 +266,7 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     preset = get_preset(preset_name)
     if not preset.buildable:
         raise ValueError(f"preset {preset.name!r} is a config only (about {preset.num_params() / 1e9:.0f}B "
-                         "parameters, too big to build here); use it with colo_kit.planner, or pass its "
+                         "parameters, too big to build here); use it with colo_kit.memory.planner, or pass its "
                          f"hub id {preset.hub_id!r} on a machine that can download it")
     out = model_dir(preset.name if seed == 0 else f"{preset.name}-seed{seed}")  # one folder per seed
     marker = out / "colo_kit.json"

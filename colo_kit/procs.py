@@ -1,6 +1,6 @@
 """Child processes the kit serves from: starting them, waiting for `/health`, stopping them.
 
-A vLLM server (`colo_kit.server`) or replica (`colo_kit.replicas`) is more than one process: the
+A vLLM server (`colo_kit.serving.server`) or replica (`colo_kit.async_lora.replicas`) is more than one process: the
 API server spawns an engine core, which holds the GPU memory. So the kit starts each one in a
 session of its own (`start_in_session`), which makes it the leader of a process group that
 holds the engine core too, and that dies with the process that started it (`die_with_parent`).

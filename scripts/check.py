@@ -110,7 +110,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
             if rc != 0:
                 rec["error_tail"] = tail
             if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
-                from colo_kit.lab import facts_of
+                from colo_kit.labs.lab import facts_of
 
                 rec["facts"] = facts_of(html_dir / p.name)
             if (html_dir / (p.stem + ".html")).exists():  # the HTML copy is what readers open; keep the repo light

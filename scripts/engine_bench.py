@@ -60,7 +60,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 def nvml(device_index: int = 0) -> dict | None:
     if not has_cuda():
         return None
-    from colo_kit.sleep import device_memory_gib
+    from colo_kit.colocate.sleep import device_memory_gib
 
     return device_memory_gib(device_index)
 
@@ -98,7 +98,7 @@ def run_colocate(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colo_kit.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
 
     gpu = has_cuda()
     out: dict = {"mode": "colocate", "model": args.model}
@@ -140,7 +140,7 @@ def run_colocate(args) -> dict:
     if not gpu:
         out["sleep"] = "skipped: vLLM's CPU engine has no sleep mode"
     else:
-        from colo_kit.sleep import SleepManager
+        from colo_kit.colocate.sleep import SleepManager
 
         small = prompts[:8]
         for level in (2, 1):

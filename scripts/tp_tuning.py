@@ -1,11 +1,11 @@
 """TP 1 vs TP 2 on the GPUs of one node, one part per call, run by scripts/gpu/tp_tuning.sh.
 
   build --model M                     build the random-weight model folder (on the GPU: fast init)
-  gen   --model M --tp T --out F      generation-only throughput at TP T (colo_kit.tp.generation_sweep)
+  gen   --model M --tp T --out F      generation-only throughput at TP T (colo_kit.parallel.tp.generation_sweep)
   grpo  --model M --tp T --out F      TRL colocate GRPO step time at vllm_tensor_parallel_size T
   merge PARTS... --out results/tp_gpu.json
 
-Every part runs its processes through colo_kit.launch (torch's elastic_launch, forked
+Every part runs its processes through colo_kit.parallel.launch (torch's elastic_launch, forked
 from this process, which never touches CUDA itself), so the GPU run exercises the notebook path.
 `--smoke` runs the same code with the tiny model on 2 CPU processes (not evidence).
 """
@@ -53,7 +53,7 @@ def cmd_build(a) -> int:
 
 
 def cmd_gen(a) -> int:
-    from colo_kit import tp
+    from colo_kit.parallel import tp
 
     model = "tiny" if a.smoke else a.model
     part = {"kind": "generation", "model": a.model, "tp": a.tp}
@@ -74,7 +74,7 @@ def cmd_gen(a) -> int:
 
 
 def cmd_grpo(a) -> int:
-    from colo_kit import tp
+    from colo_kit.parallel import tp
 
     model = "tiny" if a.smoke else a.model
     part = {"kind": "grpo", "model": a.model, "tp": a.tp}
@@ -98,11 +98,11 @@ def cmd_grpo(a) -> int:
 
 
 def cmd_merge(a) -> int:
-    from colo_kit import tp
+    from colo_kit.parallel import tp
 
     out = {"issue": 5, "what": "TP 1 vs TP 2 for colocated vLLM on the GPUs of one node: generation-only "
-                               "throughput (colo_kit.tp.generation_sweep) and TRL colocate GRPO step time "
-                               "(colo_kit.tp.grpo_sweep), random-weight Qwen2.5 architectures",
+                               "throughput (colo_kit.parallel.tp.generation_sweep) and TRL colocate GRPO step time "
+                               "(colo_kit.parallel.tp.grpo_sweep), random-weight Qwen2.5 architectures",
            "describe": describe(), "post_reference": tp.POST_REFERENCE, "generation": {}, "grpo": {},
            "errors": [], "script": "scripts/gpu/tp_tuning.sh"}
     if a.base and Path(a.base).exists():
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             p.add_argument("--max-tokens", type=int, default=256)
             p.add_argument("--repeats", type=int, default=2)
         else:
-            from colo_kit.tp import GPU_GRPO_SETTINGS as g
+            from colo_kit.parallel.tp import GPU_GRPO_SETTINGS as g
 
             p.add_argument("--steps", type=int, default=g["max_steps"])
             p.add_argument("--per-device-train-batch-size", type=int, default=g["per_device_train_batch_size"])

@@ -1,10 +1,10 @@
 """Two machines on one host: the kit's multi-node launch, run for real with one CPU process per "machine".
 
-What it is: `colo_kit.recipes.node_commands` writes the `accelerate launch` line each node of a multi-node run
+What it is: `colo_kit.memory.recipes.node_commands` writes the `accelerate launch` line each node of a multi-node run
 executes (`--num_machines 2 --machine_rank 0|1 --main_process_ip ... --num_processes <total>`). Here both lines
 run on this host, with 127.0.0.1 as node 0, a free port and CPU settings. Each starts this script once (`rank`):
 the two processes rendezvous over gloo, prove they form ONE world of 2 (an all-reduce that crosses them), train a
-few steps with `colo_kit.train.run_grpo("tiny", "colocate")` (TRL's GRPOTrainer, one vLLM engine per rank) and
+few steps with `colo_kit.grpo.train.run_grpo("tiny", "colocate")` (TRL's GRPOTrainer, one vLLM engine per rank) and
 write `rank<R>-pid<P>.json`. `drive` (the default) runs these parts and writes results/two_machines_cpu.json:
 
     ddp        the kit's DDP YAML (`accelerate_config(2, num_machines=2)`), colocated GRPO, 2 steps
@@ -118,8 +118,8 @@ def rank_main(out: Path, steps: int, probe: bool) -> int:
             record["deepspeed"] = {"version": deepspeed.__version__, "accelerator": get_accelerator().device_name(),
                                    "comm_backend": get_accelerator().communication_backend_name()}
         if not probe:
-            from colo_kit.rewards import make_length_reward
-            from colo_kit.train import run_grpo
+            from colo_kit.grpo.rewards import make_length_reward
+            from colo_kit.grpo.train import run_grpo
 
             length = make_length_reward(20)
 
@@ -160,7 +160,7 @@ def leave_world(llm=None) -> None:
         return
     dist.barrier()
     if llm is not None:
-        from colo_kit.vllm_compat import shutdown
+        from colo_kit.colocate.vllm_compat import shutdown
 
         shutdown(llm)
     if dist.is_initialized():
@@ -305,8 +305,8 @@ def run_part(part: str, work: Path, timeout_s: float) -> dict:
     """One launch of both machines: the commands node_commands gives, run, and what each rank wrote."""
     import yaml
 
-    from colo_kit.launch import child_env, free_port
-    from colo_kit.recipes import accelerate_config, node_commands, write_configs
+    from colo_kit.parallel.launch import child_env, free_port
+    from colo_kit.memory.recipes import accelerate_config, node_commands, write_configs
 
     ranks_dir, logs = work / part / "ranks", work / part / "logs"
     ranks_dir.mkdir(parents=True, exist_ok=True)
@@ -378,7 +378,7 @@ def drive(parts=PARTS, out: Path | None = None, timeout_s: float = 480, work: Pa
     hardware, versions, the commands that ran, every rank's record, seconds."""
     from colo_kit.env import describe
     from colo_kit.paths import results_dir, runs_dir
-    from colo_kit.recipes import node_commands
+    from colo_kit.memory.recipes import node_commands
 
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -386,7 +386,7 @@ def drive(parts=PARTS, out: Path | None = None, timeout_s: float = 480, work: Pa
     t0 = time.perf_counter()
     work = Path(work or tempfile.mkdtemp(prefix="two-machines-", dir=runs_dir()))
     record = {"what": "two accelerate launchers on one host, one CPU process per machine, gloo; the commands are "
-                      "colo_kit.recipes.node_commands' with 127.0.0.1, a free port and CPU flags",
+                      "colo_kit.memory.recipes.node_commands' with 127.0.0.1, a free port and CPU flags",
               "env": describe(), "work_dir": _rel(work),
               # the host's load: other jobs on the same cores stretch every number below
               "load_average_at_start": [round(x, 2) for x in os.getloadavg()],

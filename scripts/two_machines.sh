@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two machines on one host: the kit's multi-node launch lines (colo_kit.recipes.node_commands), run for real with
+# Two machines on one host: the kit's multi-node launch lines (colo_kit.memory.recipes.node_commands), run for real with
 # one CPU process per "machine", and the evidence written to results/two_machines_cpu.json.
 #
 #     bash scripts/two_machines.sh                      # all parts: ddp, zero3, srun, cpu_flag (see the .py)

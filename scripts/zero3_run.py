@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     from colo_kit.env import describe
     from colo_kit.models import resolve_model
     from colo_kit.paths import results_dir, runs_dir
-    from colo_kit.planner import Plan, estimate, recommend
+    from colo_kit.memory.planner import Plan, estimate, recommend
 
     state = PartialState()
     world, rank = state.num_processes, state.process_index
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
         from colo_kit.data import load_tldr
 
         try:
-            from colo_kit.rewards import length_reward
+            from colo_kit.grpo.rewards import length_reward
         except ImportError:  # the rewards module is another issue's; the post's reward, inline
             def length_reward(completions, **kw):
                 return [-abs(20 - len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]

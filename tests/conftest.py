@@ -91,17 +91,17 @@ def gpu_share() -> dict:
 
 
 def clean_env() -> dict:
-    """os.environ for a child process that starts its own group (colo_kit.launch.without_rank_vars).
+    """os.environ for a child process that starts its own group (colo_kit.parallel.launch.without_rank_vars).
     Module-scoped engine fixtures are set up before `_restore_environ` takes its snapshot, so the
     MASTER_PORT they write stays in pytest's environment while this process still holds that port."""
-    from colo_kit.launch import without_rank_vars
+    from colo_kit.parallel.launch import without_rank_vars
 
     return without_rank_vars()
 
 
 @pytest.fixture
 def free_port() -> int:
-    from colo_kit.launch import free_port
+    from colo_kit.parallel.launch import free_port
 
     return free_port()
 

@@ -21,14 +21,14 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     `/_stub/state` reports everything; `/_stub/fail` makes a path answer 500 (to test partial
     broadcast failure); `/_stub/garbage` makes a path answer bytes that are not HTTP, as a port
     taken over by another service (an SSH server, say) would. With a token, `/health` answers the
-    proxy's challenge with the proof of it, as a replica started by `colo_kit.lora.replica_launch`
-    does (colo_kit.replica_auth); `auth_headers` counts the requests that carried any credentials."""
+    proxy's challenge with the proof of it, as a replica started by `colo_kit.async_lora.lora.replica_launch`
+    does (colo_kit.async_lora.replica_auth); `auth_headers` counts the requests that carried any credentials."""
     import asyncio
     import json as _json
 
     from aiohttp import web
 
-    from colo_kit.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, replica_proof
+    from colo_kit.async_lora.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, replica_proof
 
     state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "garbage": [],
              "unauthorized": 0, "health_auth_headers": 0, "auth_headers": 0, "health_polls": 0, "aborted": 0}

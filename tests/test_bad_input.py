@@ -21,7 +21,10 @@ def files(tmp_path):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """A case the checks let through fails here at once, instead of loading a model for a minute."""
-    from colo_kit import bench_cli, math500_eval, models, notebook, train
+    from colo_kit import models, notebook
+    from colo_kit.answers import math500_eval
+    from colo_kit.grpo import train
+    from colo_kit.serving import bench_cli
 
     def ran(*args, **kwargs):
         raise AssertionError(f"the bad input was taken: the run started with {args} {kwargs}")
@@ -97,7 +100,7 @@ def test_good_train_settings_still_reach_the_run(monkeypatch, tmp_path):
     """The checks refuse only what would fail: edge values and TRL's own fields pass through."""
     import types
 
-    from colo_kit import train
+    from colo_kit.grpo import train
 
     seen = {}
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from colo_kit.bench import load_result, summarize, sweep
-from colo_kit.bench_cli import cli_main
+from colo_kit.serving.bench import load_result, summarize, sweep
+from colo_kit.serving.bench_cli import cli_main
 from colo_kit.env import has_cuda
 
 
@@ -39,7 +39,7 @@ def test_committed_results_follow_the_posts_normalisation(name):
 
 @pytest.mark.slow
 def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
-    from colo_kit import bench
+    from colo_kit.serving import bench
 
     before = len(bench.ENGINE_BUILDS)
     res = sweep("tiny", batches=(4, 8), steps=3, max_completion_length=16, modes=("colocate",),
@@ -59,7 +59,7 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     assert [r["engines_built_so_far"] for r in res["runs"]] == [base + 1, base + 1]
     from trl.generation import vllm_generation
 
-    from colo_kit import engine_reuse
+    from colo_kit.colocate import engine_reuse
 
     assert not engine_reuse._ENGINES and not getattr(vllm_generation, "_colo_kit_real_LLM", None)  # released
     assert json.loads((tmp_path / "c.json").read_text())["summary"] == []  # no server half here
@@ -72,7 +72,7 @@ def test_worker_keeps_the_record_of_a_config_that_failed(tmp_path):
 
     from conftest import clean_env
 
-    from colo_kit.bench import run_configs
+    from colo_kit.serving.bench import run_configs
 
     env = os.environ.copy()
     os.environ.clear()
@@ -93,9 +93,9 @@ def test_worker_keeps_the_record_of_a_config_that_failed(tmp_path):
 def test_cached_engine_is_not_reused_after_its_groups_were_destroyed(tiny_model_path):
     # The bug behind "pipeline model parallel group is not initialized": a cached engine outlived
     # another engine's close(), which destroys vLLM's process-global model-parallel groups.
-    from colo_kit import bench
-    from colo_kit.engine import ColocatedEngine, ColocateSettings
-    from colo_kit.train import run_grpo
+    from colo_kit.serving import bench
+    from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.grpo.train import run_grpo
 
     small = dict(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     bench.reuse_engines()

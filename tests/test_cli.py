@@ -87,7 +87,7 @@ def test_a_failed_bench_leaves_the_committed_results_alone(capsys):
 
 
 def test_bench_writes_under_runs_unless_a_path_is_named(monkeypatch, tmp_path):
-    from colo_kit import bench_cli as bench
+    from colo_kit.serving import bench_cli as bench
     from colo_kit.paths import runs_dir
 
     written = []
@@ -107,7 +107,7 @@ def test_train_hands_any_other_grpo_field_to_trls_parser(monkeypatch, tmp_path):
     """`colo-kit train --beta 0.04 --config recipe.yaml`: GRPOConfig fields in TRL's spelling, or a
     YAML file of them, parsed by TRL's TrlParser and given to the run; the command line wins over
     the file, as in TRL's own scripts."""
-    from colo_kit import train
+    from colo_kit.grpo import train
 
     seen = {}
 
@@ -131,7 +131,7 @@ def test_train_is_one_grpo_config_with_run_grpos_defaults(monkeypatch):
     on no other GRPOConfig default, and `--max-steps` is the same field as TRL's `--max_steps`."""
     import inspect
 
-    from colo_kit import train
+    from colo_kit.grpo import train
 
     real = inspect.signature(train.run_grpo).parameters
     seen = []
@@ -156,7 +156,7 @@ def test_train_takes_the_planners_recipe_in_trls_names(monkeypatch, tmp_path):
     """`colo-kit plan --recommend --out r.yaml` then `colo-kit train --config r.yaml`: the fields the kit also
     has flags for (batch, sleep, steps, ...) arrive once, in TRL's names as every other GRPOConfig field does;
     `--config=FILE` works as `--config FILE` does."""
-    from colo_kit import train
+    from colo_kit.grpo import train
 
     seen = {}
 

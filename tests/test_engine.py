@@ -1,4 +1,4 @@
-"""colo_kit.engine on the real vLLM CPU engine: settings, generation, TP=2 over two processes,
+"""colo_kit.colocate.engine on the real vLLM CPU engine: settings, generation, TP=2 over two processes,
 weight pushes (plain and PEFT) that change and restore the outputs."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from colo_kit.engine import ColocateSettings, model_max_len
+from colo_kit.colocate.engine import ColocateSettings, model_max_len
 from colo_kit.paths import REPO_ROOT
 
 
@@ -61,7 +61,7 @@ def test_lengths_over_the_model_limit(tiny_model_path):
 def engine(tiny_model_path):
     import os
 
-    from colo_kit.engine import ColocatedEngine
+    from colo_kit.colocate.engine import ColocatedEngine
 
     before = dict(os.environ)  # the engine writes RANK/MASTER_PORT; don't leak them past this module
     eng = ColocatedEngine(tiny_model_path, ColocateSettings(per_device_train_batch_size=4, max_prompt_length=64,
@@ -144,7 +144,8 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.engine_check", "--tp", "2", "--sampled", "--push", "--max-tokens", "6", "--out-dir", str(tmp_path)]
+           "-m", "colo_kit.colocate.engine_check", "--tp", "2", "--sampled", "--push", "--max-tokens", "6",
+           "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -196,8 +197,8 @@ def test_after_a_push_engine_and_trainer_agree_on_logprobs(engine, hf_model):
 
 _TWO_ENGINES_SCRIPT = """
 import colo_kit
-from colo_kit.engine import ColocatedEngine, ColocateSettings
-from colo_kit.train import run_grpo
+from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+from colo_kit.grpo.train import run_grpo
 
 settings = ColocateSettings(per_device_train_batch_size=4, max_prompt_length=64, max_completion_length=16,
                             vllm_gpu_memory_utilization=0.2)
@@ -253,7 +254,7 @@ def test_the_engine_is_trls_own_but_for_the_named_llm_arguments(monkeypatch, tin
     import torch.distributed
     import trl.generation.vllm_generation as vg
 
-    from colo_kit.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, build_trl_generation, kit_llm_overrides
+    from colo_kit.colocate.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, build_trl_generation, kit_llm_overrides
 
     world = 4
     settings = ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -289,7 +290,7 @@ def test_each_idea_the_engine_teaches_is_found_in_the_installed_trl():
 
     import trl
 
-    from colo_kit.engine import TRL_LINES, where_in_trl
+    from colo_kit.colocate.engine import TRL_LINES, where_in_trl
 
     rows = where_in_trl()
     assert [r["idea"] for r in rows] == [idea for idea, _, _ in TRL_LINES]

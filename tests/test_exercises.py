@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from colo_kit import lab
+from colo_kit.labs import lab
 from colo_kit.notebook import SOURCES, parse_source
 from colo_kit.paths import REPO_ROOT
 

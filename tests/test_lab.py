@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colo_kit.launch import free_port
+from colo_kit.parallel.launch import free_port
 from colo_kit.paths import REPO_ROOT
 
 

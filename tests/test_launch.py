@@ -1,4 +1,4 @@
-"""colo_kit.launch: multi-process cells through torch elastic's elastic_launch, run for real —
+"""colo_kit.parallel.launch: multi-process cells through torch elastic's elastic_launch, run for real —
 2 forked (or spawned) CPU processes over gloo, a real Jupyter kernel, real worker crashes."""
 
 import os
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from colo_kit.launch import KernelNotSafe, WorkerError, kernel_problems, launch
+from colo_kit.parallel.launch import KernelNotSafe, WorkerError, kernel_problems, launch
 from colo_kit.paths import REPO_ROOT
 
 
@@ -106,7 +106,7 @@ def test_not_callable_is_refused():
 _ACCELERATE_STATE_SCRIPT = textwrap.dedent("""
     import colo_kit
     from accelerate import PartialState
-    from colo_kit.launch import KernelNotSafe, kernel_problems, launch
+    from colo_kit.parallel.launch import KernelNotSafe, kernel_problems, launch
 
     def rank_and_world():
         import torch.distributed as dist
@@ -186,7 +186,7 @@ def test_in_a_real_kernel_logs_stream_into_the_cell_and_a_crash_leaves_the_kerne
 
         out, err = run(textwrap.dedent("""
             import colo_kit
-            from colo_kit.launch import launch
+            from colo_kit.parallel.launch import launch
             def hello(x):
                 import torch.distributed as dist
                 print("hello from rank", dist.get_rank(), flush=True)
@@ -237,7 +237,7 @@ _FORK_ON_GPU_SCRIPT = textwrap.dedent("""
     # then a forked launch that uses CUDA in every worker.
     import colo_kit, torch, vllm, trl
     from colo_kit.env import Machine
-    from colo_kit.launch import kernel_problems, launch
+    from colo_kit.parallel.launch import kernel_problems, launch
     print("MACHINE", Machine.here(), "PROBLEMS", kernel_problems(), flush=True)
 
     def cuda_sum():

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from conftest import gpu_share
 
-from colo_kit.launch import free_port
-from colo_kit.lora import (AdapterMismatch, adapter_dir, adapter_name, check_sleep_level, check_slots,
+from colo_kit.parallel.launch import free_port
+from colo_kit.async_lora.lora import (AdapterMismatch, adapter_dir, adapter_name, check_sleep_level, check_slots,
                            max_lora_rank_for, max_loras_for, probe_adapters, published_versions, replica_launch,
                            staleness_table, vllm_lora_ranks)
 
@@ -87,10 +87,10 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
     from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
 
     from colo_kit.data import load_tldr
-    from colo_kit.async_grpo import run_async_grpo
-    from colo_kit.lora import LORA_SUBDIR
-    from colo_kit.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.replicas import launch_replicas
+    from colo_kit.async_lora.async_grpo import run_async_grpo
+    from colo_kit.async_lora.lora import LORA_SUBDIR
+    from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.async_lora.replicas import launch_replicas
 
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
     staleness, steps = 1, 4
@@ -135,7 +135,7 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
                 probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
 
             # notebook 06's break-it: one name and folder for every version reuses the first version's blocks
-            from colo_kit.pitfalls import one_adapter_name
+            from colo_kit.labs.pitfalls import one_adapter_name
 
             rows = one_adapter_name(reps.urls[0], "k-lora", adapter_dir(shared, latest - 1),
                                     adapter_dir(shared, latest), tmp_path / "names")
@@ -153,7 +153,7 @@ def test_cpu_varlen_attention_matches_causal_attention_per_sample():
     import torch
     import torch.nn.functional as F
 
-    from colo_kit.async_grpo import TorchVarlenAttention
+    from colo_kit.async_lora.async_grpo import TorchVarlenAttention
 
     torch.manual_seed(0)
     H, Hkv, D = 4, 2, 8
@@ -184,7 +184,7 @@ def test_cpu_patches_hold_for_the_block_and_give_trl_its_functions_back():
     import torch
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
-    from colo_kit.async_grpo import TorchVarlenAttention, cpu_async_grpo_patches
+    from colo_kit.async_lora.async_grpo import TorchVarlenAttention, cpu_async_grpo_patches
 
     if torch.cuda.is_available():
         pytest.skip("the patches apply where CUDA is missing")
@@ -230,7 +230,7 @@ def _asgi(middleware, path, headers=(), method="POST", kind="http", port=8123):
 
 
 def test_the_replica_middleware_asks_for_the_key_everywhere_but_health(monkeypatch):
-    from colo_kit.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, ReplicaAuthMiddleware, proof_ok
+    from colo_kit.async_lora.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, ReplicaAuthMiddleware, proof_ok
 
     monkeypatch.setenv("VLLM_API_KEY", "k-replica")  # the variable vLLM reads, and so the middleware
     mw = ReplicaAuthMiddleware(None)
@@ -256,7 +256,7 @@ def test_the_replica_middleware_asks_for_the_key_everywhere_but_health(monkeypat
 def test_the_launch_recipe_loads_the_middleware_with_a_key(monkeypatch):
     import importlib
 
-    from colo_kit.replica_auth import ReplicaAuthMiddleware
+    from colo_kit.async_lora.replica_auth import ReplicaAuthMiddleware
 
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-123")
     argv = replica_launch("/m", port=8001, api_key_env="COLO_KIT_TEST_KEY").argv
@@ -270,8 +270,8 @@ def test_the_launch_recipe_loads_the_middleware_with_a_key(monkeypatch):
 def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(tiny_model_path, tmp_path, monkeypatch):
     """vLLM checks its key under /v1 only; a replica from the kit's recipe asks for it on its dev-mode
     endpoints too, and proves to the proxy's health poll that it holds it."""
-    from colo_kit.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.replicas import launch_replicas
+    from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.async_lora.replicas import launch_replicas
 
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-dev")
     launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=1, api_key_env="COLO_KIT_TEST_KEY",
@@ -297,11 +297,11 @@ def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(tiny_model_pat
 def test_async_grpo_trains_through_a_proxy_that_asks_for_a_client_token(tiny_model_path, tmp_path, monkeypatch):
     """(8) The README's shared-machine setup: a proxy with --client-token-env. TRL's clients send no
     credentials (401); with `client_token_env` the trainer and its spawned rollout worker send it."""
-    from colo_kit.async_grpo import run_async_grpo
+    from colo_kit.async_lora.async_grpo import run_async_grpo
     from colo_kit.data import load_tldr
-    from colo_kit.lora import LORA_SUBDIR
-    from colo_kit.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.replicas import launch_replicas
+    from colo_kit.async_lora.lora import LORA_SUBDIR
+    from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+    from colo_kit.async_lora.replicas import launch_replicas
 
     monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
     monkeypatch.setenv("COLO_KIT_TEST_CLIENT_KEY", "k-client")

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from colo_kit.math500 import Checker
-from colo_kit.math500 import UnparseableGold, check, is_correct, last_boxed, parse_gold, simple_number
-from colo_kit.math500_eval import score, wilson_interval
+from colo_kit.answers.math500 import Checker
+from colo_kit.answers.math500 import UnparseableGold, check, is_correct, last_boxed, parse_gold, simple_number
+from colo_kit.answers.math500_eval import score, wilson_interval
 from colo_kit.paths import REPO_ROOT, data_dir
 
 CASES = [json.loads(line) for line in (data_dir() / "math500_checker_cases.jsonl").read_text().splitlines() if line]
@@ -174,8 +174,8 @@ def test_cold_checker_under_eight_threads_marks_no_correct_answer_wrong():
 
 
 def test_a_timeout_is_no_reward_not_a_wrong_one(monkeypatch):
-    from colo_kit import math500
-    from colo_kit.rewards import math500_reward
+    from colo_kit.answers import math500
+    from colo_kit.grpo.rewards import math500_reward
 
     class Stuck:
         deadline_s = 4.0
@@ -183,7 +183,7 @@ def test_a_timeout_is_no_reward_not_a_wrong_one(monkeypatch):
         def check(self, completion, gold):
             return math500.Verdict(False, None, "timeout after 4.0 s", timed_out=True)
 
-    from colo_kit import math500 as checker_pool
+    from colo_kit.answers import math500 as checker_pool
 
     monkeypatch.setattr(checker_pool, "default_checker", lambda: Stuck())  # the verdict a deadline overrun gives
     with pytest.raises(math500.CheckerTimeout):
@@ -245,7 +245,7 @@ def test_score_breakdowns_from_known_completions():
 def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
     """The real runner: vLLM (CPU) generates with the training prompt; a random model's accuracy is
     ~0 by construction, so this checks the mechanics, not the score."""
-    from colo_kit.math500_eval import cli_main
+    from colo_kit.answers.math500_eval import cli_main
 
     out = tmp_path / "eval.json"
     assert cli_main(["--model", tiny_model_path, "--limit", "6", "--max-tokens", "12", "--source", "offline",
@@ -266,8 +266,8 @@ def test_compare_models_swaps_weights_in_one_engine(tiny_model_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colo_kit.engine import ColocatedEngine, ColocateSettings
-    from colo_kit.math500_eval import compare_models, evaluate
+    from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.answers.math500_eval import compare_models, evaluate
 
     perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     torch.manual_seed(0)

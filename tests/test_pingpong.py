@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from colo_kit.bench import load_result
-from colo_kit import pingpong
-from colo_kit.pingpong import PhaseCosts, fit_costs, predict, project_post, speedup, validate
+from colo_kit.serving.bench import load_result
+from colo_kit.serving import pingpong
+from colo_kit.serving.pingpong import PhaseCosts, fit_costs, predict, project_post, speedup, validate
 
 
 def costs(gen_growth=True):

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.mark.slow
 def test_top_p_below_one_collapses_trls_sequence_ratio_and_top_p_one_does_not():
-    from colo_kit.pitfalls import top_p_breaks_importance_sampling
+    from colo_kit.labs.pitfalls import top_p_breaks_importance_sampling
 
     broken, fixed = top_p_breaks_importance_sampling("tiny", top_ps=(0.8, 1.0), vllm_enforce_eager=True)
     gap = broken["vLLM vs trainer log-prob gap (nats/token)"]
@@ -20,7 +20,7 @@ def test_top_p_below_one_collapses_trls_sequence_ratio_and_top_p_one_does_not():
 
 @pytest.mark.slow
 def test_one_seed_per_tp_worker_makes_the_workers_disagree_and_trls_rule_does_not():
-    from colo_kit.pitfalls import tp_seed_rule
+    from colo_kit.labs.pitfalls import tp_seed_rule
 
     trl_rule, per_worker = tp_seed_rule("tiny", max_tokens=16)
     assert trl_rule["same token on both workers"] == 1.0
@@ -32,8 +32,8 @@ def test_lost_buffers_change_the_probe_and_restoring_them_brings_it_back():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colo_kit.engine import ColocatedEngine, ColocateSettings
-    from colo_kit.pitfalls import lost_buffers
+    from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.labs.pitfalls import lost_buffers
 
     engine = ColocatedEngine("tiny", ColocateSettings(max_prompt_length=64, max_completion_length=16),
                              enforce_eager=True)

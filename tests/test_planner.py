@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from colo_kit import planner, planner_validation
+from colo_kit.memory import planner, planner_validation
 from colo_kit.models import PRESETS, qwen2_config
 from colo_kit.paths import REPO_ROOT
-from colo_kit.planner import GIB, Plan, estimate, model_shape, recommend
-from colo_kit.recipes import deepspeed_config, write_configs
+from colo_kit.memory.planner import GIB, Plan, estimate, model_shape, recommend
+from colo_kit.memory.recipes import deepspeed_config, write_configs
 
 ISSUE_EXAMPLE = ["--model", "qwen2.5-1.5b", "--gpus", "2", "--gpu-mem-gib", "141", "--mode", "colocate",
                  "--vllm-gpu-memory-utilization", "0.3", "--sleep-level", "2", "--per-device-train-batch-size", "64",
@@ -274,7 +274,7 @@ def test_committed_configs_are_what_the_generator_writes(tmp_path, model, gpus):
     paths = write_configs(model, gpus, out=tmp_path)
     for key, path in paths.items():
         committed = REPO_ROOT / "configs" / path.parent.name / path.name
-        assert committed.exists(), f"{committed} missing: run colo_kit.recipes.write_configs({model!r}, {gpus})"
+        assert committed.exists(), f"{committed} missing: run colo_kit.memory.recipes.write_configs({model!r}, {gpus})"
         if key != "accelerate_zero3":  # that one names the JSON by path, which differs under tmp_path
             assert committed.read_text() == path.read_text()
 
@@ -282,7 +282,7 @@ def test_committed_configs_are_what_the_generator_writes(tmp_path, model, gpus):
 def test_the_72b_recipe_spans_the_nodes_the_planner_says_it_needs():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from colo_kit.planner import what_fits
+    from colo_kit.memory.planner import what_fits
 
     recipe = dict(vllm_tensor_parallel_size=4, per_device_train_batch_size=8, prompt_length=512, max_completion_length=1024,
                   vllm_gpu_memory_utilization=0.3)
@@ -343,7 +343,7 @@ def test_writing_configs_keeps_a_different_file_and_writes_beside_it(tmp_path):
 
 
 def test_plan_write_configs_never_changes_the_committed_files(monkeypatch, capsys, tmp_path):
-    from colo_kit import recipes
+    from colo_kit.memory import recipes
     from colo_kit.cli import main
 
     committed = {p: p.read_text() for p in (REPO_ROOT / "configs").rglob("*") if p.is_file()}

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from colo_kit.launch import child_env, free_port
-from colo_kit.lora import ReplicaLaunch
+from colo_kit.parallel.launch import child_env, free_port
+from colo_kit.async_lora.lora import ReplicaLaunch
 from colo_kit.procs import start_in_session, stop_groups, wait_healthy
-from colo_kit.replicas import ReplicaSet, launch_replicas
+from colo_kit.async_lora.replicas import ReplicaSet, launch_replicas
 
 STUB = str(Path(__file__).resolve().parent / "stub_replica.py")
 

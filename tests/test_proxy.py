@@ -17,9 +17,9 @@ import pytest
 from conftest import gpu_share
 from stub_replica import start_stub
 
-from colo_kit.launch import free_port
-from colo_kit.proxy import ProxyConfig, RoutingProxy
-from colo_kit.routing import (NEVER, ROUTES, PrefixIndex, PrefixKeyer, check_adapter_load, choose_replica,
+from colo_kit.parallel.launch import free_port
+from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+from colo_kit.async_lora.routing import (NEVER, ROUTES, PrefixIndex, PrefixKeyer, check_adapter_load, choose_replica,
                               normalise_path, rendezvous_order)
 
 TOKEN_ENV = "COLO_KIT_TEST_PROXY_TOKEN"
@@ -106,7 +106,7 @@ def test_cli_bad_config_exits_2_with_one_line(capsys, argv, words):
 
 def test_secrets_never_in_repr_logs_metrics_or_health_polls(stubs, caplog):
     ports, _ = stubs
-    caplog.set_level("DEBUG", logger="colo_kit.proxy")
+    caplog.set_level("DEBUG", logger="colo_kit.async_lora.proxy")
     p = _proxy(ports)
     try:
         H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
@@ -122,7 +122,7 @@ def test_secrets_never_in_repr_logs_metrics_or_health_polls(stubs, caplog):
 
 
 def test_a_replica_recipe_hides_its_key(monkeypatch):
-    from colo_kit.lora import replica_launch
+    from colo_kit.async_lora.lora import replica_launch
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     launch = replica_launch("/m", port=8001, api_key_env=TOKEN_ENV)
@@ -518,7 +518,7 @@ def test_sse_is_relayed_as_it_arrives(stubs):
 def test_a_client_hanging_up_mid_stream_leaves_the_replica_in_rotation(stubs, caplog):
     # Seen before: the client's reset took the healthy replica out of rotation, with a traceback.
     ports, _ = stubs
-    caplog.set_level("WARNING", logger="colo_kit.proxy")
+    caplog.set_level("WARNING", logger="colo_kit.async_lora.proxy")
     p = _proxy(ports)
     try:
         with httpx.stream("POST", p.url + "/v1/completions", json={
@@ -622,8 +622,8 @@ def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypat
     from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncGRPOClient
     from trl.generation.vllm_client import VLLMClient
 
-    from colo_kit.lora import probe_adapters, replica_launch
-    from colo_kit.replicas import launch_replicas, prefix_hit_rate_experiment
+    from colo_kit.async_lora.lora import probe_adapters, replica_launch
+    from colo_kit.async_lora.replicas import launch_replicas, prefix_hit_rate_experiment
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     launch = replica_launch(tiny_model_path, port=free_port(), api_key_env=TOKEN_ENV, block_size=32, max_model_len=512,

@@ -26,8 +26,8 @@ from stub_replica import start_stub
 import test_proxy
 from test_proxy import CLIENT_ENV, CLIENT_TOKEN, TOKEN_ENV, H, _proxy, _state
 
-from colo_kit.launch import free_port
-from colo_kit.routing import PrefixKeyer, rendezvous_order
+from colo_kit.parallel.launch import free_port
+from colo_kit.async_lora.routing import PrefixKeyer, rendezvous_order
 
 stubs, adapters = test_proxy.stubs, test_proxy.adapters  # the same fixtures as tests/test_proxy.py
 
@@ -480,7 +480,7 @@ def test_trl_clients_send_the_client_token_inside_trl_client_auth(stubs, monkeyp
     import requests
     from trl.experimental.async_grpo import async_rollout_worker, vllm_client
 
-    from colo_kit.async_grpo import bearer_rollout_loop, trl_client_auth
+    from colo_kit.async_lora.async_grpo import bearer_rollout_loop, trl_client_auth
 
     ports, _ = stubs
     monkeypatch.setenv(CLIENT_ENV, CLIENT_TOKEN)

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from colo_kit.proxy import percentile
-from colo_kit.proxy_metrics import HANDLER_BUCKETS_S, ProxyMetrics
+from colo_kit.async_lora.proxy import percentile
+from colo_kit.async_lora.proxy_metrics import HANDLER_BUCKETS_S, ProxyMetrics
 
 
 def _metrics():

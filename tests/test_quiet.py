@@ -57,12 +57,13 @@ def test_importing_any_kit_module_has_no_side_effects():
 
     from colo_kit.paths import REPO_ROOT
 
-    modules = sorted(p.stem for p in (REPO_ROOT / "colo_kit").glob("*.py") if p.stem not in ("__main__",))
+    modules = sorted(".".join(p.relative_to(REPO_ROOT / "colo_kit").with_suffix("").parts)
+                     for p in (REPO_ROOT / "colo_kit").rglob("*.py") if p.stem != "__main__")
     code = (
         "import json, os, sys, logging\n"
         "before = dict(os.environ)\n"
         f"for m in {modules!r}:\n"
-        "    __import__('colo_kit.' + m if m != '__init__' else 'colo_kit')\n"
+        "    __import__('colo_kit.' + m.removesuffix('.__init__') if m != '__init__' else 'colo_kit')\n"
         "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
         "print(json.dumps({'changed': changed, 'handlers': [type(h).__name__ for h in "
         "logging.getLogger('colo_kit').handlers], 'nvml': 'pynvml' in sys.modules}))\n")

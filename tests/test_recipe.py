@@ -1,4 +1,4 @@
-"""colo_kit.recipe / `colo-kit plan --recommend`: GRPOConfig fields in TRL's names that TRL's own parser loads,
+"""colo_kit.memory.recipe / `colo-kit plan --recommend`: GRPOConfig fields in TRL's names that TRL's own parser loads,
 each with its reason, sized by the planner; its predicted peak against the H200 run of the same settings."""
 
 import json
@@ -7,8 +7,8 @@ from dataclasses import fields
 import pytest
 
 from colo_kit.paths import REPO_ROOT
-from colo_kit.planner import SAFE_FRACTION
-from colo_kit.recipe import recipe, to_yaml
+from colo_kit.memory.planner import SAFE_FRACTION
+from colo_kit.memory.recipe import recipe, to_yaml
 
 
 def _parse(tmp_path, text):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from colo_kit.rewards import completion_text, length_reward, make_length_reward
+from colo_kit.grpo.rewards import completion_text, length_reward, make_length_reward
 
 
 def test_length_reward_on_strings():
@@ -40,7 +40,7 @@ def test_a_bytes_completion_is_refused():
 
 
 def test_math500_reward_gives_none_without_a_usable_gold_answer():
-    from colo_kit.rewards import math500_reward
+    from colo_kit.grpo.rewards import math500_reward
 
     assert math500_reward([r"\boxed{2}", r"\boxed{2}", r"\boxed{3}"], answer=["2", None, "2"]) == [1.0, None, 0.0]
     with pytest.raises(TypeError, match="not str"):
@@ -52,14 +52,14 @@ def test_math500_reward_gives_none_without_a_usable_gold_answer():
 def test_math500_reward_gives_none_for_a_gold_answer_that_is_no_answer(gold):
     """NaN (pandas' empty cell), bytes or a dict is an unusable label: None, which TRL ignores, never a 0.0 that
     punishes the policy nor a 1.0 matched against some piece of it."""
-    from colo_kit.rewards import math500_reward
+    from colo_kit.grpo.rewards import math500_reward
 
     assert math500_reward([r"\boxed{2}"], answer=gold) == [None]
 
 
 @pytest.mark.parametrize("gold", [2, [2], 2.0, ["2", 2]])
 def test_math500_reward_checks_a_number_as_its_string_form(gold):
-    from colo_kit.rewards import math500_reward
+    from colo_kit.grpo.rewards import math500_reward
 
     n = len(gold) if isinstance(gold, list) else 1
     assert math500_reward([r"\boxed{2}"] * n, answer=gold) == [1.0] * n

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from colo_kit.env import has_cuda
-from colo_kit.server import WORKER_EXTENSION, server_command, start_server
+from colo_kit.serving.server import WORKER_EXTENSION, server_command, start_server
 
 
 def test_server_command_is_trls_on_gpu_and_patched_on_cpu():
@@ -17,7 +17,7 @@ def test_server_command_is_trls_on_gpu_and_patched_on_cpu():
     assert gpu[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
     assert '{"backend": "nccl"}' in gpu
     cpu = server_command("/m", port=8123, cpu=True)
-    assert cpu[1:4] == ["-m", "colo_kit.server", "serve"]
+    assert cpu[1:4] == ["-m", "colo_kit.serving.server", "serve"]
     assert "--weight-transfer-config" not in cpu and cpu[-1] == WORKER_EXTENSION
     assert cpu[cpu.index("--port") + 1] == "8123" and cpu[0] == sys.executable
 
@@ -32,7 +32,7 @@ def test_bad_arguments_name_the_value():
 def test_http_weight_sync_is_undone_by_the_patch_that_made_it():
     from trl.generation.vllm_client import VLLMClient
 
-    from colo_kit.server import use_http_weight_sync
+    from colo_kit.serving.server import use_http_weight_sync
 
     names = ("init_communicator", "update_named_params", "close_communicator")
     own = {name: vars(VLLMClient)[name] for name in names}
@@ -84,7 +84,7 @@ def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_pat
     import torch
     from safetensors.torch import load_file
 
-    from colo_kit.server import use_http_weight_sync
+    from colo_kit.serving.server import use_http_weight_sync
     from trl.generation.vllm_client import VLLMClient
 
     assert requests.get(f"{server.url}/health").status_code == 200
@@ -123,7 +123,7 @@ def test_http_weight_sync_changes_and_restores_generation(server, tiny_model_pat
 def test_server_mode_grpo_and_bench_half(server, tmp_path):
     """TRL's GRPOTrainer in server mode against the real server, through the bench: the timeline
     shows the trainer waiting exactly while the server generates."""
-    from colo_kit.bench import sweep
+    from colo_kit.serving.bench import sweep
 
     def generated_tokens() -> float:  # the server's own count, independent of the trainer's timers
         from prometheus_client.parser import text_string_to_metric_families

@@ -1,4 +1,4 @@
-"""Server mode across nodes (TRL's 72B layout): the commands `colo_kit.recipes.server_node_commands` writes, read by
+"""Server mode across nodes (TRL's 72B layout): the commands `colo_kit.memory.recipes.server_node_commands` writes, read by
 TRL's own parsers and run under stand-in SLURM tools; and the two-"node" form run for real on this host
 (scripts/server_node.py: the vLLM server as one process group on its own port, the trainer as another)."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import load_script
 
-from colo_kit.recipes import TRL_SERVER_FIELDS, node_commands, server_node_commands
+from colo_kit.memory.recipes import TRL_SERVER_FIELDS, node_commands, server_node_commands
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""colo_kit.sleep: on a CPU, a clear refusal naming the platform; on a GPU (marked `gpu`), sleep
+"""colo_kit.colocate.sleep: on a CPU, a clear refusal naming the platform; on a GPU (marked `gpu`), sleep
 levels 1 and 2, wake by tag, the buffer restore and the self-check. The H200 evidence of the GPU
 behaviour is results/engine_bench.json (scripts/gpu/engine_bench.sh)."""
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from colo_kit.engine import ColocateSettings
+from colo_kit.colocate.engine import ColocateSettings
 from colo_kit.env import has_cuda
-from colo_kit.sleep import SelfCheckFailed, SleepManager, SleepModeUnavailable, h200_reference
+from colo_kit.colocate.sleep import SelfCheckFailed, SleepManager, SleepModeUnavailable, h200_reference
 
 cpu_only = pytest.mark.skipif(has_cuda(), reason="checks the CPU refusal")
 
@@ -24,7 +24,7 @@ def test_sleep_manager_on_cpu_names_the_platform():
 
 @cpu_only
 def test_engine_with_sleep_mode_on_cpu_is_refused_before_building(tiny_model_path):
-    from colo_kit.engine import ColocatedEngine
+    from colo_kit.colocate.engine import ColocatedEngine
 
     with pytest.raises(SleepModeUnavailable, match="vllm_enable_sleep_mode=True: vLLM sleep mode needs an NVIDIA GPU"):
         ColocatedEngine(tiny_model_path, ColocateSettings(vllm_enable_sleep_mode=True))
@@ -46,7 +46,7 @@ def gpu_engine_and_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colo_kit.engine import ColocatedEngine
+    from colo_kit.colocate.engine import ColocatedEngine
     from colo_kit.models import build_model
 
     path = str(build_model("tiny"))
@@ -124,7 +124,7 @@ class _RecordingSleep:
         engine.llm.sleep, engine.llm.wake_up, engine.llm.reset_prefix_cache = self.sleep, self.wake_up, reset
 
     def _load(self, model):
-        from colo_kit.vllm_compat import load_weights
+        from colo_kit.colocate.vllm_compat import load_weights
 
         load_weights(self.engine.llm, ((n, t.detach()) for n, t in model.state_dict().items()))
 
@@ -147,7 +147,7 @@ def cpu_engine_with_fake_sleep(tiny_model_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colo_kit.engine import ColocatedEngine
+    from colo_kit.colocate.engine import ColocatedEngine
 
     before = dict(os.environ)
     engine = ColocatedEngine(tiny_model_path, ColocateSettings(max_prompt_length=64, max_completion_length=16))
@@ -200,12 +200,12 @@ def test_level2_needs_the_trainers_weights_and_a_wrong_push_is_caught(cpu_engine
     engine.push_weights(original)
 
 
-# -- the KV cache only (colo_kit.kv_sleep) --------------------------------------------------------------------
+# -- the KV cache only (colo_kit.colocate.kv_sleep) --------------------------------------------------------------------
 
 def test_kv_only_sleep_on_cpu_is_refused_naming_the_platform(monkeypatch):
     from types import SimpleNamespace
 
-    from colo_kit.kv_sleep import use_kv_sleep
+    from colo_kit.colocate.kv_sleep import use_kv_sleep
 
     trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="colocate", enable_sleep_mode=True, llm=None))
     with pytest.raises(SleepModeUnavailable, match="KV-only sleep"):
@@ -221,7 +221,7 @@ def test_kv_only_sleep_as_trl_calls_it_pauses_vllm_once_and_skips_the_weights_wa
     itself and never returned (seen on one H200)."""
     from types import SimpleNamespace
 
-    import colo_kit.kv_sleep as kv
+    import colo_kit.colocate.kv_sleep as kv
     from vllm.platforms import current_platform
 
     calls = []
@@ -256,8 +256,8 @@ def test_kv_only_sleep_as_trl_calls_it_pauses_vllm_once_and_skips_the_weights_wa
 
 @pytest.mark.gpu
 def test_kv_only_sleep_frees_the_kv_cache_and_keeps_the_weights(gpu_engine_and_model):
-    from colo_kit.kv_sleep import engine_core, kv_sleep
-    from colo_kit.sleep import device_memory_gib
+    from colo_kit.colocate.kv_sleep import engine_core, kv_sleep
+    from colo_kit.colocate.sleep import device_memory_gib
 
     engine, model = gpu_engine_and_model
     if engine.asleep:

@@ -1,4 +1,4 @@
-"""colo_kit.speed: the chain of knobs, how its numbers are computed, the committed H200 runs, and the CPU smoke
+"""colo_kit.memory.speed: the chain of knobs, how its numbers are computed, the committed H200 runs, and the CPU smoke
 of scripts/gpu/speed.sh (the same code the GPU runs, with the tiny model)."""
 
 import json
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from colo_kit import speed
-from colo_kit.bucketed_push import buckets
+from colo_kit.memory import speed
+from colo_kit.colocate.bucketed_push import buckets
 from colo_kit.paths import REPO_ROOT
 
 RESULT = REPO_ROOT / "results" / "speed_1xh200.json"
@@ -229,7 +229,7 @@ def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
 # -- the speed knobs inside TRL's trainer, on a GPU (and the bucketed push on a CPU, where its load is vLLM's layer-wise reload)
 
 def _short_run(tmp_path, **kw):
-    from colo_kit.train import run_grpo
+    from colo_kit.grpo.train import run_grpo
 
     return run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_train_batch_size=8, max_completion_length=16,
                     learning_rate=1e-3, output_dir=tmp_path, vllm_enforce_eager=True, **kw)
@@ -253,8 +253,8 @@ _KV_ONLY_RUN = """
 import json, sys
 import colo_kit
 colo_kit.setup()
-from colo_kit.kv_sleep import engine_core
-from colo_kit.train import run_grpo
+from colo_kit.colocate.kv_sleep import engine_core
+from colo_kit.grpo.train import run_grpo
 run = run_grpo("tiny", "colocate", max_steps=4, num_generations=4, per_device_train_batch_size=8,
                max_completion_length=16, learning_rate=1e-3, output_dir=sys.argv[1], vllm_enforce_eager=True,
                push_bucket_mb=0, vllm_enable_sleep_mode=True, kv_only_sleep=True)

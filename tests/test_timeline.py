@@ -7,7 +7,7 @@ import pytest
 
 from colo_kit.env import has_cuda
 
-from colo_kit.timeline import Timeline, UtilSampler, gantt
+from colo_kit.grpo.timeline import Timeline, UtilSampler, gantt
 
 
 def known() -> Timeline:
@@ -140,8 +140,8 @@ def test_util_sampler_sees_a_process_busy_then_idle():
 _COLOCATE_TIMELINE = """
 import json, sys
 import colo_kit
-from colo_kit.timeline import Timeline
-from colo_kit.train import run_grpo
+from colo_kit.grpo.timeline import Timeline
+from colo_kit.grpo.train import run_grpo
 from trl.extras.profiling import ProfilingContext
 
 tl = Timeline()

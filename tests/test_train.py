@@ -3,7 +3,7 @@
 import pytest
 
 from colo_kit.env import has_cuda
-from colo_kit.train import grpo_config, run_grpo
+from colo_kit.grpo.train import grpo_config, run_grpo
 
 
 @pytest.mark.slow
@@ -66,7 +66,7 @@ def test_a_server_mode_run_gives_trl_its_own_weight_sync_back_even_when_it_fails
     import requests
     from trl.generation.vllm_client import VLLMClient
 
-    from colo_kit.launch import free_port
+    from colo_kit.parallel.launch import free_port
 
     own = VLLMClient.init_communicator
     with pytest.raises(requests.ConnectionError, match="can't be reached"):  # nobody serves there; TRL gives up after 1 s

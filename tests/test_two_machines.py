@@ -1,5 +1,5 @@
 """Multi-node launch, run for real: two `accelerate launch` machines on one host (scripts/two_machines.py), with the
-lines `colo_kit.recipes.node_commands` prints; and the per-node commands and process clean-up on their own."""
+lines `colo_kit.memory.recipes.node_commands` prints; and the per-node commands and process clean-up on their own."""
 
 import importlib.util
 import os
@@ -11,7 +11,7 @@ import pytest
 from conftest import load_script
 
 from colo_kit.paths import REPO_ROOT
-from colo_kit.recipes import node_commands
+from colo_kit.memory.recipes import node_commands
 
 
 def _script():

@@ -35,7 +35,7 @@ import math
 import colo_kit
 
 colo_kit.quiet()  # the libraries' start-up chatter off; their errors stay
-from colo_kit import lab
+from colo_kit.labs import lab
 from colo_kit.env import Machine, describe
 from colo_kit.models import default_preset, get_preset
 
@@ -99,13 +99,13 @@ lab.check("00.prompts_per_step", answer)
 # %% [markdown]
 # ## Train
 #
-# `colo_kit.train.run_grpo` builds TRL's `GRPOConfig(use_vllm=True, vllm_mode="colocate",
+# `colo_kit.grpo.train.run_grpo` builds TRL's `GRPOConfig(use_vllm=True, vllm_mode="colocate",
 # vllm_gpu_memory_utilization=0.3, ...)` and `GRPOTrainer` — read it, it is short. The progress bar is the
 # trainer's own; every step generates with the colocated vLLM engine, scores, and updates the weights, and the
 # next step first pushes the new weights into vLLM.
 
 # %%
-from colo_kit.train import run_grpo
+from colo_kit.grpo.train import run_grpo
 
 run = run_grpo(
     preset.name, "colocate",
@@ -174,7 +174,7 @@ lab.see("00.sync", "the gap stays near 0 (well under 0.05 nats) and the ratio ne
 # what TRL's importance-sampling correction logs. Change `top_p` (0.5, 0.95, ...) and run it again.
 
 # %%
-from colo_kit.pitfalls import top_p_breaks_importance_sampling
+from colo_kit.labs.pitfalls import top_p_breaks_importance_sampling
 
 top_p = 0.8
 rows = top_p_breaks_importance_sampling(preset.name, top_ps=(top_p, 1.0), vllm_enforce_eager=not compiled_w.value)
@@ -216,7 +216,7 @@ for sample in out.outputs:
 # ### Exercise 3 · The reward by hand
 #
 # What does the length reward (target 20) give the completion `"Exactly twenty chars"`? Check with
-# `colo_kit.rewards.length_reward([...])` afterwards if you like.
+# `colo_kit.grpo.rewards.length_reward([...])` afterwards if you like.
 
 # %%
 answer = ...  # a number

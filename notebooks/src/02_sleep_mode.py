@@ -20,8 +20,8 @@
 #   uses level 2 for 72B).
 #
 # One training step then costs a **switch**: `sleep` → `wake(weights)` → **push** the trainer's new weights →
-# `wake(kv_cache)`. This notebook builds the kit's engine (`colo_kit.engine.ColocatedEngine`), generates, pushes
-# weights, and — on a GPU — sleeps at both levels with `colo_kit.sleep.SleepManager`, plotting GPU memory (NVML) at
+# `wake(kv_cache)`. This notebook builds the kit's engine (`colo_kit.colocate.engine.ColocatedEngine`), generates, pushes
+# weights, and — on a GPU — sleeps at both levels with `colo_kit.colocate.sleep.SleepManager`, plotting GPU memory (NVML) at
 # each stage and timing each part of the switch. On a CPU, vLLM has no sleep mode: the notebook runs everything
 # else and shows the H200 numbers committed under `results/`.
 
@@ -34,10 +34,10 @@ from IPython.display import Markdown, display
 import colo_kit
 
 colo_kit.quiet()  # vLLM's start-up log out of the cells
-from colo_kit import lab
-from colo_kit.engine import ColocatedEngine, ColocateSettings
+from colo_kit.labs import lab
+from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
 from colo_kit.env import Machine, vllm_version
-from colo_kit.sleep import (SleepManager, SleepModeUnavailable, h200_reference, memory_figure, switch_figure,
+from colo_kit.colocate.sleep import (SleepManager, SleepModeUnavailable, h200_reference, memory_figure, switch_figure,
                             switch_rows)
 
 MACHINE = Machine.here()
@@ -101,7 +101,7 @@ lab.check("02.max_num_seqs", answer)
 # `external_launcher` joins an existing group, it never makes one. Under `torchrun --nproc_per_node 2` with
 # `vllm_tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
 # fix for vLLM #15895), gather their prompts, and each keep its own completions
-# (`torchrun --nproc_per_node 2 -m colo_kit.engine_check --tp 2 --sampled` shows it).
+# (`torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check --tp 2 --sampled` shows it).
 
 # %%
 engine = ColocatedEngine(model_w.value, settings, enforce_eager=True)  # starts in seconds (notebook 00 says why)
@@ -157,7 +157,7 @@ lab.see("02.push", "True, True, True: the same weights keep the probe, other wei
 # line in the TRL installed on this machine: open the file at that line and read it around.
 
 # %%
-from colo_kit.engine import where_in_trl
+from colo_kit.colocate.engine import where_in_trl
 
 trl_lines = pd.DataFrame(where_in_trl())
 trl_lines["where"] = trl_lines["where"] + "  (" + trl_lines["trl"].str.removeprefix("VLLMGeneration.") + ")"
@@ -203,7 +203,7 @@ lab.check("02.no_buffer_restore", answer)
 # model's greedy output repeats one token whatever the positions say, so the log-probabilities are compared too.
 
 # %%
-from colo_kit.pitfalls import lost_buffers
+from colo_kit.labs.pitfalls import lost_buffers
 
 display(pd.DataFrame(lost_buffers(engine, trainer_model)).set_index("step"))
 

@@ -2,7 +2,7 @@
 # # 03 · Tensor parallelism for colocated vLLM: when sharding helps
 #
 # **You will**
-# - start multi-process cells from a notebook with `colo_kit.launch`, and see a worker's crash come back as an error;
+# - start multi-process cells from a notebook with `colo_kit.parallel.launch`, and see a worker's crash come back as an error;
 # - measure generation and colocated GRPO at TP 1 (and TP 2 where the machine has two GPUs);
 # - see why every TP group needs one seed, and what breaks without it;
 # - weigh the post's explanation of the TP trend against what the kit measured.
@@ -20,7 +20,7 @@
 #
 # This notebook measures both on the GPUs of one node, TP 1 against TP 2: **generation alone** (N prompts × T
 # tokens through colocated engines) and **colocated GRPO steps** with TRL. Each run spans several processes,
-# started from a cell with torch elastic's `elastic_launch` through `colo_kit.launch`, which keeps the kernel
+# started from a cell with torch elastic's `elastic_launch` through `colo_kit.parallel.launch`, which keeps the kernel
 # safe. Then it explains the flip: communication against room for the KV cache.
 #
 # **On a CPU** (a laptop, or the kit's test machine) the same cells run the kit's tiny model on 2 processes over gloo: a
@@ -37,9 +37,10 @@ from IPython.display import Markdown, display
 import colo_kit
 
 colo_kit.quiet()
-from colo_kit import lab, tp
+from colo_kit.labs import lab
+from colo_kit.parallel import tp
 from colo_kit.env import Machine
-from colo_kit.launch import kernel_problems, launch
+from colo_kit.parallel.launch import kernel_problems, launch
 
 MACHINE = Machine.here()
 TIER = MACHINE.tier
@@ -52,7 +53,7 @@ MACHINE.say(LIVE["plan"])
 # `launch(fn, *args)` runs `fn` in one process per GPU (2 on a CPU) and returns what each rank returned.
 # Around torch elastic's `elastic_launch` (which accelerate's `notebook_launcher` wraps) it adds what a notebook needs:
 #
-# | what goes wrong with a bare `notebook_launcher` | what `colo_kit.launch` does |
+# | what goes wrong with a bare `notebook_launcher` | what `colo_kit.parallel.launch` does |
 # |---|---|
 # | a CUDA context in the kernel breaks the forked workers (accelerate #1751/#3925) | `kernel_problems()` checks first; then the workers are spawned (fresh interpreters, the function cloudpickled), or `fresh_process=False` raises with the fix |
 # | a fixed `MASTER_PORT` makes a re-run collide (TRL #3979) | a free port per launch |
@@ -87,7 +88,7 @@ print(f"ports: {first.port} then {second.port}; launched by {first.how}")
 # A worker that raises does not take the kernel down; its error comes back here:
 
 # %%
-from colo_kit.launch import WorkerError
+from colo_kit.parallel.launch import WorkerError
 
 
 def fails_on_the_last_rank():
@@ -108,7 +109,7 @@ print("the kernel is still here")
 # ## 2 · Control panel: what TP changes for a model
 #
 # Pick a model and a TP size. The panel shows, for 2 H200s with vLLM at `vllm_gpu_memory_utilization = 0.3`
-# (the post's setting), what each GPU's engine holds (from `colo_kit.planner`), what TP costs in
+# (the post's setting), what each GPU's engine holds (from `colo_kit.memory.planner`), what TP costs in
 # communication, the post's finding, and the H200 measurement once it is committed.
 
 # %%
@@ -149,7 +150,7 @@ display(widgets.HBox([model_w, tp_w]), panel)
 # %% [markdown]
 # ## 3 · Generation only: TP 1 against TP 2
 #
-# Every process runs one colocated engine (`colo_kit.engine.ColocatedEngine`: `external_launcher`, TP groups
+# Every process runs one colocated engine (`colo_kit.colocate.engine.ColocatedEngine`: `external_launcher`, TP groups
 # over consecutive ranks, `seed = rank // tp`). Each rank brings its share of the prompts. At **TP 1** every
 # GPU is its own engine (data parallel); at **TP 2** the two GPUs form one engine: each holds half of every
 # weight matrix, the ranks all-gather their prompts, and both generate the same completions. Throughput is
@@ -190,7 +191,7 @@ lab.check("03.tp_seed", answer)
 #
 # **They diverge.** Each TP worker runs its own sampler over the same logits; with different seeds they pick different
 # tokens, the shards' sequences drift apart and the engine produces garbage or hangs. TRL and the kit both use
-# `seed = rank // tp` (`trl/generation/vllm_generation.py`, `colo_kit.engine.ColocatedEngine`).
+# `seed = rank // tp` (`trl/generation/vllm_generation.py`, `colo_kit.colocate.engine.ColocatedEngine`).
 # </details>
 #
 # ### Break it · one seed per worker
@@ -201,7 +202,7 @@ lab.check("03.tp_seed", answer)
 # rules run on one engine. Each worker reports the tokens the whole group generated.
 
 # %%
-from colo_kit.pitfalls import tp_seed_rule
+from colo_kit.labs.pitfalls import tp_seed_rule
 
 if TIER == "gpu" and MACHINE.gpus < 2:
     MACHINE.say("a TP-2 engine needs two GPUs: run this cell on a CPU machine (two processes) or a 2-GPU node")
@@ -262,7 +263,7 @@ for row in tp.ratios_table(GPU_RESULTS):
 # %% [markdown]
 # ## 6 · Why the trend might flip: the post's explanation, and what was measured
 #
-# The usual explanation of the post's two trends has two parts (the numbers are modelled by `colo_kit.planner`):
+# The usual explanation of the post's two trends has two parts (the numbers are modelled by `colo_kit.memory.planner`):
 #
 # - **Communication.** TP splits each layer's matrices over the GPUs, so each layer ends with an all-reduce of
 #   its output — two per layer per forward pass, for every generated token. The bytes depend on the hidden
@@ -299,7 +300,7 @@ lab.check("03.amdahl", answer)
 # </details>
 
 # %% [markdown]
-# **With the ping-pong model** (`colo_kit.pingpong`, notebook 01): a colocated step is generation and
+# **With the ping-pong model** (`colo_kit.serving.pingpong`, notebook 01): a colocated step is generation and
 # training taking turns, `step = gen + train + sync + other`. TP only changes `gen`, so a generation speed-up
 # `g` on a step that spends a share `f` generating gives `1 / ((1 − f) + f / g)` on the whole step — GRPO's
 # gain is the generation gain diluted by training (and TP does not make training any faster). Drag the
@@ -357,7 +358,7 @@ display(Markdown("\n".join(lines) + "\n\nOn this machine: "
 # %% [markdown]
 # ## Recap
 #
-# - `colo_kit.launch` runs a function on every GPU (2 processes on a CPU) from a cell, returns each rank's value,
+# - `colo_kit.parallel.launch` runs a function on every GPU (2 processes on a CPU) from a cell, returns each rank's value,
 #   and turns a worker's crash into an ordinary exception.
 # - A TP group is one model spread over GPUs: its ranks gather their prompts and must share one seed.
 # - TP changes only the generation part of a step: the step's gain is the generation gain diluted by training.

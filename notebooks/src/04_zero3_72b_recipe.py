@@ -2,7 +2,7 @@
 # # 04 · The 72B recipe: ZeRO-3, sleep level 2 and a memory planner
 #
 # **You will**
-# - split one GRPO step's GPU memory into its parts, phase by phase, with `colo_kit.planner`;
+# - split one GRPO step's GPU memory into its parts, phase by phase, with `colo_kit.memory.planner`;
 # - check the planner against peaks measured on H200s, out of sample;
 # - work out what the post's 72B recipe needs: GPUs, sleep level, offload and host memory;
 # - generate the DeepSpeed and accelerate configs, and read a real scaled-down ZeRO-3 run.
@@ -21,7 +21,7 @@
 #   `"offload_optimizer": {"device": "cpu"}`, `"overlap_comm": true`, `"contiguous_gradients": true`,
 #   launched with Accelerate.
 #
-# Whether a run fits is a sum of parts: this notebook uses `colo_kit.planner` to show them, checks the planner
+# Whether a run fits is a sum of parts: this notebook uses `colo_kit.memory.planner` to show them, checks the planner
 # against memory measured on H200s, asks what the 72B recipe needs, writes the configs, and shows the real
 # scaled-down ZeRO-3 run (7B on 2×H200) beside the planner's prediction.
 
@@ -36,12 +36,13 @@ from IPython.display import Markdown, display
 import colo_kit
 
 colo_kit.quiet()
-from colo_kit import lab, planner
+from colo_kit.labs import lab
+from colo_kit.memory import planner
 from colo_kit.models import PRESETS
 from colo_kit.paths import REPO_ROOT, results_dir
-from colo_kit.planner import SAFE_FRACTION as SAFE
-from colo_kit.planner import Plan, estimate, parts_figure, plan_report, what_fits
-from colo_kit.recipe import recipe, to_yaml
+from colo_kit.memory.planner import SAFE_FRACTION as SAFE
+from colo_kit.memory.planner import Plan, estimate, parts_figure, plan_report, what_fits
+from colo_kit.memory.recipe import recipe, to_yaml
 
 # %% [markdown]
 # ## 1 · What takes memory in one GRPO step
@@ -169,7 +170,7 @@ def cheapest(setup):
 offload, no_offload = cheapest("colocate, sleep 2, offload"), cheapest("colocate, sleep 2")
 eight = next(r for r in table if r["setup"] == "colocate, sleep 2, offload" and r["gpus"] == 8)
 display(Markdown(
-    "Reading the table (all modelled by `colo_kit.planner`):\n\n"
+    "Reading the table (all modelled by `colo_kit.memory.planner`):\n\n"
     "- **Without sleep** the engine's `u × memory` stays on the GPU during the backward pass: the training phase "
     "carries both. **With sleep level 2** the training phase only carries the trainer.\n"
     f"- **With offload** 8 GPUs would hold the model ({eight['peak_gib_per_gpu']:.0f} GiB per GPU), but that one "
@@ -184,7 +185,7 @@ display(Markdown(
 # ## 4 · The configs, generated
 #
 # `colo-kit plan --model qwen2.5-72b --gpus 16 --zero-stage 3 --offload-optimizer --sleep-level 2 --write-configs`
-# writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.recipes`) for the smallest fit above: 16 GPUs on two
+# writes the DeepSpeed JSON and the accelerate YAML (`colo_kit.memory.recipes`) for the smallest fit above: 16 GPUs on two
 # 8-GPU nodes (`num_machines: 2`). "auto" values are filled by the Trainer from `GRPOConfig`, which sets
 # `use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=4`.
 
@@ -194,13 +195,13 @@ for path in ("configs/deepspeed/zero3_offload.json", "configs/accelerate/zero3_q
 
 # %% [markdown]
 # The command for each node, and one line for a SLURM allocation (each node's shell fills in its own rank and
-# node 0's address), written by `colo_kit.recipes.node_commands` from the plan. `--num_processes` is the total
+# node 0's address), written by `colo_kit.memory.recipes.node_commands` from the plan. `--num_processes` is the total
 # over all nodes. The same function wrote the commands of the two-machine run below: two `accelerate launch`
 # processes on one host, machine ranks 0 and 1, a colocated GRPO run with the tiny model on each over gloo — plain
 # data parallelism and this ZeRO-3 JSON with its optimizer offload (measured, `results/two_machines_cpu.json`).
 
 # %%
-from colo_kit.recipes import node_commands
+from colo_kit.memory.recipes import node_commands
 
 nodes = node_commands("qwen2.5-72b", 16, script="your_grpo_script.py")
 for rank, line in enumerate(nodes["lines"]):
@@ -220,14 +221,14 @@ for name, part in two["parts"].items():
 # `trl vllm-serve` at TP 8. The cross-node knobs become `GRPOConfig` fields in TRL's names (`vllm_server_host`,
 # `vllm_server_port`, and `vllm_group_port`, the weight sync's NCCL rendezvous on training node 0), passed to the
 # script as flags (the accelerate YAML is the one `colo-kit plan --gpus 32 --write-configs` writes);
-# `colo_kit.recipes.server_node_commands` writes the server's line, each training node's line and
+# `colo_kit.memory.recipes.server_node_commands` writes the server's line, each training node's line and
 # a SLURM batch script that starts the server first and waits for its `/health`. The same function wrote the
 # commands of a two-"node" run on one host: the server as one process group on its own port, the trainer as
 # another through its `accelerate launch` line, HTTP weight sync standing in for NCCL on a CPU (measured,
 # `results/server_node_cpu.json`).
 
 # %%
-from colo_kit.recipes import server_node_commands
+from colo_kit.memory.recipes import server_node_commands
 
 server_nodes = server_node_commands("Qwen/Qwen2.5-72B", training_gpus=32, server_tp=8, script="your_grpo_script.py")
 print(f"vLLM node:       {server_nodes['server_node']['line']}")
@@ -348,9 +349,9 @@ show()
 #
 # The planner says what fits; what runs fastest is measured. `scripts/gpu/speed.sh` trained random-init
 # Qwen2.5-1.5B on one H200 with the length reward (256-token completions, G = 8), one process per configuration,
-# each adding one knob to the one before (`colo_kit.speed.CHAIN`, in `GRPOConfig`'s names where TRL has the knob):
+# each adding one knob to the one before (`colo_kit.memory.speed.CHAIN`, in `GRPOConfig`'s names where TRL has the knob):
 # TRL's colocate defaults, then `gradient_checkpointing=False`, `generation_kwargs={"detokenize": False}`, the weight
-# push in one `load_weights` call (`colo_kit.bucketed_push`), `steps_per_generation=8`, per-device batch 32.
+# push in one `load_weights` call (`colo_kit.colocate.bucketed_push`), `steps_per_generation=8`, per-device batch 32.
 # Two numbers per configuration, because a faster token is not a faster lesson:
 #
 # - **completion tokens/s**, steady state: whole generation cycles, the first left out;
@@ -364,7 +365,7 @@ show()
 # %%
 import pandas as pd
 
-from colo_kit import speed
+from colo_kit.memory import speed
 
 speed_result = json.loads((results_dir() / "speed_1xh200.json").read_text())
 pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed", "ran at", "configuration"])
@@ -395,7 +396,7 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 #   seeds: the time to the reward is set by the policy's luck more than by the step.
 # - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.16 s per step (sleep 0.05 s, two
 #   wake-ups of 0.02 s, the push 0.09 s) and ran at 0.8× the defaults' tokens/s; it buys 18 GiB of peak, which a
-#   1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`, `colo_kit.kv_sleep`) keeps the
+#   1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`, `colo_kit.colocate.kv_sleep`) keeps the
 #   weights mapped: 0.14 s per switch (sleep 0.045 s, two wake-ups of 0.011 s, the same push) and a peak of
 #   60.9 GiB. At 1.5B the push, not the re-mapping, is most of the switch, so keeping the weights saves little.
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
@@ -417,7 +418,7 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 # `u_by_hand` and run it again.
 
 # %%
-from colo_kit.planner import recommend
+from colo_kit.memory.planner import recommend
 
 u_by_hand = 0.6
 fast = dict(model="qwen2.5-1.5b", per_device_train_batch_size=32, gradient_checkpointing=False, max_completion_length=256)

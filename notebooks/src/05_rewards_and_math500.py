@@ -31,7 +31,7 @@ import json
 import colo_kit
 
 colo_kit.quiet()
-from colo_kit import lab
+from colo_kit.labs import lab
 from colo_kit.env import Machine
 from colo_kit.models import default_preset
 
@@ -42,7 +42,7 @@ MACHINE.say(f"model preset {default_preset()}; both training runs and the evalua
 # %% [markdown]
 # ## 1 · The length reward
 #
-# `colo_kit.rewards.length_reward(completions, target=20)` returns `-abs(target - len(text))` per
+# `colo_kit.grpo.rewards.length_reward(completions, target=20)` returns `-abs(target - len(text))` per
 # completion: 0 for exactly 20 characters, one point less per character too many or too few. TRL may
 # pass completions as strings or as chat messages; the reward reads either.
 
@@ -50,7 +50,7 @@ MACHINE.say(f"model preset {default_preset()}; both training runs and the evalua
 import pandas as pd
 from IPython.display import display
 
-from colo_kit.rewards import length_reward
+from colo_kit.grpo.rewards import length_reward
 
 examples = ["Too short.", "Exactly twenty chars", "A summary that rambles on for far longer than the target.",
             [{"role": "assistant", "content": "Chat-form, 20 chars."}]]
@@ -62,7 +62,7 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # ## 2 · The Math500 checker
 #
 # Comparing strings is not enough: `\dfrac{1}{2}`, `0.5` and `\frac{2}{4}` are one answer, `(2, 1)` is not
-# `(1, 2)`, and `25\%`, `25` and `30^\circ` vs `30` are what graders accept. `colo_kit.math500.is_correct`
+# `(1, 2)`, and `25\%`, `25` and `30^\circ` vs `30` are what graders accept. `colo_kit.answers.math500.is_correct`
 # takes the **last** `\boxed{}` (braces matched by depth), normalises the forms math-verify does not read
 # the way a grader does, and lets **math-verify** compare values (LaTeX → sympy). Without a box only an
 # answer the text *states* counts, so a random model's noise that contains the number scores 0.
@@ -71,8 +71,8 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # careful grader gives, a plain string comparison of the boxed answer, and the checker.
 
 # %%
-from colo_kit.math500 import default_checker
-from colo_kit.math500 import is_correct, last_boxed
+from colo_kit.answers.math500 import default_checker
+from colo_kit.answers.math500 import is_correct, last_boxed
 
 cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
 picked_ids = ["c000", "c017", "c026", "c035", "c047", "c076", "c087", "c098", "c114", "c119", "c130",
@@ -179,7 +179,7 @@ tokens_w = widgets.IntSlider(value=128, min=16, max=1024, step=16, description="
 display(widgets.VBox([model_w, steps_w, gen_w, seed_w, problems_w, tokens_w]))
 
 # %%
-from colo_kit.train import run_grpo
+from colo_kit.grpo.train import run_grpo
 
 common = dict(reward="length", target_length=20, max_steps=steps_w.value, num_generations=gen_w.value,
               per_device_train_batch_size=2 * gen_w.value, max_completion_length=32, learning_rate=5e-3, seed=seed_w.value,
@@ -227,7 +227,7 @@ else:
 # %% [markdown]
 # ## 4 · Math500: base vs the two trained models
 #
-# `colo_kit.math500.evaluate` answers each problem greedily with the **training prompt**
+# `colo_kit.answers.math500.evaluate` answers each problem greedily with the **training prompt**
 # (`colo_kit.data.math_prompt`: "...put your final answer within \boxed{}"), scores with `is_correct`, and
 # reports accuracy with a 95% Wilson interval and per-subject / per-level breakdowns. `compare_models` does it
 # for several models on **one** engine — the colocate trainer's own vLLM — loading each model's weights
@@ -240,7 +240,7 @@ else:
 
 # %%
 from colo_kit.data import load_math
-from colo_kit.math500_eval import compare_models
+from colo_kit.answers.math500_eval import compare_models
 
 problems = load_math()
 engine = runs["colocate"].trainer.vllm_generation.llm

@@ -25,10 +25,10 @@ SMOKE=$SMOKE JSON=$JSON timeout 270 "$PY" - <<'EOF'
 import json, os, sys, time, tempfile, traceback
 import colo_kit
 from colo_kit.env import describe, has_cuda
-from colo_kit.lora import replica_launch, probe_adapters, max_loras_for, max_lora_rank_for
+from colo_kit.async_lora.lora import replica_launch, probe_adapters, max_loras_for, max_lora_rank_for
 from colo_kit.models import build_model
-from colo_kit.replicas import launch_replicas, compare_routing
-from colo_kit.proxy import ProxyConfig, RoutingProxy
+from colo_kit.async_lora.replicas import launch_replicas, compare_routing
+from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
 
 smoke = os.environ["SMOKE"] == "1"
 out_path = os.environ["JSON"]
@@ -72,7 +72,7 @@ try:
             import torch, httpx
             from peft import LoraConfig, get_peft_model
             from transformers import AutoModelForCausalLM
-            from colo_kit.lora import adapter_dir
+            from colo_kit.async_lora.lora import adapter_dir
             m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
             pm = get_peft_model(m, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", init_lora_weights=False))
             shared = tempfile.mkdtemp(prefix="colo_kit_bucket_")

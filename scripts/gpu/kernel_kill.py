@@ -2,11 +2,11 @@
 
 Two checks, each with real Jupyter kernels (jupyter_client, the kernel JupyterLab starts) running the kit's calls:
 
-  killed   a kernel starts a vLLM server (`colo_kit.server.start_server`, as notebook 01's server mode does) and
+  killed   a kernel starts a vLLM server (`colo_kit.serving.server.start_server`, as notebook 01's server mode does) and
            is then killed with SIGKILL, as a crashed or force-killed kernel is: no atexit, no cleanup cell. The
            server's process group must be gone, and on a GPU its memory free, within 10 s (`colo_kit.procs`
            starts servers in their own session with a parent-death signal).
-  replicas the same with notebook 06's two LoRA replicas (`colo_kit.replicas.launch_replicas`), two groups.
+  replicas the same with notebook 06's two LoRA replicas (`colo_kit.async_lora.replicas.launch_replicas`), two groups.
   two      kernel A builds a colocated engine (`ColocatedEngine`, notebook 02's call) with a share of the GPU; kernel
            B, while A lives, builds one with a share that no longer fits. B must fail with `colo_kit.gpu_free`'s
            one line (GpuBusy naming the free memory and the fixes), never vLLM's memory-profiling assert. Needs a
@@ -100,8 +100,8 @@ class Kernel:
             pass
 
 
-SERVER_CELL = """from colo_kit.server import start_server
-from colo_kit.launch import free_port
+SERVER_CELL = """from colo_kit.serving.server import start_server
+from colo_kit.parallel.launch import free_port
 import os
 srv = start_server('tiny', port=free_port(), gpu_memory_utilization=0.3, enforce_eager=True,
                    log_path={log!r}, timeout_s=400)
@@ -109,9 +109,9 @@ print('PGIDS', os.getpgid(srv.pid))
 """
 
 REPLICAS_CELL = """from colo_kit.env import Machine
-from colo_kit.lora import replica_launch
+from colo_kit.async_lora.lora import replica_launch
 from colo_kit.models import resolve_model
-from colo_kit.replicas import free_port, launch_replicas, placement
+from colo_kit.async_lora.replicas import free_port, launch_replicas, placement
 import os
 gpu = bool(Machine.here().gpus)
 launches = [replica_launch(resolve_model('tiny'), port=free_port(), max_staleness=1, lora_rank=1,
@@ -168,7 +168,7 @@ def check_two(work: Path) -> dict:
     if not has_cuda():
         return {"status": "not run", "why": "no NVIDIA GPU: a CPU has no memory share to check"}
     a, b = Kernel(work), Kernel(work)
-    cell = ("from colo_kit.engine import ColocatedEngine, ColocateSettings\n"
+    cell = ("from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings\n"
             "engine = ColocatedEngine('tiny', ColocateSettings(vllm_gpu_memory_utilization={u}), enforce_eager=True)\n"
             "print('READY')\n")
     try:

@@ -49,7 +49,7 @@ runs = {}
 try:
     from colo_kit.models import build_model
     t = time.time(); build_model(preset); out["build_model_s"] = round(time.time() - t, 1)
-    from colo_kit.train import run_grpo
+    from colo_kit.grpo.train import run_grpo
     for mode in ("colocate", "plain"):
         try:
             t = time.time()
@@ -64,7 +64,7 @@ try:
             print(f"[math500] {mode} failed:\n{out['errors'][mode]}", flush=True)
         save()
     if "colocate" in runs:
-        from colo_kit.math500 import compare_models
+        from colo_kit.answers.math500 import compare_models
         models = {"base": preset, "colocate-trained": runs["colocate"].trainer.model}
         if "plain" in runs:
             models["plain-trained"] = runs["plain"].trainer.model

@@ -8,7 +8,7 @@
 #            (generation batched over 4 optimizer steps: same model, lengths and completions per step)
 # Random-init Qwen2.5-1.5B, up to 256-token completions, G=8, 4 steps per
 # config (the first discarded as warm-up). One vLLM engine start per stage and mode (engines are
-# reused across configs, colo_kit.bench.reuse_engines). Expected wall time ~8-9 min, at most
+# reused across configs, colo_kit.serving.bench.reuse_engines). Expected wall time ~8-9 min, at most
 # ~575 s with the stage limits below: run it in a call of its own, after the stack is installed.
 #
 #   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/pingpong.sh
@@ -54,6 +54,6 @@ timeout -k 15 $((S2 + 40)) $PY -m colo_kit bench --model "$MODEL" $FIXED --modes
   | grep --line-buffered -v "Warning\|warn(" | sed -u 's/^/[colocate] /' | tee -a "$LOG" | grep --line-buffered "^\[colocate\] \[\|wrote\|Error\|error"
 echo "== stage 2 done ($(( $(date +%s) - START )) s since start)" | tee -a "$LOG"
 
-$PY -m colo_kit.bench_cli merge "$FINAL" "$PARTS/server.json" "$PARTS/colocate.json" 2>&1 | tee -a "$LOG"
+$PY -m colo_kit.serving.bench_cli merge "$FINAL" "$PARTS/server.json" "$PARTS/colocate.json" 2>&1 | tee -a "$LOG"
 echo "== total $(( $(date +%s) - START )) s; wrote $FINAL" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$FINAL" "$OUT/" 2>/dev/null; cp "$LOG" "$OUT/pingpong.log"; fi

@@ -6,7 +6,7 @@
 #   2. TRL colocate GRPO, 4 steps, vllm_tensor_parallel_size 1 vs 2, 7B first, then 1.5B, while
 #      time is left.
 # Every part is its own process under a timeout (one failure keeps the others' JSON); each part
-# forks its 2 GPU workers through colo_kit.launch (torch's elastic_launch, forked), so this run
+# forks its 2 GPU workers through colo_kit.parallel.launch (torch's elastic_launch, forked), so this run
 # also checks the notebook path on GPUs. vLLM runs eager by default (TP_EAGER=1): an engine start
 # is ~20-40 s instead of 50-90 s with torch.compile + CUDA graphs. TP_EAGER=0 for compiled engines.
 #

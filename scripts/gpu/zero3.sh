@@ -55,7 +55,7 @@ else
   # Without DeepSpeed's CPU Adam (needs ninja + nvcc) the optimizer cannot be offloaded; 7B still fits on
   # 2×H200 with ZeRO-3 alone (the planner: ~12 bytes/param / 2 GPUs of optimizer state), so run that instead.
   log "CPU Adam did not build ($(tail -2 results/runs/zero3_cpuadam.log | tr '\n' ' ')); falling back to ZeRO-3 without offload"
-  python3 -c "from colo_kit.recipes import write_configs; write_configs('$MODEL', $GPUS, offload_optimizer=False, out='results/runs/cfg')"
+  python3 -c "from colo_kit.memory.recipes import write_configs; write_configs('$MODEL', $GPUS, offload_optimizer=False, out='results/runs/cfg')"
   CFG=results/runs/cfg/accelerate/zero3_${MODEL}_${GPUS}gpu.yaml
   EXTRA_ARGS=(--no-offload)
 fi

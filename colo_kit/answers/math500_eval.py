@@ -1,0 +1,256 @@
+"""Math500 evaluation: greedy answers from vLLM with the training prompt
+(`colo_kit.data.math_prompt`), scored with `colo_kit.answers.math500`'s checker, reported as accuracy with
+a 95% Wilson interval and per-subject / per-level breakdowns, written as JSON; `compare_models`
+evaluates several models on one engine by pushing each one's weights into it, the colocate trick
+used for evaluation. `colo-kit eval-math500` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from colo_kit.answers.math500 import Checker, default_checker
+
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion; sane at 0/n and n/n, unlike p ± z·se."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _summary(flags: list[bool]) -> dict:
+    k, n = sum(flags), len(flags)
+    lo, hi = wilson_interval(k, n)
+    return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": [round(lo, 4), round(hi, 4)]}
+
+
+def score(problems, completions: list[str], checker: Checker | None = None) -> dict:
+    """Score completions (one per problem, same order) with the checker: overall accuracy, its
+    Wilson interval, per-subject and per-level breakdowns, and one record per problem."""
+    rows = [dict(r) for r in problems]
+    if len(rows) != len(completions):
+        raise ValueError(f"{len(rows)} problems but {len(completions)} completions; pass one completion per problem")
+    checker = checker or default_checker()
+    samples, t0 = [], time.perf_counter()
+    for row, text in zip(rows, completions):
+        v = checker.check(text, str(row["answer"]))
+        samples.append({"unique_id": row.get("unique_id"), "subject": row.get("subject"), "level": row.get("level"),
+                        "gold": row["answer"], "answer": v.answer,
+                        "correct": v.correct if v.gold_ok and not v.timed_out else None,
+                        "timed_out": v.timed_out, "reason": v.reason, "completion": text})
+    scored = [s for s in samples if s["correct"] is not None]
+    report = _summary([s["correct"] for s in scored])
+    report["checker_timeouts"] = sum(s["timed_out"] for s in samples)  # not scored: no verdict
+    report["unparseable_gold"] = len(samples) - len(scored) - report["checker_timeouts"]
+    for key in ("subject", "level"):
+        groups: dict = {}
+        for s in scored:
+            if s[key] is not None:
+                groups.setdefault(str(s[key]), []).append(s["correct"])
+        report[f"by_{key}"] = {g: _summary(v) for g, v in sorted(groups.items())}
+    report["score_s"] = round(time.perf_counter() - t0, 3)
+    report["samples"] = samples
+    return report
+
+
+def _texts(outputs) -> list[str]:
+    """Completion texts from vLLM `RequestOutput`s or from an engine that returns strings."""
+    texts = []
+    for o in outputs:
+        if isinstance(o, str):
+            texts.append(o)
+        elif hasattr(o, "outputs"):
+            texts.append(o.outputs[0].text)
+        elif hasattr(o, "text"):
+            texts.append(o.text)
+        else:
+            raise TypeError(f"cannot read a completion from {type(o).__name__}; the engine's generate() should "
+                            "return vLLM RequestOutputs or strings")
+    return texts
+
+
+def _engine_model_name(llm) -> str | None:
+    try:
+        return str(llm.llm_engine.model_config.model)
+    except AttributeError:
+        return None
+
+
+def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float, seed: int) -> list[str]:
+    """One completion per prompt from a vLLM `LLM` (`generate(prompts, sampling_params)`) or from the
+    kit's `ColocatedEngine` (`generate(prompts, n=, max_tokens=, temperature=)` -> `.texts`)."""
+    import inspect
+
+    params = inspect.signature(model.generate).parameters
+    if "sampling_params" in params:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return _texts(model.generate(prompts, sp, use_tqdm=False) if "use_tqdm" in params
+                      else model.generate(prompts, sp))
+    out = model.generate(prompts, n=1, max_tokens=max_tokens, temperature=temperature)
+    return _texts(out.texts if hasattr(out, "texts") else out)
+
+
+def evaluate(model, *, limit: int | None = None, source: str = "auto", max_tokens: int = 1024,
+             temperature: float = 0.0, seed: int = 0, tokenizer=None, out: str | Path | None = None,
+             llm_kwargs: dict | None = None, problems=None) -> dict:
+    """Generate one answer per MATH-500 problem and score it.
+
+    `model` is a vLLM `LLM`, the kit's `ColocatedEngine`, or a model name / folder for which a
+    plain `vllm.LLM` is started here and shut down after. The prompt is
+    the training template (`colo_kit.data.math_prompt`) through the model's chat template.
+    `problems` overrides the dataset (default `colo_kit.data.load_math(source=source)`)."""
+    import colo_kit
+
+    colo_kit.setup()
+    from colo_kit.data import load_math, math_prompt
+    from colo_kit.env import describe
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit!r}: evaluate at least one problem (or None for all)")
+    if problems is None:
+        problems = load_math(source=source)
+    dataset_name = getattr(getattr(problems, "info", None), "description", None) or "HuggingFaceH4/MATH-500"
+    rows = [dict(r) for r in problems]
+    if limit is not None:
+        rows = rows[:limit]
+    if not rows:
+        raise ValueError(f"no problems to evaluate in {dataset_name}")
+
+    owned = None
+    model_name = str(getattr(model, "model_path", None) or _engine_model_name(model) or model)
+    if isinstance(model, (str, Path)):
+        from vllm import LLM
+
+        from colo_kit.env import has_cuda
+        from colo_kit.models import resolve_model
+
+        path = str(resolve_model(str(model)))
+        kwargs = {"max_model_len": 2048, "seed": seed, "enforce_eager": not has_cuda()}
+        kwargs.update(llm_kwargs or {})
+        owned = model = LLM(model=path, **kwargs)
+        model_name = path
+    if tokenizer is None:
+        tokenizer = model.get_tokenizer() if hasattr(model, "get_tokenizer") else getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("pass tokenizer=...: the engine has no get_tokenizer() and the chat template is needed "
+                         "to build the same prompts as training")
+    prompts = [tokenizer.apply_chat_template(math_prompt(r["problem"]), tokenize=False, add_generation_prompt=True)
+               for r in rows]
+    t0 = time.perf_counter()
+    try:
+        texts = _generate(model, prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    finally:
+        generate_s = time.perf_counter() - t0
+        if owned is not None:
+            from colo_kit.colocate.vllm_compat import shutdown
+
+            shutdown(owned)
+    report = score(rows, texts)
+    from colo_kit.env import vllm_version
+
+    report = {"model": model_name, "dataset": dataset_name, "generate_s": round(generate_s, 3),
+              "settings": {"limit": limit, "source": source, "max_tokens": max_tokens, "temperature": temperature,
+                           "seed": seed, "prompt": "colo_kit.data.math_prompt"},
+              "env": describe(), **report}
+    report["env"]["versions"]["vllm"] = vllm_version()
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        report["path"] = str(out)
+    return report
+
+
+def load_policy(engine, model) -> None:
+    """Put a model's weights into a running engine, so one engine evaluates several models (base,
+    colocate-trained, plain-trained) without restarting: the colocate trick, used for evaluation.
+    `engine` is the kit's `ColocatedEngine` or a vLLM `LLM` (e.g. `trainer.vllm_generation.llm`);
+    `model` is a transformers model or a preset / folder / hub id to load."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        from colo_kit.models import resolve_model
+
+        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(str(model))), dtype="auto")
+    if hasattr(engine, "push_weights"):
+        engine.push_weights(model)
+        return
+    from colo_kit.colocate.vllm_compat import load_weights
+
+    load_weights(engine, ((name, t.detach()) for name, t in model.state_dict().items()))
+
+
+def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
+    """`evaluate` each of `models` (name -> model or path) on one engine, loading its weights first."""
+    reports = {}
+    for name, model in models.items():
+        load_policy(engine, model)
+        reports[name] = evaluate(engine, **evaluate_kwargs)
+    return reports
+
+
+def _check_tp(tp: int, model: str, error) -> None:
+    """vLLM's tensor_parallel_size is GPUs here; it would fail only after its engine starts (on CPU, vLLM
+    binds one worker per NUMA node and refuses more)."""
+    from colo_kit.env import gpu_count
+    from colo_kit.models import PRESETS
+
+    gpus = gpu_count()
+    if not gpus:
+        raise error(f"--tp {tp}: the CPU tier runs the evaluation with TP 1 (one vLLM process on the cores); "
+                    "drop --tp, or use it on a GPU machine")
+    if tp > gpus:
+        raise error(f"--tp {tp}: only {gpus} GPU(s) visible; give --tp {gpus} or less")
+    preset = PRESETS.get(str(model).lower())
+    if preset is not None and preset.num_attention_heads % tp:
+        raise error(f"--tp {tp}: {preset.name}'s {preset.num_attention_heads} attention heads do not split "
+                    f"evenly over {tp} GPUs; give a --tp that divides {preset.num_attention_heads}")
+
+
+def cli_main(argv: list[str]) -> int:
+    from colo_kit.cli import ArgumentParser, UsageError, positive_int, writable_file
+    from colo_kit.models import resolve_model
+    from colo_kit.paths import runs_dir
+
+    ap = ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
+                        "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
+    ap.add_argument("--model", default="tiny", help="preset (tiny, qwen2.5-1.5b...), hub id or folder")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
+    ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
+    ap.add_argument("--data", default=None, help="a JSONL file of your own problems (problem, answer) instead")
+    ap.add_argument("--max-tokens", type=positive_int, default=1024)
+    ap.add_argument("--tp", type=positive_int, default=1, help="vLLM tensor_parallel_size (GPUs)")
+    ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
+    args = ap.parse_args(argv)
+    if args.tp > 1:
+        _check_tp(args.tp, args.model, UsageError)
+    out = writable_file(args.out, "--out")
+    try:
+        resolve_model(args.model, build=False)
+        problems = None
+        if args.data:
+            from colo_kit.data import load_problems
+
+            problems = load_problems(args.data)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    llm_kwargs = {"tensor_parallel_size": args.tp} if args.tp > 1 else None
+    r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=out,
+                 llm_kwargs=llm_kwargs, problems=problems)
+    lo, hi = r["ci95"]
+    print(f"{r['model']}: {r['correct']}/{r['n']} = {r['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {r['dataset']}")
+    for subject, s in r["by_subject"].items():
+        print(f"  {subject:<24} {s['correct']:>4}/{s['n']:<4} {s['accuracy']:.3f}")
+    print(f"wrote {r['path']}")
+    return 0

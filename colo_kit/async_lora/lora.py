@@ -1,0 +1,301 @@
+"""Adapter-only sync for async GRPO: the slot arithmetic, the replica launch recipe, the probe.
+
+The second post trains a rank-1 LoRA (alpha 2) with TRL's `AsyncGRPOTrainer` and syncs only the
+adapter: every `weight_sync_steps` the trainer saves it to
+`<output_dir>/.vllm_lora/trl-policy-v{N}` (staged under a dot name, then one atomic rename), and
+POSTs the path to `/v1/load_lora_adapter`; rollout workers request `model="trl-policy-v{N}"`. A
+rank-1 adapter of a 1.5B model is a few MB, so a storage bucket mounted at the same path in every
+job carries it instead of NCCL. TRL does the publishing; this module adds what sits around it:
+
+- `replica_launch()`: how to start each vLLM replica so TRL picks adapter-only sync —
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (exposes `/v1/load_lora_adapter`), `VLLM_SERVER_DEV_MODE=1`
+  (TRL reads `/server_info` and calls `/pause`, `/resume`), `--enable-lora`,
+  `--max-loras = max_staleness + 2`, `--max-lora-rank` rounded up to a rank vLLM builds buffers for.
+- `check_slots()`: refuses `max_loras < max_staleness + 2`. Why + 2: a rollout may be up to
+  `max_staleness` versions behind, so the current policy and `max_staleness` older ones can be
+  named by requests in flight (max_staleness + 1), and each sync loads the next version *before*
+  unloading the oldest (+ 1). With a slot fewer vLLM does not refuse the load: it silently evicts
+  the least recently used adapter, which may still have rollouts in flight.
+- `check_sleep_level()`: level-2 sleep discards the base weights; adapter-only sync never re-sends
+  them, so a replica woken from level 2 would serve an empty base model under every adapter.
+- `probe_adapters()`: asks each replica (`GET /v1/models` lists loaded adapters with their path)
+  whether it really serves the adapter version it was told to load, and generates one token with
+  it — behind a proxy, a load that reached one replica only is otherwise invisible.
+- `run_async_grpo()`: TRL's own AsyncGRPOTrainer with the post's rank-1 LoRA; TRL publishes each
+  adapter and loads it on the replicas. On a CPU `cpu_async_grpo_patches()` lets it run (notebook 06).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colo_kit.env import vllm_eager
+
+LORA_NAME = "trl-policy"  # TRL 1.16: AsyncGRPOTrainer._lora_name
+LORA_SUBDIR = ".vllm_lora"  # TRL 1.16: <output_dir>/.vllm_lora
+
+
+def adapter_name(version: int) -> str:
+    return f"{LORA_NAME}-v{version}"
+
+
+def adapter_dir(output_dir: str | os.PathLike, version: int) -> Path:
+    """Where TRL publishes version N; absolute, because the *server* resolves the path."""
+    return Path(os.path.abspath(output_dir)) / LORA_SUBDIR / adapter_name(version)
+
+
+def published_versions(output_dir: str | os.PathLike) -> list[int]:
+    """Versions present in the shared directory (staging `.trl-policy-vN.tmp` folders excluded)."""
+    root = Path(output_dir) / LORA_SUBDIR
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith(LORA_NAME + "-v") and (p / "adapter_config.json").exists():
+            try:
+                out.append(int(p.name.rsplit("-v", 1)[1]))
+            except ValueError:
+                pass
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot and rank arithmetic
+# ---------------------------------------------------------------------------------------------
+
+def max_loras_for(max_staleness: int) -> int:
+    """Adapter slots a replica needs: the current policy, `max_staleness` older ones still named
+    by in-flight rollouts, and one more because each sync loads the new version before it
+    unloads the oldest."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness={max_staleness}: must be >= 0 (TRL's default is 4)")
+    return max_staleness + 2
+
+
+def check_slots(max_loras: int, max_staleness: int) -> None:
+    need = max_loras_for(max_staleness)
+    if max_loras < need:
+        raise ValueError(
+            f"--max-loras {max_loras} is too few for max_staleness={max_staleness}: requests in flight can name "
+            f"{max_staleness + 1} policy versions and each sync loads the next before unloading the oldest, so vLLM "
+            f"needs {need} slots; with fewer it silently evicts a policy that still has rollouts in flight. Start "
+            f"the replicas with --max-loras {need}, or lower max_staleness to {max_loras - 2}.")
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The `--max-lora-rank` values vLLM builds stacked buffers for, read from vLLM itself
+    (`vllm.config.lora.MaxLoRARanks`), else from TRL's copy of the list."""
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
+        if ranks:
+            return ranks
+    except Exception:
+        pass
+    from trl.experimental.async_grpo.async_grpo_trainer import VLLM_LORA_RANKS
+
+    return tuple(VLLM_LORA_RANKS)
+
+
+def max_lora_rank_for(adapter_rank: int) -> int:
+    """Round a LoRA rank up to a `--max-lora-rank` vLLM accepts (any other value fails engine
+    construction; a larger one only costs buffer memory)."""
+    if adapter_rank < 1:
+        raise ValueError(f"LoRA rank {adapter_rank}: must be >= 1 (the post uses 1)")
+    for r in vllm_lora_ranks():
+        if r >= adapter_rank:
+            return r
+    raise ValueError(f"LoRA rank {adapter_rank} is above the largest rank vLLM serves ({vllm_lora_ranks()[-1]}); "
+                     "lower r, or sync merged weights")
+
+
+def check_sleep_level(sleep_level: int | None, adapter_only: bool = True) -> None:
+    """Refuse level-2 sleep with adapter-only sync.
+
+    Level 2 discards weights and KV cache; after `wake_up` the weights must be reloaded. In
+    adapter-only sync nothing ever re-sends the base weights (only the few-MB adapter travels),
+    so the woken replica would run every `trl-policy-vN` on top of garbage. Level 1 (weights
+    offloaded to CPU and restored) is safe; so is level 2 with merged-weight sync, which resends
+    every weight each step (the first post's colocate setup).
+    """
+    if sleep_level in (None, 0, 1):
+        return
+    if sleep_level != 2:
+        raise ValueError(f"sleep_level={sleep_level}: vLLM knows levels 1 and 2")
+    if adapter_only:
+        raise ValueError("sleep_level=2 with adapter-only sync: level 2 discards the base weights and adapter sync "
+                         "never re-sends them, so a woken replica would serve every adapter on an empty base model. "
+                         "Use sleep_level=1 (weights kept in CPU memory), no sleep, or merged-weight sync.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch recipe
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ReplicaLaunch:
+    """One replica's command line and environment (run it with `subprocess.Popen(argv, env=...)`)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    url: str = ""
+
+    def shell(self) -> str:
+        """The command line as a shell would run it; the API key shows as `***`."""
+        import shlex
+
+        return " ".join(f"{k}={shlex.quote(_shown(k, v))}" for k, v in self.env.items()) + " " + shlex.join(self.argv)
+
+    def __repr__(self) -> str:
+        env = {k: _shown(k, v) for k, v in self.env.items()}
+        return f"ReplicaLaunch(argv={self.argv!r}, env={env!r}, url={self.url!r})"
+
+
+def _shown(name: str, value: str) -> str:
+    return "***" if "KEY" in name or "TOKEN" in name else value
+
+
+def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_staleness: int = 4, lora_rank: int = 1,
+                   max_loras: int | None = None, api_key_env: str | None = None, block_size: int | None = None,
+                   max_model_len: int | None = None, gpu: int | None = None, dtype: str | None = None,
+                   gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
+                   enforce_eager: bool | None = None, max_logprobs: int = 100, python: str | None = None,
+                   extra_args: list[str] | None = None) -> ReplicaLaunch:
+    """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters.
+
+    `api_key_env` names the variable holding the key; the key itself goes into the replica's
+    environment as `VLLM_API_KEY` (read by vLLM), never onto its command line where `ps` shows it.
+    vLLM checks it under `/v1` only; `colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware` (`--middleware`)
+    asks for it on every other path but `/health` too (`/collective_rpc`, `/pause`, `/server_info`),
+    and proves to the proxy's health polls that the replica holds it.
+    """
+    max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
+    check_slots(max_loras, max_staleness)
+    check_sleep_level(sleep_level, adapter_only=True)
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if api_key_env:
+        key = os.environ.get(api_key_env, "")
+        if not key:
+            raise ValueError(f"api_key_env={api_key_env!r}: the variable is missing or empty; export it first")
+        env["VLLM_API_KEY"] = key
+    argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", host, "--port", str(port), "--enable-lora", "--max-loras", str(max_loras),
+            "--max-lora-rank", str(max_lora_rank_for(lora_rank)), "--enable-prefix-caching",
+            # TRL's VLLMClient.get_sequence_logprobs asks for top_logprobs=100; vLLM's default allows 20
+            "--max-logprobs", str(max_logprobs)]
+    if api_key_env:
+        from colo_kit.async_lora.replica_auth import MIDDLEWARE
+
+        argv += ["--middleware", MIDDLEWARE]
+    if block_size:
+        argv += ["--block-size", str(block_size)]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    if dtype:
+        argv += ["--dtype", dtype]
+    if gpu_memory_utilization:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if sleep_level:
+        argv += ["--enable-sleep-mode"]
+    if enforce_eager or (enforce_eager is None and gpu is not None and vllm_eager(False)):
+        argv += ["--enforce-eager"]
+    argv += list(extra_args or [])
+    return ReplicaLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe
+# ---------------------------------------------------------------------------------------------
+
+class AdapterMismatch(RuntimeError):
+    pass
+
+
+def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | None = None, *,
+                   token: str | None = None, generate: bool = True, timeout_s: float = 60.0) -> list[dict]:
+    """Check that every replica serves `lora_name` (from `lora_path`, if given).
+
+    `GET /v1/models` lists each loaded adapter as `{"id": name, "root": path, "parent": base}`;
+    with `generate`, a one-token completion with `model=lora_name` proves the engine resolves it.
+    Returns one report per replica; raises `AdapterMismatch` listing the replicas that do not.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    reports = []
+    for url in replica_urls:
+        rep = {"replica": url, "listed": False, "root": None, "generated": None, "ok": False, "error": None}
+        try:
+            r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout_s)
+            r.raise_for_status()
+            entry = next((m for m in r.json()["data"] if m["id"] == lora_name), None)
+            rep["listed"] = entry is not None
+            rep["root"] = entry and entry.get("root")
+            rep["adapters"] = [m["id"] for m in r.json()["data"] if m.get("parent")]
+            path_ok = entry is not None and (lora_path is None or
+                                             os.path.abspath(entry.get("root") or "") == os.path.abspath(lora_path))
+            if entry is not None and not path_ok:
+                rep["error"] = f"serves {lora_name} from {entry.get('root')}, expected {lora_path}"
+            if path_ok and generate:
+                g = httpx.post(url.rstrip("/") + "/v1/completions", headers=headers, timeout=timeout_s,
+                               json={"model": lora_name, "prompt": [1, 2, 3], "max_tokens": 1})
+                rep["generated"] = g.status_code == 200 and g.json().get("model") == lora_name
+                if not rep["generated"]:
+                    rep["error"] = f"completion with model={lora_name}: HTTP {g.status_code} {g.text[:200]}"
+            rep["ok"] = path_ok and (rep["generated"] is not False)
+            if not rep["listed"]:
+                rep["error"] = f"{lora_name} not loaded (loaded adapters: {rep['adapters']})"
+        except Exception as exc:
+            rep["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        reports.append(rep)
+    bad = [r for r in reports if not r["ok"]]
+    if bad:
+        raise AdapterMismatch(f"{len(bad)} of {len(reports)} replicas do not serve {lora_name}: "
+                              + "; ".join(f"{r['replica']}: {r['error']}" for r in bad))
+    return reports
+
+
+# ---------------------------------------------------------------------------------------------
+# The publish/load cycle, driven from outside the trainer
+# ---------------------------------------------------------------------------------------------
+
+def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
+    """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""
+    rows = []
+    for v in range(1, syncs + 1):
+        live = list(range(max(1, v - max_staleness), v + 1))
+        rows.append({"sync": v, "current": v, "servable": live,
+                     "loaded_during_sync": min(v, max_staleness + 2),
+                     "unloaded_after": v - max_staleness - 1 if v > max_staleness + 1 else None})
+    return rows
+
+
+def cli_recipe(argv: list[str]) -> int:
+    """Print the launch lines for N replicas (used by the README and scripts/gpu)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m colo_kit.async_lora.lora")
+    ap.add_argument("model")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--base-port", type=int, default=8001)
+    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--lora-rank", type=int, default=1)
+    a = ap.parse_args(argv)
+    for i in range(a.replicas):
+        print(replica_launch(a.model, port=a.base_port + i, gpu=i, max_staleness=a.max_staleness,
+                             lora_rank=a.lora_rank).shell())
+    print(json.dumps({"max_loras": max_loras_for(a.max_staleness), "max_lora_rank": max_lora_rank_for(a.lora_rank)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_recipe(sys.argv[1:]))

@@ -1,0 +1,142 @@
+"""A replica's own port, guarded: the API key on every path, and a proof that a replica holds it.
+
+vLLM checks its API key (`--api-key`, or `VLLM_API_KEY`) only on paths under `/v1`, `/v2`,
+`/inference` and `/cohere` (vllm/entrypoints/serve/middleware/authenticate.py, GUARDED_PREFIX).
+A dev-mode replica — which TRL needs, for `/server_info`, `/pause` and `/resume` — also serves
+`/collective_rpc` (any method of its workers), `/pause`, `/reset_prefix_cache`, `/server_info`
+and `/metrics`, and those answer any local process without the key: the proxy's refusal of
+`/collective_rpc` means nothing if a caller can go round it to the replica's port.
+
+- `ReplicaAuthMiddleware` is an ASGI middleware that vLLM loads with `--middleware
+  colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware` (`colo_kit.async_lora.lora.replica_launch` adds it): it asks
+  for `Authorization: Bearer <VLLM_API_KEY>` on every path but `/health`, which health checks
+  (the proxy's, `colo_kit.procs.wait_healthy`) poll without credentials.
+- **A proof of the key, without sending it.** When a replica dies, any local process can bind its
+  port; the proxy's health poll sees `/health` answer again and used to catch the replica up at
+  once — its first request, an adapter replay, carried the replicas' token to whoever held the
+  port. So the proxy's poll carries a fresh random challenge (`X-Colo-Kit-Challenge`) and the
+  middleware answers `X-Colo-Kit-Proof: HMAC-SHA256(key, challenge and the port it listens on)`.
+  A replica that has proved it holds the key once must prove it on every poll to be taken back
+  (and sent the token); a newcomer on its port cannot. The port is in the proof so that the
+  newcomer cannot relay the challenge to another replica of the same host (same key, other port).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+from urllib.parse import urlsplit
+
+from colo_kit.async_lora.routing import bearer_ok
+
+log = logging.getLogger("colo_kit.async_lora.proxy")  # the proxy logs what KeyProof finds
+
+MIDDLEWARE = "colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware"  # the import path vLLM's --middleware takes
+KEY_ENV = "VLLM_API_KEY"  # where vLLM reads its key, and the middleware with it
+OPEN_PATHS = frozenset({"/health"})  # answered without the key: health checks carry none
+CHALLENGE_HEADER = "X-Colo-Kit-Challenge"
+PROOF_HEADER = "X-Colo-Kit-Proof"
+MAX_CHALLENGE_CHARS = 128
+
+
+def new_challenge() -> str:
+    """A fresh random challenge: a process that never saw it cannot have the proof for it."""
+    return secrets.token_hex(16)
+
+
+def replica_proof(key: str, port: int | None, challenge: str) -> str:
+    """What a replica holding `key` and listening on `port` answers to `challenge`."""
+    message = f"colo-kit-replica-proof|{port}|{challenge}".encode("utf-8", "surrogateescape")
+    return hmac.new(key.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def proof_ok(key: str, port: int | None, challenge: str, answer: str | None) -> bool:
+    """Whether `answer` is the proof for `challenge` of a replica holding `key` on `port` (constant time)."""
+    if not answer:
+        return False
+    return hmac.compare_digest(answer.strip().encode("utf-8", "surrogateescape"),
+                               replica_proof(key, port, challenge).encode())
+
+
+def _header(scope, name: str) -> str | None:
+    wanted = name.lower().encode()
+    for k, v in scope.get("headers", ()):
+        if k.lower() == wanted:
+            return v.decode("latin-1")
+    return None
+
+
+class ReplicaAuthMiddleware:
+    """`Authorization: Bearer <key>` on every path but `OPEN_PATHS` (401 otherwise, as vLLM answers
+    on `/v1`), and the proof of the key on `/health` when asked. The key is `key`, else the
+    environment's `VLLM_API_KEY`, the one vLLM reads; without one it lets everything through, as
+    vLLM does. CORS preflights (OPTIONS, which carry no credentials) pass, as in vLLM's own check."""
+
+    def __init__(self, app, key: str | None = None):
+        self.app = app
+        self.key = key if key is not None else (os.environ.get(KEY_ENV) or None)
+
+    async def __call__(self, scope, receive, send):
+        if self.key is None or scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if path in OPEN_PATHS:  # an exact match: no other spelling is let through unguarded
+            challenge = _header(scope, CHALLENGE_HEADER)
+            if challenge and len(challenge) <= MAX_CHALLENGE_CHARS:
+                return await self.app(scope, receive, self._with_proof(scope, challenge, send))
+            return await self.app(scope, receive, send)
+        if bearer_ok(_header(scope, "Authorization"), self.key):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # closing before accepting refuses the handshake
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = json.dumps({"error": "Unauthorized"}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _with_proof(self, scope, challenge: str, send):
+        server = scope.get("server") or (None, None)  # uvicorn: the address of the socket the request came in on
+        proof = replica_proof(self.key, server[1], challenge).encode()
+
+        async def send_with_proof(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (PROOF_HEADER.lower().encode(), proof)]}
+            await send(message)
+
+        return send_with_proof
+
+
+class KeyProof:
+    """The proxy's side, for one replica: trust on first proof. A replica that has proved it holds
+    the key must prove it on every health poll to be taken back into rotation, and so be sent the
+    token: a process that binds its port after it dies cannot. One that has never proved it (a
+    plain `vllm serve --api-key`, without the middleware) is trusted as before, with a warning,
+    once. Only the key's owner can answer; only a fresh challenge is asked, so no proof is reused."""
+
+    def __init__(self, key: str, base_url: str, shown: str | None = None):
+        self.key = key
+        self.shown = shown or base_url  # the URL as logs show it (no password)
+        self.port = urlsplit(base_url).port or (443 if base_url.startswith("https") else 80)
+        self.proves: bool | None = None  # None: not asked yet
+        self.trusted = True  # False while what answers on the port cannot prove the key it proved before
+
+    def verify(self, challenge: str, answer: str | None) -> bool:
+        """Whether a poll's answer to `challenge` lets the replica be trusted (and log once why, if
+        it is trusted without a proof)."""
+        if proof_ok(self.key, self.port, challenge, answer):
+            self.proves = self.trusted = True
+        elif self.proves:
+            self.trusted = False
+        elif self.proves is None:
+            self.proves = False
+            log.warning("replica %s does not prove it holds the replicas' key (not started by colo_kit.async_lora.lora."
+                        "replica_launch?): a process that took its port after it died would be sent the token",
+                        self.shown)
+        return self.trusted

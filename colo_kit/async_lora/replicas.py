@@ -1,0 +1,303 @@
+"""vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment.
+
+`launch_replicas()` starts N vLLM OpenAI servers from `colo_kit.async_lora.lora.replica_launch` recipes in
+parallel (each takes ~20-60 s on CPU, ~75-105 s on a GPU; replicas sharing a GPU one after
+another), waits for `/health`, and stops them all on exit, even on error. `placement()` says
+where N replicas go on this machine. `replica_counters()` reads a replica's
+`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (vLLM v1 counts both in
+tokens) and `vllm:request_success_total`. `measure_prefix_hits()` sends GRPO-shaped traffic —
+groups of G requests that share one prompt, the G of a group at once, as TRL's rollout worker
+does — to a proxy or router, and counts what the replicas did meanwhile;
+`prefix_hit_rate_experiment()` runs it through the kit's proxy and returns the hit rate the
+replicas themselves report (scripts/router_compare.py runs `measure_prefix_hits()` through
+vllm-router too).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from colo_kit.async_lora.lora import ReplicaLaunch
+from colo_kit.procs import free_port  # noqa: F401  (notebook 06 imports free_port from here)
+from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
+
+
+def run_async(coro):
+    """`asyncio.run`, also from a Jupyter cell (whose thread already runs an event loop)."""
+    import asyncio
+    import threading
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class ReplicaSet:
+    def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike, token: str | None = None):
+        self.launches = launches
+        self.urls = [launch.url for launch in launches]
+        self.token = token
+        self.log_dir = Path(log_dir)
+        self.procs: list[subprocess.Popen] = []
+        self.startup_s: list[float] = []
+
+    def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
+        """Start every replica and wait for `/health`. Replicas on different devices start in
+        parallel; replicas that share a GPU start one after another, because vLLM sizes its KV
+        cache from the memory it sees free while it profiles, and two engines profiling one GPU
+        at once each count the other's growth as their own."""
+        import atexit
+
+        from colo_kit.procs import child_env
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)  # a failed notebook cell or test must not leave servers behind
+        t0 = time.perf_counter()
+        self.startup_s = [0.0] * len(self.urls)
+        try:
+            for wave in _start_waves(self.launches):
+                for i in wave:
+                    launch = self.launches[i]
+                    _check_gpu_share(launch)
+                    # own process group: stop() ends the server and the engine process it spawns
+                    self.procs.append(start_in_session(launch.argv, child_env(**launch.env), self._log(i)))
+                ready = wait_all_healthy({self.urls[i]: (self.procs[i], self._log(i)) for i in wave}, timeout_s,
+                                         t0=t0, what="replica")
+                for i in wave:
+                    self.startup_s[i] = round(ready[self.urls[i]], 1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _log(self, i: int) -> Path:
+        return self.log_dir / f"replica{i}.log"
+
+    def stop(self):
+        stop_groups(self.procs, timeout_s=20)
+        self.procs = []
+
+    def __enter__(self):
+        return self.start() if not self.procs else self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _check_gpu_share(launch: ReplicaLaunch) -> None:
+    """A replica bound for a GPU whose share another process holds: one line now (`colo_kit.gpu_free`), not the
+    replica's "Engine core initialization failed" in its log a minute later."""
+    gpu = launch.env.get("CUDA_VISIBLE_DEVICES", "")
+    if not gpu.isdigit() or "--gpu-memory-utilization" not in launch.argv:
+        return
+    from colo_kit.gpu_free import check_share
+
+    check_share(float(launch.argv[launch.argv.index("--gpu-memory-utilization") + 1]), physical=int(gpu))
+
+
+def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
+    """Indices of the replicas to start together: all at once, unless two share a GPU; then each
+    wave holds at most one replica per GPU."""
+    waves: list[list[int]] = []
+    for i, launch in enumerate(launches):
+        gpu = launch.env.get("CUDA_VISIBLE_DEVICES")
+        for wave in waves:
+            if gpu is None or all(launches[j].env.get("CUDA_VISIBLE_DEVICES") != gpu for j in wave):
+                wave.append(i)
+                break
+        else:
+            waves.append([i])
+    return waves
+
+
+def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
+    """Where `n` replicas go on this machine: `{"gpu": index or None, "gpu_memory_utilization": u}`
+    each. No GPU: all on the CPU. At least n GPUs: one each (the post's layout). Fewer GPUs: they
+    share, round-robin. `share_gib` caps what each replica takes of its GPU (a small model beside a
+    trainer on the same GPU); without it a replica takes 0.85 of a GPU of its own, or an equal part
+    of 0.9 of a shared one. vLLM refuses to start when the share it asks for is not free."""
+    from colo_kit.env import Machine
+
+    machine = machine or Machine.here()
+    if not machine.gpus:
+        return [{"gpu": None, "gpu_memory_utilization": None} for _ in range(n)]
+    per_gpu = -(-n // machine.gpus)
+    u = 0.85 if per_gpu == 1 else 0.9 / per_gpu
+    if share_gib is not None:
+        u = min(u, share_gib / machine.gpu_mem_gib)
+    return [{"gpu": i % machine.gpus, "gpu_memory_utilization": round(u, 3)} for i in range(n)]
+
+
+def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = None,
+                    timeout_s: float = 300.0) -> ReplicaSet:
+    return ReplicaSet(launches, log_dir, token).start(timeout_s)
+
+
+def replica_counters(url: str, token: str | None = None) -> dict:
+    """{'hits': tokens, 'queries': tokens, 'requests': finished requests} summed over the replica's
+    engines, read from its Prometheus `/metrics` with prometheus_client's parser."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+    # vLLM v1 names them vllm:prefix_cache_{hits,queries}; older releases also had a
+    # vllm:gpu_prefix_cache_* pair (deprecated). Use the first family present, never both.
+    found: dict[str, dict[str, float]] = {"": {}, "gpu_": {}}
+    requests = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("vllm:").removesuffix("_total")
+            if name == "request_success":  # one series per finish reason and engine
+                requests += sample.value
+            for prefix in found:
+                for kind in ("hits", "queries"):
+                    if name == f"{prefix}prefix_cache_{kind}":
+                        found[prefix][kind] = found[prefix].get(kind, 0.0) + sample.value
+    use = found[""] or found["gpu_"]
+    return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0), "requests": requests}
+
+
+def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
+                     interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
+    """The replicas' counters once they account for the `requests` just answered.
+
+    vLLM hands a request its final output before its stats logger records that step, so a client
+    can read /metrics before the counters include its own requests. Read until the finished
+    requests, summed over replicas, have grown by `requests` since `before`, and two reads in a row
+    agree (no step still on its way); after `deadline_s`, the last read."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while True:
+        now = [replica_counters(u, token) for u in replica_urls]
+        done = sum(a["requests"] - b["requests"] for a, b in zip(now, before)) >= requests
+        if (done and now == last) or time.monotonic() >= deadline:
+            return now
+        last = now
+        time.sleep(interval_s)
+
+
+def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_size: int, model: str, *,
+                        token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
+                        max_tokens: int = 4, seed_rng: random.Random | None = None,
+                        timeout_s: float = 600.0) -> dict:
+    """Send `prompts` as GRPO groups to `url` and count what the replicas did meanwhile.
+
+    Each prompt (token ids or text) goes as `group_size` separate n=1 requests at once, as TRL's
+    rollout worker sends a group; `concurrent_groups` groups are in flight. `token` reads the
+    replicas' /metrics, `headers` go with the completions; with `seed_rng`, each request carries a
+    seed drawn from it. Returns the per-replica deltas of `replica_counters` (lists in the order of
+    `replica_urls`), each request's latency in seconds, and the wall time. Resetting the caches
+    first is the caller's part (through a proxy, or on each replica)."""
+    import asyncio
+
+    import aiohttp
+
+    before = [replica_counters(u, token) for u in replica_urls]
+
+    async def run():
+        sem, latencies = asyncio.Semaphore(concurrent_groups), []
+        async with aiohttp.ClientSession(headers=headers or {}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+            async def one(prompt):
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0}
+                if seed_rng is not None:
+                    body["seed"] = seed_rng.getrandbits(31)
+                t = time.perf_counter()
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"completion through {url}: HTTP {r.status} {(await r.text())[:300]}")
+                    await r.read()
+                latencies.append(time.perf_counter() - t)
+
+            async def group(prompt):
+                async with sem:
+                    await asyncio.gather(*(one(prompt) for _ in range(group_size)))
+
+            await asyncio.gather(*(group(p) for p in prompts))
+        return latencies
+
+    t0 = time.perf_counter()
+    latencies = run_async(run())
+    wall_s = time.perf_counter() - t0
+    after = settled_counters(replica_urls, before, len(prompts) * group_size, token)
+    return {**{k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("hits", "queries", "requests")},
+            "latency_s": latencies, "wall_s": wall_s}
+
+
+def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: str, *, groups: int = 16,
+                               group_size: int = 8, prompt_tokens: int = 256, shared_prefix_tokens: int = 0,
+                               max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
+                               token: str | None = None, timeout_s: float = 600.0) -> dict:
+    """Send `groups` GRPO groups through the proxy; return the replicas' prefix-cache hit rate.
+
+    Each group is one random prompt of `prompt_tokens` token ids sent as `group_size` separate
+    requests at once (TRL's rollout worker sends n=1 requests with `"prompt": [ids]`). With
+    `shared_prefix_tokens`, every prompt starts with the same that many tokens (a system prompt, a
+    few-shot preamble) and differs after them. The replicas' caches are reset first (a broadcast
+    through the proxy), so the rate measures this traffic only. Hit rate = cached prompt tokens /
+    queried prompt tokens, summed over replicas.
+    """
+    import httpx
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(10, vocab) for _ in range(shared_prefix_tokens)]
+    prompts = [shared + [rng.randrange(10, vocab) for _ in range(prompt_tokens - shared_prefix_tokens)]
+               for _ in range(groups)]
+    r = httpx.post(proxy_url + "/reset_prefix_cache", timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"prefix-cache reset failed through the proxy: {r.status_code} {r.text[:300]}")
+    m = measure_prefix_hits(proxy_url, replica_urls, prompts, group_size, model, token=token,
+                            concurrent_groups=concurrent_groups, max_tokens=max_tokens, seed_rng=rng,
+                            timeout_s=timeout_s)
+    per = [{"replica": u, "hits": h, "queries": q} for u, h, q in zip(replica_urls, m["hits"], m["queries"])]
+    hits, queries = sum(m["hits"]), sum(m["queries"])
+    return {"hit_rate": hits / queries if queries else None, "hits_tokens": hits, "queries_tokens": queries,
+            "per_replica": per, "wall_s": round(m["wall_s"], 3), "requests": groups * group_size,
+            "latency_s": sorted(round(x, 4) for x in m["latency_s"]),
+            "settings": {"groups": groups, "group_size": group_size, "prompt_tokens": prompt_tokens,
+                         "shared_prefix_tokens": shared_prefix_tokens,
+                         "max_tokens": max_tokens, "concurrent_groups": concurrent_groups, "model": model}}
+
+
+def compare_routing(replica_urls: list[str], model: str, *, token_env: str | None = None, block_size: int = 16,
+                    policies=("round_robin", "affinity"), **experiment) -> dict:
+    """The prefix-cache hit rate of the same GRPO traffic under each routing policy: one proxy per
+    policy in front of the same replicas, caches reset before each run."""
+    import os as _os
+
+    from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+
+    token = _os.environ.get(token_env) if token_env else None
+    out = {}
+    for policy in policies:
+        proxy = RoutingProxy(ProxyConfig(replicas=list(replica_urls), port=0, token_env=token_env,
+                                         block_size=block_size, policy=policy)).start_in_thread()
+        try:
+            res = prefix_hit_rate_experiment(proxy.url, replica_urls, model, token=token, **experiment)
+            res["proxy"] = {k: v for k, v in proxy.snapshot().items() if k != "replicas"}
+            res["requests_per_replica"] = {u: r["requests"] for u, r in proxy.snapshot()["replicas"].items()}
+            out[policy] = res
+        finally:
+            proxy.stop_thread()
+    if "affinity" in out and "round_robin" in out and out["round_robin"]["hit_rate"]:
+        out["affinity_over_round_robin"] = round(out["affinity"]["hit_rate"] / out["round_robin"]["hit_rate"], 4)
+    return out

@@ -1,0 +1,85 @@
+"""The weight push in buckets: one `load_weights` call per bucket instead of one per tensor.
+
+TRL 1.16's colocate `sync_weights` (`trl/generation/vllm_generation.py`, the loop over
+`_iter_named_params`) calls the engine's `model.load_weights([(name, param)])` once for every tensor:
+about 340 calls for Qwen2.5-1.5B, each a Python round trip through vLLM's loader (name mapping, the
+fused qkv / gate_up shard loaders). Other RL systems measured the same cost and batched it: SkyRL's
+1 GB buckets (14B: 4.4 s -> 1.6 s), slime's flattened buckets, vLLM's own 1 GiB packed IPC buffers.
+
+`use_bucketed_push(trainer, bucket_mb)` replaces that loop on one trainer's `VLLMGeneration` with
+one that hands vLLM the tensors a bucket at a time (`bucket_mb=0`: all tensors in one call). The
+tensors are the trainer's own parameters, not copies, so a bucket costs no memory; vLLM copies
+each into its bf16 layout as it loads. TRL's walk (`_iter_named_params`: PEFT merge and names),
+its wake-up before the load under sleep mode and its prefix-cache reset stay as TRL has them.
+
+Under DeepSpeed ZeRO-3 TRL's walk gathers each parameter inside a context that frees it again as
+soon as the next one is asked for, and with PEFT it merges the adapters into the base weights for the
+walk and unmerges them when the walk ends, before a last bucket would be loaded: in both cases a
+bucket would hold tensors that have changed, so the patch is not applied and TRL's per-tensor loop
+runs (`use_bucketed_push` returns False and says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+log = logging.getLogger(__name__)
+
+
+def buckets(named_tensors, bucket_bytes: int):
+    """Group `(name, tensor)` pairs into lists of at least `bucket_bytes` (the last may be smaller);
+    `bucket_bytes <= 0` gives one list of everything."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if 0 < bucket_bytes <= size:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def use_bucketed_push(trainer, bucket_mb: float = 0) -> bool:
+    """Make this trainer's colocated weight push load `bucket_mb` MiB per `load_weights` call (0: one
+    call). Returns True when applied; the push counts its calls in `gen.push_calls`."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate":
+        return False
+    from accelerate.utils import is_peft_model  # the check TRL's walk makes
+
+    if is_peft_model(gen.model):
+        log.info("PEFT merges adapters only for the length of TRL's walk: TRL's per-tensor weight push is kept")
+        return False
+    if getattr(getattr(trainer, "accelerator", None), "state", None) is not None:
+        plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            log.info("ZeRO-3 gathers one parameter at a time: TRL's per-tensor weight push is kept")
+            return False
+    from vllm.platforms import current_platform
+
+    from colo_kit.colocate.vllm_compat import load_weights, model_runner
+
+    bucket_bytes = int(bucket_mb * 2**20)
+    gen.push_calls = 0
+
+    def sync_weights(self):
+        if self.enable_sleep_mode:  # as TRL does: map the weights' memory again before writing into it
+            from trl.generation.vllm_generation import empty_cache
+
+            empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        if current_platform.is_cpu():  # vLLM-CPU needs its layer-wise reload (colo_kit.colocate.vllm_compat)
+            load_weights(self.llm, self._iter_named_params())
+            self.push_calls += 1
+            return
+        model = model_runner(self.llm).model
+        for bucket in buckets(self._iter_named_params(), bucket_bytes):
+            model.load_weights(bucket)
+            self.push_calls += 1
+        self.llm.reset_prefix_cache()
+
+    gen.sync_weights = types.MethodType(sync_weights, gen)
+    return True

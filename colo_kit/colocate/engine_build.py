@@ -1,0 +1,180 @@
+"""Building the colocated engine: its settings and TRL's `VLLMGeneration` made with them (used by `colo_kit.colocate.engine`).
+
+Notebook 02 builds the engine (`colo_kit.colocate.engine.ColocatedEngine`); this is the part of that build that
+needs no engine yet: `ColocateSettings` (the engine's sizes from the training settings, validated
+before anything is built) and `model_max_len`, the `LLM(...)` arguments the kit changes
+(`kit_llm_overrides`), and TRL's own colocate-mode `VLLMGeneration`, built by its `__init__` with
+those changes applied to its one `LLM(...)` call (`trl_llm_overrides`, `build_trl_generation`).
+Everything here is importable from `colo_kit.colocate.engine` as well, as before this module was split off.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from colo_kit.env import has_cuda, vllm_eager
+
+# vLLM batches prefill into steps of this many tokens. TRL passes the same value: vLLM's memory
+# profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: derived from the training run, validated before any engine is built
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ColocateSettings:
+    """The training settings an engine is sized from, named as in TRL's `GRPOConfig`."""
+
+    vllm_tensor_parallel_size: int = 1
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_prompt_length: int = 256
+    max_completion_length: int = 256
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_enable_sleep_mode: bool = False
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one engine runs at once: its TP group's prompts for a whole accumulation."""
+        return self.per_device_train_batch_size * self.vllm_tensor_parallel_size * self.gradient_accumulation_steps
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_prompt_length + self.max_completion_length
+
+    def validate(self, world_size: int, model_max_len: int | None = None) -> "ColocateSettings":
+        """Raise ValueError naming the bad value and the fix; return self when all is well."""
+        for name in ("vllm_tensor_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "max_prompt_length", "max_completion_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        tp = self.vllm_tensor_parallel_size
+        if world_size % tp:
+            choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"vllm_tensor_parallel_size={tp} does not divide the world size {world_size}: every TP "
+                             f"group needs the same number of ranks; use one of {choices}")
+        u = self.vllm_gpu_memory_utilization
+        if not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={u!r} is outside (0, 1]: it is the share of each GPU "
+                             "the engine may take (the post uses 0.3 for a 1.5B model beside its trainer)")
+        if model_max_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(f"max_prompt_length + max_completion_length = {self.max_prompt_length} + "
+                             f"{self.max_completion_length} = {self.max_model_len} exceeds the model's limit of "
+                             f"{model_max_len} tokens (max_position_embeddings); shorten the prompt or the completion")
+        return self
+
+    @classmethod
+    def from_grpo_config(cls, args, max_prompt_length: int) -> "ColocateSettings":
+        """The same sizes TRL 1.16's GRPOTrainer gives its colocated engine. TRL has no
+        `max_prompt_length` any more (it infers the context from the model), so pass the longest
+        prompt you expect; `steps_per_generation` defaults to `gradient_accumulation_steps`."""
+        return cls(
+            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.steps_per_generation or args.gradient_accumulation_steps,
+            max_prompt_length=max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
+        )
+
+
+def model_max_len(model: str) -> int | None:
+    """The model's position limit from its config.json (None when it cannot be read offline)."""
+    cfg = Path(model) / "config.json"
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        return data.get("max_position_embeddings")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The LLM arguments the kit changes, and TRL's VLLMGeneration built with them
+# ---------------------------------------------------------------------------------------------
+
+def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
+                      max_num_batched_tokens: int | None = None) -> dict:
+    """What the kit changes in the `LLM(...)` call TRL's `VLLMGeneration._init_vllm` makes, each with the TRL
+    argument it replaces (`tests/test_engine.py` fails if anything else differs):
+
+    - `max_num_batched_tokens` (TRL: `max_num_batched_tokens=4096`): raised to `max_model_len` when that is
+      longer; vLLM refuses a smaller value whenever chunked prefill is off (its CPU backend turns it off).
+    - `dtype`, `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s at start-up and
+      buys nothing for a tiny model.
+    - `enable_sleep_mode` (TRL: `enable_sleep_mode=self.enable_sleep_mode`, then `self.llm.sleep(level=2)` at once
+      and after every generation): the kit builds the engine with sleep mode when asked but leaves TRL's own
+      sleeping off; `colo_kit.colocate.sleep` puts it to sleep by tags, so a notebook can time each part.
+    """
+    return {"max_num_batched_tokens": max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                          settings.max_model_len),
+            "dtype": dtype,
+            "enforce_eager": vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
+            "enable_sleep_mode": settings.vllm_enable_sleep_mode}
+
+
+class _Accelerator(SimpleNamespace):
+    """What TRL's `VLLMGeneration` reads from accelerate's `Accelerator`, for a process group the kit (or
+    torchrun) made without one: ranks, the ZeRO/FSDP state `DistributedBackend` detects, and a barrier."""
+
+    def wait_for_everyone(self):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+
+@contextmanager
+def trl_llm_overrides(**overrides):
+    """While this block runs, the `LLM(...)` call in TRL's `VLLMGeneration._init_vllm` gets `overrides` on top of
+    TRL's own arguments (the one place the kit changes how TRL builds an engine: `ColocatedEngine` here, and
+    `colo_kit.grpo.train.run_grpo` for TRL's trainer). Yields a dict that then holds both: `"trl"` (TRL's arguments)
+    and `"built"` (what `LLM` got). TRL's `LLM` is put back on the way out, also when the build fails."""
+    from trl.generation import vllm_generation
+
+    real_llm, seen = vllm_generation.LLM, {}
+
+    def llm_with_overrides(*args, **trl_kwargs):
+        seen["trl"] = dict(trl_kwargs)
+        seen["built"] = {**trl_kwargs, **overrides}
+        return real_llm(*args, **seen["built"])
+
+    vllm_generation.LLM = llm_with_overrides
+    try:
+        yield seen
+    finally:
+        vllm_generation.LLM = real_llm
+
+
+def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
+                         world_size: int, **overrides):
+    """TRL's `VLLMGeneration` in colocate mode, made by TRL's own `__init__` (so TRL's `_init_vllm` makes the TP
+    groups, sets RANK/WORLD_SIZE/MASTER_*, picks the seed and calls `LLM(...)`), with `kit_llm_overrides` applied
+    to that one call. Returns (the generation object, the arguments TRL passed, the arguments the engine got)."""
+    import torch
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    stand_in = torch.nn.Module()  # TRL reads the model's path from it, and scans it for bitsandbytes layers
+    stand_in.name_or_path = model_path
+    accelerator = _Accelerator(process_index=rank, local_process_index=local_rank, num_processes=world_size,
+                               is_main_process=rank == 0, state=_backend_state(stand_in))
+    with trl_llm_overrides(**overrides) as seen:
+        gen = VLLMGeneration(
+            stand_in, accelerator, None, mode="colocate", tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            gpu_memory_utilization=float(settings.vllm_gpu_memory_utilization),
+            max_model_length=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+            enable_sleep_mode=False)  # TRL's own sleeping stays off: colo_kit.colocate.sleep sleeps by tags
+    return gen, seen.get("trl", {}), seen.get("built", {})
+
+
+def _backend_state(model) -> SimpleNamespace:
+    """What TRL's `DistributedBackend` reads from `accelerator.state`: here, ZeRO-3 is a model whose
+    parameters DeepSpeed has partitioned (`ds_id`), with or without accelerate."""
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    return SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3) if zero3 else None, fsdp_plugin=None)

@@ -1,0 +1,70 @@
+"""The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
+colo_kit.colocate.engine_check --tp 2 [--sampled] [--push]`.
+
+Every process builds a `ColocatedEngine`, generates greedily (and, with `--sampled`, samples the
+whole TP group's prompts at temperature 1), and prints one JSON line per rank: rank, seed, TP
+size, token ids. With `vllm_tensor_parallel_size=2` the two ranks are one model: the same seed
+(`rank // tp`), the same group completions, each rank its own prompts' slice.
+`tests/test_engine.py` compares the ranks' lines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build an engine in every process, generate greedily, and print one JSON line per rank
+    (rank, seed, TP group, token ids): the TP=2 test compares them across ranks."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m colo_kit.colocate.engine_check")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--sampled", action="store_true", help="also sample at temperature 1 with the TP seed")
+    ap.add_argument("--push", action="store_true", help="also push the model's own weights, then perturbed ones")
+    ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
+    args = ap.parse_args(argv)
+    s = ColocateSettings(vllm_tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
+                         max_completion_length=args.max_tokens)
+    engine = ColocatedEngine(args.model, s)
+    prompts = [f"rank {engine.rank} prompt {i}:" for i in range(2)]
+    greedy = engine.generate(prompts, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rec = {"rank": engine.rank, "seed": engine.seed, "tp": engine.tp, "prompts": prompts,
+           "prompt_texts": [engine.tokenizer.decode(ids) for ids in greedy.prompt_ids],
+           "greedy": greedy.completion_ids}
+    if args.sampled:
+        group = engine.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
+                                whole_group=True)
+        rec["group_sampled"] = group.completion_ids
+    if args.push:  # each rank loads the full weights; load_weights keeps this rank's TP shard
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16)
+        before = engine.probe()
+        engine.push_weights(model)
+        rec["push_same_probe"] = engine.probe() == before
+        torch.manual_seed(0)  # the same perturbation on every rank: they are one model
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        engine.push_weights(model)
+        rec["push_perturbed_probe"] = engine.probe()["token_ids"]
+        rec["probe"] = before["token_ids"]
+    print("COLO_KIT_ENGINE " + json.dumps(rec), flush=True)
+    if args.out_dir:
+        Path(args.out_dir, f"rank{engine.rank}.json").write_text(json.dumps(rec))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import colo_kit
+
+    colo_kit.setup()
+    raise SystemExit(main())

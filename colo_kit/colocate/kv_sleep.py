@@ -1,0 +1,97 @@
+"""Sleep that releases only the KV cache: the weights stay mapped on the GPU between generations.
+
+vLLM 0.26's sleep has two levels, and both unmap the weights: level 1 copies them to CPU memory and back,
+level 2 discards them and TRL pushes them again from the trainer. When the weights fit beside training and
+only the KV cache is in the trainer's way, both levels pay for moving weights that need not move. Mapping
+the memory back costs time of its own (about 5.6 ms per GB, vLLM #45648), so a switch that leaves the
+weights alone is the cheaper one. unsloth's "standby" does this by patching vLLM's allocator; vLLM added
+`release_kv_cache_memory()` after 0.26 (PR #44890). With vLLM 0.26 the kit does it with vLLM's own pieces:
+
+1. `llm.reset_prefix_cache()` (the cached blocks are about to be lost) and `llm.sleep(level=0)`, which
+   pauses vLLM's scheduler and touches no memory;
+2. every allocation tagged `kv_cache` in vLLM's `CuMemAllocator` is unmapped, as `sleep` itself would;
+3. the executor is marked asleep with only `kv_cache` sleeping, so vLLM's own `wake_up(tags=["kv_cache"])`
+   maps it again, runs the model runner's after-wake step and resumes scheduling.
+
+`use_kv_sleep(trainer)` makes TRL's colocate sleep (`vllm_enable_sleep_mode=True`) work this way: TRL's
+first level-2 sleep, right after the engine is built, stays as TRL has it; after that each `sleep(level=2)`
+releases the KV cache only, and TRL's wake-up of the weights before a push is skipped (nothing to wake).
+The push still overwrites the weights in place, so what vLLM generates with is the trainer's latest.
+
+Only on NVIDIA GPUs: vLLM's CPU engine has no sleep mode (`colo_kit.colocate.sleep.SleepModeUnavailable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+log = logging.getLogger(__name__)
+
+
+def engine_core(llm):
+    """The in-process `EngineCore` of an `LLM` (external_launcher, or V1 without multiprocessing)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def kv_sleep(llm, pause=None) -> int:
+    """Release the engine's KV cache and keep its weights; returns the bytes unmapped. `pause` is vLLM's own
+    `LLM.sleep` when `llm.sleep` has been replaced by one that calls this (`use_kv_sleep`)."""
+    executor = engine_core(llm).model_executor
+    if executor.is_sleeping:
+        raise RuntimeError(f"the engine is already asleep ({sorted(executor.sleeping_tags)}): wake it before "
+                           "releasing its KV cache")
+    llm.reset_prefix_cache()
+    (pause or llm.sleep)(level=0)  # vLLM pauses its scheduler; no memory moves
+    freed = unmap_kv_cache()
+    executor.is_sleeping = True
+    executor.sleeping_tags = {"kv_cache"}
+    return freed
+
+
+def unmap_kv_cache() -> int:
+    """Unmap every allocation tagged `kv_cache` in vLLM's `CuMemAllocator`, as `sleep` itself would."""
+    import torch
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    torch.cuda.synchronize()
+    freed = 0
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+            freed += data.handle[1]
+    return freed
+
+
+def use_kv_sleep(trainer) -> bool:
+    """Make this trainer's colocated engine release only its KV cache when TRL puts it to sleep. Returns True
+    when applied (colocate mode with `vllm_enable_sleep_mode=True` on a GPU)."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate" or not gen.enable_sleep_mode:
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        from colo_kit.colocate.sleep import SleepModeUnavailable
+
+        raise SleepModeUnavailable.for_this_platform("KV-only sleep")
+    llm = gen.llm
+    sleep, wake_up = llm.sleep, llm.wake_up
+    executor = engine_core(llm).model_executor
+
+    def sleep_kv_only(self, level: int = 1, **kw):
+        if executor.is_sleeping:  # TRL's very first sleep happened before this patch; keep vLLM's answer
+            return sleep(level, **kw)
+        kv_sleep(self, pause=sleep)  # vLLM's own sleep: `self.sleep` is this function
+
+    def wake_up_what_sleeps(self, tags=None, **kw):
+        if tags is not None:
+            tags = [t for t in tags if t in executor.sleeping_tags]
+            if not tags:
+                return None  # e.g. TRL waking the weights before a push: they never left
+        return wake_up(tags, **kw)
+
+    llm.sleep = types.MethodType(sleep_kv_only, llm)
+    llm.wake_up = types.MethodType(wake_up_what_sleeps, llm)
+    return True

@@ -1,0 +1,93 @@
+"""The two reward functions of the posts, in TRL's reward-function signature.
+
+TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=..., **columns)`
+where `completions` is a list of strings (plain prompts) or of message lists (chat prompts),
+and every other dataset column arrives as a keyword argument. It expects one float per
+completion back, or None where the reward does not apply (TRL then ignores that entry).
+
+- `length_reward`: the first post's toy reward, `-abs(target - len(completion))` with target 20
+  characters. It needs no model quality at all, so even a random-weight model learns it within
+  a few dozen steps: the reward curve visibly rises, which is what the quickstart shows.
+- `math500_reward`: 1.0 if the completion's final answer matches the gold `answer` column,
+  0.0 if not, None if the gold answer is missing, is no string or number (NaN, bytes, a dict) or
+  cannot be parsed (a broken label should not punish the policy) or if the checker ran out of time
+  (it learned nothing about the answer). A number is checked as its string form.
+  The checking is `colo_kit.answers.math500.is_correct`, built on math-verify.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+
+def completion_text(completion) -> str:
+    """The generated text of one completion, whether TRL passed a string or chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, Sequence) and not isinstance(completion, (bytes, bytearray)):
+        # Chat form: a list of messages; the assistant's turn(s) are what was generated.
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    raise TypeError(f"cannot read a completion of type {type(completion).__name__}; "
+                    "expected a string or a list of chat messages")
+
+
+def _completion_list(completions) -> list:
+    """TRL passes a list with one entry per completion; a bare string would be read letter by letter."""
+    if isinstance(completions, (str, bytes, bytearray)) or not isinstance(completions, Sequence):
+        raise TypeError(f"completions must be a list with one entry per completion (strings or chat messages), "
+                        f"not {type(completions).__name__}; wrap a single completion as [text]")
+    return list(completions)
+
+
+def length_reward(completions, target: int = 20, **kwargs) -> list[float]:
+    """`-abs(target - len(text))`: 0 for exactly `target` characters, more negative further away."""
+    if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+        raise ValueError(f"target={target!r}: the target length is a number of characters, an int >= 0")
+    return [-float(abs(target - len(completion_text(c)))) for c in _completion_list(completions)]
+
+
+def make_length_reward(target: int = 20):
+    """`length_reward` with another target, named so TRL logs it as `rewards/length_reward/mean`."""
+    def length_reward_(completions, **kwargs):
+        return length_reward(completions, target=target)
+
+    length_reward_.__name__ = "length_reward"
+    return length_reward_
+
+
+def _gold_text(gold) -> str | None:
+    """The gold answer as the checker reads it, or None for a label that is no answer: missing, NaN (pandas'
+    empty cell), a bool, bytes, a dict or list. A number is checked as its string form (`2` as "2")."""
+    if isinstance(gold, str):
+        return gold
+    if isinstance(gold, numbers.Real) and not isinstance(gold, bool):
+        return str(gold) if math.isfinite(gold) else None
+    return None
+
+
+def math500_reward(completions, answer, **kwargs) -> list[float | None]:
+    """1.0 / 0.0 per completion against the gold `answer` column; None where gold is unparseable."""
+    from colo_kit.answers.math500 import CheckerTimeout, UnparseableGold, is_correct
+
+    completions = _completion_list(completions)
+    if isinstance(answer, (str, bytes, bytearray, dict, numbers.Number)) or not hasattr(answer, "__len__"):
+        answer = [answer] * len(completions)  # one gold answer for every completion (None included)
+    if len(answer) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers; TRL passes one "
+                         "`answer` per completion (the dataset needs an `answer` column)")
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer):
+        text, gold = completion_text(completion), _gold_text(gold)
+        if gold is None:
+            rewards.append(None)  # no usable label: TRL ignores the entry instead of punishing the policy
+            continue
+        try:
+            rewards.append(1.0 if is_correct(text, gold) else 0.0)
+        except (UnparseableGold, CheckerTimeout):
+            # a checker that ran out of time knows nothing about the answer: None, never a 0.0 reward
+            rewards.append(None)
+    return rewards

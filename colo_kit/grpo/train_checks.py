@@ -1,0 +1,181 @@
+"""Settings checked before anything is built: what `colo-kit train` and `run_grpo` refuse, each in one line
+naming the bad value and the fix, instead of failing once the model has loaded (often 10-30 s later, inside
+TRL or vLLM). TRL's `TrlParser` converts command-line values but hands a `--config` YAML's values on as they
+are, so GRPOConfig fields are type-checked here against `GRPOConfig`'s own annotations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODES = ("colocate", "server", "plain")
+MAX_PER_DEVICE_BATCH = 65536  # completions per device per step; the planner's recipes use 8-256
+MAX_SEED = 2**32 - 1  # numpy's seed range: TRL's set_seed seeds numpy too
+NO_CONFIG_MAX_POSITIONS = 1_048_576  # a completion-length bound when the model's config cannot be read offline
+
+
+def check_settings(mode: str, *, max_steps: int, num_generations: int, per_device_train_batch_size: int,
+                   vllm_gpu_memory_utilization: float, vllm_server_base_url: str | None = None,
+                   vllm_server_host: str | None = None,
+                   max_completion_length: int | None = None, learning_rate: float | None = None,
+                   seed: int | None = None) -> None:
+    """Raise ValueError naming the bad value and the fix, before any model or trainer is built.
+    The keyword arguments are GRPOConfig's fields, by TRL's names; those left as None are not checked."""
+    import math
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    for name, value, least in (("max_steps", max_steps, 1), ("num_generations", num_generations, 2),
+                               ("per_device_train_batch_size", per_device_train_batch_size, 1),
+                               ("max_completion_length", 1 if max_completion_length is None else max_completion_length, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            why = " (GRPO compares completions of one prompt with each other)" if name == "num_generations" else ""
+            raise ValueError(f"{name}={value!r}: give a whole number of at least {least}{why}")
+    batch = per_device_train_batch_size
+    if batch > MAX_PER_DEVICE_BATCH:
+        tokens = f" x max_completion_length {max_completion_length} = {batch * max_completion_length:.3g} " \
+                 "tokens" if max_completion_length else ""
+        raise ValueError(f"per_device_train_batch_size={batch}: more than {MAX_PER_DEVICE_BATCH} completions per device "
+                         f"per step{tokens}, whose activations no GPU holds; give at most {MAX_PER_DEVICE_BATCH} "
+                         "(colo-kit plan sizes a batch)")
+    if batch % num_generations:
+        raise ValueError(f"per_device_train_batch_size={batch} must be a multiple of num_generations="
+                         f"{num_generations}: GRPO compares the completions of one prompt with each other")
+    if not isinstance(vllm_gpu_memory_utilization, (int, float)) or not 0 < vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization}; it is a fraction in (0, 1]")
+    if learning_rate is not None and (not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool)
+                                      or not math.isfinite(learning_rate) or learning_rate <= 0):
+        raise ValueError(f"learning_rate={learning_rate!r}: give a finite number above 0, e.g. 1e-3")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed={seed!r}: give a whole number from 0 to {MAX_SEED} (numpy's seed range, which "
+                         "TRL's set_seed uses)")
+    if vllm_server_base_url is not None:
+        check_server_url(vllm_server_base_url)
+    # TRL takes the server as a base URL or as host and port; without either it waits 240 s for 0.0.0.0:8000
+    if mode == "server" and not (vllm_server_base_url or vllm_server_host):
+        raise ValueError("mode='server' needs vllm_server_base_url, or vllm_server_host and vllm_server_port "
+                         "(start a server with colo_kit.serving.server)")
+
+
+def check_server_url(url) -> None:
+    """An http(s) URL with a host (and a valid port, if any): anything else would be refused only after
+    TRL's 240 s wait for the server."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = ok and (parts.port is None or parts.port > 0)  # .port raises ValueError past 65535
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"vllm_server_base_url={url!r}: give an http(s) URL with a host, e.g. http://127.0.0.1:8000 "
+                         "(colo_kit.serving.server starts a server)")
+
+
+def model_max_positions(model: str) -> int | None:
+    """The model's context length (`max_position_embeddings`) when its config can be read without a download:
+    a preset's, or config.json in a model folder or in the Hugging Face cache; None otherwise."""
+    import json
+    import os
+
+    from colo_kit.models import PRESETS
+
+    model = str(model)
+    config = None
+    if os.path.isdir(model):
+        config = Path(model) / "config.json"
+    elif model.lower() in PRESETS:
+        return PRESETS[model.lower()].max_position_embeddings
+    elif "/" in model:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a valid hub id: resolve_model has said what it is
+            cached = None
+        config = Path(cached) if isinstance(cached, str) else None
+    try:
+        loaded = json.loads(config.read_text()) if config is not None else {}
+    except (OSError, ValueError):
+        return None
+    loaded = loaded.get("text_config", loaded) if isinstance(loaded, dict) else {}
+    value = loaded.get("max_position_embeddings") if isinstance(loaded, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_context(model: str, max_completion_length: int | None) -> None:
+    """A completion longer than the model's context fails inside vLLM, after the model loads."""
+    if max_completion_length is None:  # GRPOConfig's None: as long as the engine allows
+        return
+    limit = model_max_positions(model)
+    if limit is None:
+        if max_completion_length > NO_CONFIG_MAX_POSITIONS:
+            raise ValueError(f"max_completion_length={max_completion_length}: above {NO_CONFIG_MAX_POSITIONS} tokens, "
+                             f"longer than any model's context; give at most the model's max_position_embeddings")
+    elif max_completion_length > limit:
+        raise ValueError(f"max_completion_length={max_completion_length}: longer than {model}'s context "
+                         f"(max_position_embeddings={limit}); give at most {limit}")
+
+
+def _fits(value, kind) -> bool | None:
+    """Whether `value` is of the GRPOConfig field type `kind`; None for a type this check does not know."""
+    import types as pytypes
+    import typing
+
+    if typing.get_origin(kind) in (typing.Union, pytypes.UnionType):
+        args = typing.get_args(kind)
+        if value is None and type(None) in args:
+            return True
+        results = [_fits(value, a) for a in args if a is not type(None)]
+        return True if True in results else None if None in results else False
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    return None
+
+
+def _kind_name(kind) -> str:
+    return str(kind).replace("<class '", "").replace("'>", "").replace("NoneType", "None")
+
+
+def loss_types() -> tuple[str, ...]:
+    """The loss_type values TRL implements, as its own GRPOConfig help lists them ("Supported values are
+    'grpo', ..."); empty if that help changes, and then loss_type is left to TRL."""
+    import dataclasses
+    import re
+
+    from trl import GRPOConfig
+
+    help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type")
+    supported = help_.split("Supported values are", 1)[1].split(". ", 1)[0] if "Supported values are" in help_ else ""
+    return tuple(re.findall(r"'(\w+)'", supported))
+
+
+def check_grpo_fields(fields: dict) -> None:
+    """Raise ValueError naming a GRPOConfig field that TRL would take and fail on only once the model is loaded:
+    a value of the wrong type (TrlParser hands a --config YAML's values on unconverted), a loss_type TRL does
+    not implement (its trainer raises at the first loss), a temperature vLLM refuses, a negative or endless beta."""
+    import math
+    import typing
+
+    from trl import GRPOConfig
+
+    kinds = typing.get_type_hints(GRPOConfig)  # not the fields' .type, which HfArgumentParser rewrites in place
+    for name, value in fields.items():
+        if name in kinds and _fits(value, kinds[name]) is False:
+            raise ValueError(f"{name}={value!r}: GRPOConfig's {name} is {_kind_name(kinds[name])}, "
+                             f"not {type(value).__name__}; give one (--{name} or '{name}:' in the --config YAML)")
+    if "loss_type" in fields and (known := loss_types()) and fields["loss_type"] not in known:
+        raise ValueError(f"loss_type={fields['loss_type']!r}: TRL implements {', '.join(known)}; choose one")
+    temperature, beta = fields.get("temperature"), fields.get("beta")
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r}: give a finite number above 0 (TRL divides the logits by it; "
+                         "1.0, TRL's default, samples the model as it is)")
+    if beta is not None and not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"beta={beta!r}: the KL coefficient is a finite number of at least 0 (0.0, TRL's default, "
+                         "loads no reference model)")

@@ -1,0 +1,185 @@
+"""Break-it labs: the posts' pitfalls, run live on the learner's machine, broken and then fixed.
+
+Each function runs the real parts (TRL's trainer, vLLM's engine) twice, once with the pitfall and once
+without, and returns one row per run for the notebook to print side by side:
+
+- `top_p_breaks_importance_sampling` (notebook 00): with `top_p < 1` vLLM samples from a truncated,
+  renormalised distribution, while the trainer scores the same tokens under its full softmax. TRL's
+  importance-sampling correction sees the difference on every token; its sequence-level ratio (a product
+  over the completion's tokens) collapses towards 0, and the loss of those sequences with it (TRL #6789).
+- `tp_seed_rule` (notebook 03): the two workers of a TP-2 engine sample with one seed (`rank // tp`, TRL's
+  rule) and then with one seed each (`rank`, the bug the post bisected, vLLM #15895); each worker reports the
+  tokens the whole group generated. Under one seed they are the same tokens; under two they drift apart.
+- `lost_buffers` (notebook 02): vLLM #16564, where level-2 sleep lost the model's buffers (the rotary
+  embedding's cos/sin table) and `load_weights` brings back parameters only. The loss is played by overwriting
+  the engine's buffers with arbitrary values (on a CPU there is no sleep to lose them), then the trainer's weights are
+  pushed, the greedy probe is compared, the buffers restored from a snapshot, and the probe compared again.
+- `one_adapter_name` (notebook 06): a LoRA replica keys its cached KV blocks by the adapter's name and path
+  (vLLM's `_gen_lora_extra_hash_keys`). Publish every version under one name into one folder, and the second
+  version's prompt reuses blocks the first version computed; versioned names (TRL's `trl-policy-vN`, each in
+  its own folder) reuse none.
+"""
+
+from __future__ import annotations
+
+
+def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int = 3, **run_kwargs) -> list[dict]:
+    """Train `steps` GRPO steps at each `top_p` with one reused engine; return TRL's importance-sampling logs."""
+    from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
+    from colo_kit.grpo.train import run_grpo
+
+    from transformers.trainer_callback import PrinterCallback
+
+    def quiet(trainer):  # no progress bar and no per-step dict: the table below is the output
+        trainer.remove_callback(PrinterCallback)
+
+    rows = []
+    reuse_engines()  # top_p is a sampling setting, not an engine one: both runs share one engine
+    try:
+        for top_p in top_ps:
+            run = run_grpo(model, "colocate", max_steps=steps, num_generations=4, per_device_train_batch_size=8,
+                           max_completion_length=32, learning_rate=1e-3, top_p=top_p, disable_tqdm=True, on_trainer=quiet,
+                           **run_kwargs)
+            rows.append({
+                "top_p": top_p,
+                "IS ratio mean (TRL's log)": run.series("sampling/importance_sampling_ratio/mean")[-1],
+                "IS ratio min": run.series("sampling/importance_sampling_ratio/min")[-1],
+                "vLLM vs trainer log-prob gap (nats/token)": run.series("sampling/sampling_logp_difference/mean")[-1],
+            })
+            del run
+    finally:
+        release_engines()
+    return rows
+
+
+SEED_RULES = {"seed = rank // tp (TRL's rule)": lambda rank, tp: rank // tp,
+              "seed = rank (one seed per worker)": lambda rank, tp: rank}
+
+
+def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -> dict:
+    """One rank of a TP-2 engine (inside `colo_kit.parallel.launch`): sample the group's prompts under each seed rule."""
+    import torch.distributed as dist
+
+    from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
+    from colo_kit.parallel.tp import random_prompts, unique_cpu_shm_names
+
+    unique_cpu_shm_names()
+    rank, tp = dist.get_rank(), 2
+    engine = ColocatedEngine(model, ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=2,
+                                                     max_prompt_length=32, max_completion_length=max_tokens),
+                             enforce_eager=enforce_eager)
+    try:
+        prompts = random_prompts(2, 16, seed=rank)
+        samples = {}
+        for rule, seed_of in SEED_RULES.items():
+            # vLLM draws a request's tokens from a generator seeded with the request's seed: the same mechanism as
+            # the engine seed TRL sets, per request, so both rules run on one engine
+            out = engine.generate(prompts, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=False,
+                                  whole_group=True, seed=1000 + seed_of(rank, tp))
+            samples[rule] = out.completion_ids
+    finally:
+        engine.close()
+    return {"rank": rank, "samples": samples}
+
+
+def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool | None = True) -> list[dict]:
+    """Launch a TP-2 engine on two processes (2 GPUs, or 2 CPU processes) and compare what its two workers
+    sampled under each seed rule: one row per rule with the share of token positions where they agree."""
+    from colo_kit.parallel.launch import free_port, launch
+    from colo_kit.parallel.tp import remove_cpu_shm
+
+    port = free_port()
+    try:
+        ranks = launch(_seed_rule_worker, model, max_tokens, enforce_eager, num_processes=2, port=port,
+                       echo=False).results
+    finally:
+        remove_cpu_shm(port)
+    rows = []
+    for rule in SEED_RULES:
+        a, b = (r["samples"][rule] for r in ranks)
+        pairs = [(x, y) for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b)]
+        rows.append({"rule": rule, "positions": len(pairs),
+                     "same token on both workers": round(sum(x == y for x, y in pairs) / len(pairs), 3),
+                     "rank 0 first tokens": a[0][:6], "rank 1 first tokens": b[0][:6]})
+    return rows
+
+
+def lost_buffers(engine, trainer_model) -> list[dict]:
+    """On a live `ColocatedEngine`: the greedy probe before, after losing the buffers and pushing the weights,
+    and after restoring the buffers from a snapshot taken beforehand (what `SleepManager` keeps). A random model's
+    greedy tokens often repeat one token whatever the positions say, so the rows compare log-probabilities too."""
+    import torch
+
+    def gap(probe, ref) -> float:
+        return round(max(abs(a - b) for a, b in zip(probe["logprobs"], ref["logprobs"])), 4)
+
+    before = engine.probe()
+    buffers = dict(engine.vllm_model.named_buffers())
+    snapshot = {name: b.detach().clone() for name, b in buffers.items()}
+    rows = [{"step": "awake, as built", "buffers": ", ".join(buffers) or "none", "greedy tokens": before["token_ids"][:6],
+             "same tokens": True, "max |log-prob change|": 0.0}]
+    noise = torch.Generator().manual_seed(0)  # the same "garbage" every run
+    with torch.no_grad():
+        for b in buffers.values():  # freed memory mapped again holds whatever it holds
+            b.copy_(torch.randn(b.shape, generator=noise).to(b.dtype) * 100)
+    engine.push_weights(trainer_model)  # parameters only: load_weights does not touch buffers
+    for step, probe_of in (("buffers lost, weights pushed", None), ("buffers restored from the snapshot", snapshot)):
+        if probe_of is not None:
+            with torch.no_grad():
+                for name, b in buffers.items():
+                    b.copy_(probe_of[name])
+        probe = engine.probe()
+        rows.append({"step": step, "buffers": "overwritten" if probe_of is None else "restored",
+                     "greedy tokens": probe["token_ids"][:6], "same tokens": probe["token_ids"] == before["token_ids"],
+                     "max |log-prob change|": gap(probe, before)})
+    return rows
+
+
+def one_adapter_name(replica_url: str, token: str | None, first, second, workdir,
+                     prompt_tokens: int = 128) -> list[dict]:
+    """On a live LoRA replica: prompt tokens served from cached blocks when the second adapter version follows
+    the first under one name and folder, and under versioned names and folders (the replica's own counters)."""
+    import random
+    import shutil
+    from pathlib import Path
+
+    import httpx
+
+    from colo_kit.async_lora.replicas import replica_counters, settled_counters
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    prompt = [random.Random(7).randrange(10, 1000) for _ in range(prompt_tokens)]
+
+    def post(path, **body):
+        r = httpx.post(replica_url.rstrip("/") + path, json=body, headers=headers, timeout=120)
+        r.raise_for_status()
+
+    def reused(name) -> float:  # prompt tokens served from cached blocks for one request
+        before = replica_counters(replica_url, token)
+        post("/v1/completions", model=name, prompt=prompt, max_tokens=1, temperature=0.0)
+        (after,) = settled_counters([replica_url], [before], 1, token)  # once the counters include this request
+        return after["hits"] - before["hits"]
+
+    def publish(src, dst: Path):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+        return str(dst)
+
+    workdir = Path(workdir)
+    rows = []
+    for case, names, folders in (("one name, one folder", ("policy", "policy"), ("policy", "policy")),
+                                 ("versioned (trl-policy-vN)", ("policy-v1", "policy-v2"), ("policy-v1", "policy-v2"))):
+        post("/reset_prefix_cache")
+        loaded = []
+        for version, (name, folder, src) in enumerate(zip(names, folders, (first, second)), start=1):
+            if name in loaded:  # the new version replaces the old one under its name, as a fixed-name sync would
+                post("/v1/unload_lora_adapter", lora_name=name)
+                loaded.remove(name)
+            post("/v1/load_lora_adapter", lora_name=name, lora_path=publish(src, workdir / case.split()[0] / folder))
+            loaded.append(name)
+            hits = reused(name)
+            rows.append({"publishing": case, "version": version, "adapter name": name,
+                         "prompt tokens from cached blocks": int(hits)})
+        for name in loaded:
+            post("/v1/unload_lora_adapter", lora_name=name)
+    return rows

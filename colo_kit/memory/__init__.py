@@ -1,0 +1,8 @@
+"""Memory planning and recipes: notebook 04 (the 72B ZeRO-3 recipe).
+
+- planner, planner_cli, planner_validation, model_shapes: per-GPU memory of a GRPO step by part, checked
+  against measured peaks; `colo-kit plan`
+- recipe, recipes: the GRPOConfig YAML `colo-kit plan --recommend` writes, and the accelerate and DeepSpeed
+  configs for one node or many
+- speed: TRL's defaults against the kit's knobs, tokens/s and time to the same reward, on one GPU
+"""

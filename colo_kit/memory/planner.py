@@ -1,0 +1,432 @@
+"""Memory planner: will this GRPO run fit on these GPUs, and with which settings?
+
+The question behind TRL's colocate OOM reports (#2688, #3128): a colocated vLLM engine and the trainer
+share each GPU, so `vllm_gpu_memory_utilization`, the sleep level, vLLM's tensor parallelism, the ZeRO
+stage and CPU offload decide together whether a step runs out of memory. This module estimates the
+per-GPU memory of a TRL `GRPOTrainer` step, part by part, in its two phases:
+
+- generation: the vLLM engine awake (`u × GPU memory`: weights, KV cache, its own activations) beside
+  what the trainer keeps between steps (weights, optimizer states, what the allocator cannot return);
+- training: forward + backward + optimizer step, with the engine asleep (sleep level 1 or 2) or still
+  holding `u × GPU memory` (no sleep).
+
+It then says whether the peak fits and recommends settings: the smallest TP, the sleep level, the highest
+safe `vllm_gpu_memory_utilization`, ZeRO-3 and optimizer offload when the training state alone is too big.
+
+What TRL 1.16 really keeps (read in its source, not assumed):
+- A model given by path is loaded in **float32** unless `model_init_kwargs={"dtype": ...}` says otherwise;
+  `bf16=True` is autocast. So weights, gradients and AdamW's two moments are fp32: 16 bytes per parameter.
+- `gradient_checkpointing` defaults to **True** in `GRPOConfig`.
+- Per-token log-probs use a fused, chunked LM head (`trl.kernels.ChunkedLogProbFunction`): the
+  `(tokens, vocab)` logits are never materialised; the cost is a `4096 × 32768` tile and an fp32
+  gradient of the LM head weight.
+- With sleep mode TRL sleeps at level 2 and calls `torch.cuda.empty_cache()` before each wake-up.
+
+Each constant below is either set from a physical fact or fitted; `results/planner_validation.json`
+says which, against which measured rows, and the error on every row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from colo_kit.memory.model_shapes import model_shape  # noqa: F401  (planner.model_shape: callers read it here)
+from colo_kit.models import Preset
+
+GIB = 2**30
+# What CUDA reports as total memory on one H200 (nvidia-smi: 143,771 MiB, less the driver's share).
+H200_GIB = 139.8
+
+# ---- set from physical facts -------------------------------------------------------------------
+TOKEN_TILE = 4096          # TRL's chunked log-prob: tokens per tile (trl/kernels/chunked_logprob.py)
+VOCAB_TILE = 32768         # ... and vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
+WEIGHT_SYNC_BUFFERS_GIB = 2.0   # server mode: vLLM's packed NCCL broadcast, 2 buffers of 1 GiB
+VLLM_ASLEEP_GIB = 0.25     # what a sleeping engine still holds (CUDA graph pool); GPU README: sleep(2) freed 41.7 of 41.9 GiB
+VLLM_OVERHEAD_GIB = 1.5    # inside u × memory but not KV: activation headroom + CUDA graphs (vLLM's profiler)
+SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under 92% of the GPU
+
+# ---- fitted to the measured rows (see results/planner_validation.json and fit_constants) ---------
+FITTED = {
+    # per process: CUDA context, cuBLAS/cuDNN workspaces, and vLLM's buffers outside its budget
+    "CUDA_CONTEXT_GIB": 0.5,
+    # per process with a communicator (world size > 1, or server mode's NCCL link to vLLM)
+    "NCCL_GIB": 0.25,
+    # fraction of the step's freed memory that empty_cache() cannot hand back before vLLM wakes up
+    # (allocator segments pinned by tensors allocated among them, e.g. the optimizer states)
+    "KEPT_AFTER_EMPTY_CACHE": 0.25,
+}
+
+
+def _finite_positive(value) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+# =================================================================================================
+# The settings of a run
+# =================================================================================================
+
+@dataclass
+class Plan:
+    model: str = "qwen2.5-1.5b"
+    gpus: int = 1
+    gpu_mem_gib: float = H200_GIB
+    mode: str = "colocate"                    # colocate | server (server: the training GPU)
+    zero_stage: int = 0                       # 0 = DDP
+    offload_optimizer: bool = False           # DeepSpeed offload_optimizer: cpu (needs zero_stage >= 1)
+    offload_params: bool = False              # DeepSpeed offload_param: cpu (needs zero_stage 3)
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"aliases": ["--tp"]})  # `colo-kit plan --tp 2`
+    sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
+    kv_only_sleep: bool = False               # with sleep: release the KV cache only (colo_kit.colocate.kv_sleep)
+    per_device_train_batch_size: int = 8      # completions per GPU per step
+    steps_per_generation: int = 1             # TRL's: one generation feeds this many optimizer steps
+    prompt_length: int = 96
+    max_completion_length: int = 256
+    lora_rank: int = 0                        # 0 = full fine-tuning
+    gradient_checkpointing: bool = True       # TRL GRPOConfig's default
+    train_dtype: str = "float32"              # TRL's default for a model given by path; bfloat16 via model_init_kwargs
+    gpus_per_node: int = 8
+    host_mem_gib: float | None = None         # CPU RAM per node, to check offload and sleep level 1
+
+    def validate(self) -> "Plan":
+        def bad(name, value, fix):
+            raise ValueError(f"{name}={value!r} is invalid: {fix}")
+
+        if self.mode not in ("colocate", "server"):
+            bad("mode", self.mode, "use 'colocate' or 'server'")
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            bad("gpus", self.gpus, "use a whole number >= 1")
+        if not _finite_positive(self.gpu_mem_gib):
+            bad("gpu_mem_gib", self.gpu_mem_gib, f"use the GPU's memory in GiB (H200: {H200_GIB})")
+        if self.host_mem_gib is not None and not _finite_positive(self.host_mem_gib):
+            bad("host_mem_gib", self.host_mem_gib, "use the CPU memory per node in GiB (the 8xH200 machine: 560)")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            bad("gpus_per_node", self.gpus_per_node, "use a whole number >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            bad("zero_stage", self.zero_stage, "use 0 (DDP), 1, 2 or 3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            bad("offload_optimizer", True, "optimizer offload is a DeepSpeed ZeRO feature: set zero_stage >= 1")
+        if self.offload_params and self.zero_stage != 3:
+            bad("offload_params", True, "parameter offload needs zero_stage=3")
+        if not isinstance(self.vllm_gpu_memory_utilization, (int, float)) or not 0 < self.vllm_gpu_memory_utilization <= 1:
+            bad("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "use a fraction in (0, 1], e.g. 0.3")
+        tp = self.vllm_tensor_parallel_size
+        if tp < 1 or (self.mode == "colocate" and self.gpus % tp):
+            bad("vllm_tensor_parallel_size", tp, f"use a TP size that divides the GPU count ({self.gpus})")
+        if self.sleep_level not in (0, 1, 2):
+            bad("sleep_level", self.sleep_level, "use 0 (no sleep), 1 (weights to CPU) or 2 (discard weights)")
+        if self.kv_only_sleep and not self.sleep_level:
+            bad("kv_only_sleep", True, "it changes how the engine sleeps: give a sleep_level of 1 or 2 with it")
+        if self.mode == "server" and self.sleep_level:
+            bad("sleep_level", self.sleep_level, "sleep is for colocate mode; use 0 with --mode server")
+        for name in ("per_device_train_batch_size", "steps_per_generation", "prompt_length", "max_completion_length"):
+            if getattr(self, name) < 1:
+                bad(name, getattr(self, name), "use a positive whole number")
+        if self.lora_rank < 0:
+            bad("lora_rank", self.lora_rank, "use 0 for full fine-tuning or a LoRA rank >= 1")
+        if self.train_dtype not in ("float32", "bfloat16"):
+            bad("train_dtype", self.train_dtype, "use 'float32' (TRL's default) or 'bfloat16'")
+        model_shape(self.model)
+        return self
+
+
+# =================================================================================================
+# The estimate
+# =================================================================================================
+
+def _activation_bytes_per_token(m: Preset, plan: Plan) -> float:
+    """Bytes autograd keeps per token for the backward pass (bf16 autocast over the training dtype).
+
+    Per layer without checkpointing: the two RMSNorms (fp32 input and normalised copy), the bf16 casts
+    that feed q/k/v/o and the MLP, q/k/v after RoPE, the attention output, and the MLP's gate, up,
+    SiLU and product (4 × intermediate). With checkpointing only each layer's input is kept, and one
+    layer is recomputed (its full set, twice: forward tensors and their gradients) during backward.
+    """
+    h, i, kv = m.hidden_size, m.intermediate_size, m.kv_dim
+    resid = 4 if plan.train_dtype == "float32" else 2
+    casts = 3 if plan.train_dtype == "float32" else 1   # an fp32 model casts its input once per linear
+    norms = 2 * (4 * h + resid * h)
+    attn = 2 * h * casts + (2 * h + 4 * kv) + (4 * h + 4 * kv) + (2 * h + 4 * kv) + 2 * h
+    mlp = 2 * h * (2 if plan.train_dtype == "float32" else 1) + 8 * i
+    per_layer = norms + attn + mlp
+    if plan.gradient_checkpointing:
+        return m.num_hidden_layers * resid * h + 2 * per_layer
+    return m.num_hidden_layers * per_layer
+
+
+def estimate(plan: Plan | None = None, **settings) -> dict:
+    """Per-GPU memory (GiB) by part for both phases, the peak, whether it fits, and the host memory."""
+    plan = replace(plan or Plan(), **settings).validate()
+    m = model_shape(plan.model)
+    P = m.num_params()
+    n = plan.gpus
+    colocate = plan.mode == "colocate"
+    w_bytes = 4 if plan.train_dtype == "float32" else 2
+    deepspeed = plan.zero_stage >= 1
+    lora = plan.lora_rank > 0
+    tokens = plan.per_device_train_batch_size * (plan.prompt_length + plan.max_completion_length)
+    notes: list[str] = []
+
+    # ---- training state -------------------------------------------------------------------------
+    trainable = m.lora_params(plan.lora_rank) if lora else P
+    sync_gather = 0.0
+    if deepspeed:
+        # DeepSpeed with bf16 keeps bf16 weights and gradients, an fp32 master copy and fp32 Adam moments.
+        weights = 2 * P / (n if plan.zero_stage == 3 else 1)
+        if plan.offload_params:
+            weights = 0.0
+        grads = 2 * trainable / (n if plan.zero_stage >= 2 else 1)
+        optimizer = 0.0 if plan.offload_optimizer else 12 * trainable / n
+        ddp_buckets = 0.0
+        # ZeRO-3 gathers each layer before use (and prefetches the next); the embedding is the largest piece.
+        zero3_gathered = (4 * m.layer_params() + 2 * m.vocab_size * m.hidden_size) if plan.zero_stage == 3 else 0
+        zero_buckets = 4 * 2 * m.hidden_size ** 2      # reduce bucket ("auto" = hidden²) in fp32, twice
+        if lora and plan.zero_stage == 3:
+            notes.append("LoRA + ZeRO-3: TRL gathers the whole model on every GPU to merge the adapter before "
+                         "each weight sync (trl/generation/vllm_generation.py); counted in the generation phase.")
+            sync_gather = 2 * P
+    else:
+        weights = w_bytes * P
+        grads = (4 if lora else w_bytes) * trainable    # PEFT keeps adapters in fp32
+        optimizer = 2 * (4 if lora else w_bytes) * trainable   # torch AdamW keeps m, v in the parameter dtype
+        ddp_buckets = grads if n > 1 else 0.0
+        zero3_gathered = zero_buckets = 0.0
+
+    # ---- activations and the fused LM head --------------------------------------------------------
+    activations = tokens * _activation_bytes_per_token(m, plan)
+    lm_grad = 0 if lora else 4 * m.vocab_size * m.hidden_size   # fp32 gradient of the LM head weight
+    logits = min(tokens, TOKEN_TILE) * VOCAB_TILE * 2 + lm_grad + 4 * tokens * m.hidden_size
+
+    ctx = FITTED["CUDA_CONTEXT_GIB"] + (FITTED["NCCL_GIB"] if (n > 1 or not colocate) else 0.0)
+    g = lambda b: b / GIB  # noqa: E731
+
+    # ---- vLLM -----------------------------------------------------------------------------------
+    tp = plan.vllm_tensor_parallel_size
+    vllm_total = plan.vllm_gpu_memory_utilization * plan.gpu_mem_gib if colocate else 0.0
+    vllm_weights = g(2 * P / tp) if colocate else 0.0
+    kv_heads_per_gpu = max(1, m.num_key_value_heads // tp)
+    kv_bytes_per_token = 2 * m.num_hidden_layers * kv_heads_per_gpu * m.head_dim * 2
+    kv_cache = max(0.0, vllm_total - vllm_weights - VLLM_OVERHEAD_GIB) if colocate else 0.0
+    # TRL's colocate engine gets every prompt of its TP group for a whole generation:
+    # max_num_seqs = per_device_train_batch_size × TP × steps_per_generation.
+    seqs = plan.per_device_train_batch_size * tp * plan.steps_per_generation
+    kv_needed = g(seqs * (plan.prompt_length + plan.max_completion_length) * kv_bytes_per_token)
+    vllm_min_util = (vllm_weights + VLLM_OVERHEAD_GIB + kv_needed) / plan.gpu_mem_gib if colocate else 0.0
+    if colocate and kv_cache < kv_needed:
+        notes.append(f"vLLM's KV cache ({kv_cache:.1f} GiB) holds less than one step's sequences ({kv_needed:.1f} GiB): "
+                     f"it will preempt and recompute (slow), or fail to start if it is below one block; "
+                     f"raise vllm_gpu_memory_utilization to >= {vllm_min_util:.2f} or the TP size")
+
+    asleep = VLLM_ASLEEP_GIB if (colocate and plan.sleep_level) else vllm_total
+    if colocate and plan.kv_only_sleep:
+        asleep += vllm_weights  # the weights stay mapped through training; only the KV cache is released
+    training = {
+        "cuda_context_nccl": ctx,
+        "weights": g(weights),
+        "gradients": g(grads),
+        "optimizer_states": g(optimizer),
+        "ddp_buckets": g(ddp_buckets),
+        "zero_buffers": g(zero3_gathered + zero_buckets),
+        "activations": g(activations),
+        "logits": g(logits),
+        "vllm_asleep" if plan.sleep_level else "vllm": asleep,
+        "weight_sync_buffers": 0.0 if colocate else WEIGHT_SYNC_BUFFERS_GIB,
+    }
+    # Between steps the trainer keeps its state; the step's transient memory stays reserved by PyTorch's
+    # allocator unless empty_cache() runs (TRL calls it before waking a sleeping engine), and even then
+    # segments pinned by live tensors stay.
+    transient = activations + logits + (0 if deepspeed else grads) + zero3_gathered
+    kept = 1.0 if plan.sleep_level == 0 else FITTED["KEPT_AFTER_EMPTY_CACHE"]
+    generation = {
+        "cuda_context_nccl": ctx,
+        "weights": g(weights),
+        "gradients": g(grads) if deepspeed else 0.0,
+        "optimizer_states": g(optimizer),
+        "ddp_buckets": g(ddp_buckets),
+        "zero_buffers": g(zero_buckets),
+        "training_cache_kept": g(kept * transient),
+        "weight_sync_gather": g(sync_gather),
+        "vllm_weights": vllm_weights,
+        "vllm_kv_cache": kv_cache,
+        "vllm_overhead": max(0.0, vllm_total - vllm_weights - kv_cache),
+    }
+    if not colocate:
+        generation = {k: v for k, v in generation.items() if not k.startswith("vllm")}
+    train_peak = sum(training.values())
+    gen_peak = sum(generation.values())
+    peak = max(train_peak, gen_peak)
+
+    # ---- host memory per node -------------------------------------------------------------------
+    ranks_per_node = min(n, plan.gpus_per_node)
+    host = {
+        # DeepSpeed's CPU Adam: fp32 master, m, v and fp32 gradients of each rank's shard.
+        "optimizer_offload": g(16 * trainable / n * ranks_per_node) if plan.offload_optimizer else 0.0,
+        "param_offload": g(2 * P / n * ranks_per_node) if plan.offload_params else 0.0,
+        # Sleep level 1 copies each engine's weights to (pinned) CPU memory.
+        "vllm_sleep_level1": g(2 * P / tp) * ranks_per_node if (colocate and plan.sleep_level == 1) else 0.0,
+    }
+    host_total = sum(host.values())
+    fits_gpu = peak <= plan.gpu_mem_gib
+    fits_host = plan.host_mem_gib is None or host_total <= plan.host_mem_gib
+    if plan.sleep_level == 1:
+        notes.append("TRL's vllm_enable_sleep_mode always sleeps at level 2; level 1 is for the kit's own engine "
+                     "(colo_kit.colocate.sleep). For GRPO the weights change every step, so level 2 loses nothing.")
+
+    r = lambda d: {k: round(v, 2) for k, v in d.items()}  # noqa: E731
+    return {
+        "model": m.name,
+        "params_b": round(P / 1e9, 3),
+        "trainable_params_b": round(trainable / 1e9, 4),
+        "settings": asdict(plan),
+        "peak_gib_per_gpu": round(peak, 2),
+        "peak_phase": "training" if train_peak >= gen_peak else "generation",
+        "fits": bool(fits_gpu and fits_host),
+        "fits_gpu": bool(fits_gpu),
+        "fits_host": bool(fits_host),
+        "parts": {"training": r(training), "generation": r(generation)},
+        "phase_peaks_gib": {"training": round(train_peak, 2), "generation": round(gen_peak, 2)},
+        "vllm": {"kv_cache_gib": round(kv_cache, 2), "kv_needed_gib": round(kv_needed, 2),
+                 "kv_tokens": int(kv_cache * GIB / kv_bytes_per_token) if colocate else 0,
+                 "min_gpu_memory_utilization": round(vllm_min_util, 3)},
+        "host_gib_per_node": {**r(host), "total": round(host_total, 2)},
+        "notes": notes,
+    }
+
+
+# =================================================================================================
+# Recommendation
+# =================================================================================================
+
+def max_safe_utilization(plan: Plan) -> float:
+    """The highest vllm_gpu_memory_utilization whose predicted peak stays under SAFE_FRACTION of the GPU.
+    The peak is linear in u in each phase, so two estimates give the slope."""
+    lo = estimate(plan, vllm_gpu_memory_utilization=0.01)
+    hi = estimate(plan, vllm_gpu_memory_utilization=1.0)
+    budget = SAFE_FRACTION * plan.gpu_mem_gib
+    bounds = []  # each phase: peak(u) = base + slope × u; the tightest phase sets the bound
+    for phase in ("training", "generation"):
+        a0, a1 = lo["phase_peaks_gib"][phase], hi["phase_peaks_gib"][phase]
+        slope = (a1 - a0) / 0.99
+        base = a0 - 0.01 * slope
+        if slope <= 1e-9:
+            if base > budget:
+                return 0.0
+            continue
+        bounds.append((budget - base) / slope)
+    best = min(bounds) if bounds else 1.0
+    return max(0.0, min(0.95, math.floor(best * 100) / 100))
+
+
+def recommend(plan: Plan | None = None, **settings) -> dict:
+    """Search, cheapest first, for settings that fit: no sleep before sleep (no wake/reload cost), the
+    smallest TP (the post: TP slows small models down), DDP before ZeRO, no offload before offload."""
+    base = replace(plan or Plan(), **settings).validate()
+    if base.mode == "server":
+        tried = []
+        for zero, off in ((base.zero_stage, base.offload_optimizer), (3, False), (3, True)):
+            cand = replace(base, zero_stage=zero, offload_optimizer=off)
+            est = estimate(cand)
+            tried.append(est["peak_gib_per_gpu"])
+            if est["peak_gib_per_gpu"] <= SAFE_FRACTION * base.gpu_mem_gib and est["fits_host"]:
+                return {"fits": True, "zero_stage": zero, "offload_optimizer": off,
+                        "peak_gib_per_gpu": est["peak_gib_per_gpu"],
+                        "why": "training GPU only: the vLLM server's GPUs are sized by the server"}
+        return {"fits": False, "why": f"the training state does not fit even with ZeRO-3 + offload (peaks {tried} GiB)"}
+
+    tps = [t for t in (1, 2, 4, 8) if base.gpus % t == 0 and t <= base.gpus_per_node]
+    trains = [(base.zero_stage, base.offload_optimizer)]
+    trains += [z for z in ((3, False), (3, True)) if z not in trains]
+    for zero, off in trains:
+        for sleep in (0, 2):
+            for tp in tps:
+                cand = replace(base, zero_stage=zero, offload_optimizer=off, sleep_level=sleep,
+                               vllm_tensor_parallel_size=tp)
+                u_min = estimate(cand)["vllm"]["min_gpu_memory_utilization"]
+                u_max = max_safe_utilization(cand)
+                if u_max >= u_min and u_max > 0:
+                    est = estimate(cand, vllm_gpu_memory_utilization=u_max)
+                    if not est["fits_host"]:
+                        continue
+                    return {
+                        "fits": True,
+                        "vllm_gpu_memory_utilization": u_max,
+                        "min_vllm_gpu_memory_utilization": round(u_min, 3),
+                        "sleep_level": sleep,
+                        "vllm_enable_sleep_mode": sleep > 0,
+                        "vllm_tensor_parallel_size": tp,
+                        "zero_stage": zero,
+                        "offload_optimizer": off,
+                        "peak_gib_per_gpu": est["peak_gib_per_gpu"],
+                        "kv_cache_gib": est["vllm"]["kv_cache_gib"],
+                        "why": _why(base, cand, u_max),
+                    }
+    return {"fits": False, "why": "nothing fits on this many GPUs, even with ZeRO-3, optimizer offload, sleep "
+                                  "level 2 and TP 8: add GPUs, use LoRA (--lora-rank) or shorten the sequences"}
+
+
+def _why(base: Plan, cand: Plan, u: float) -> str:
+    parts = [f"highest vllm_gpu_memory_utilization keeping the peak under {SAFE_FRACTION:.0%} of the GPU: {u}"]
+    parts.append("no sleep: the engine and the trainer both fit at once, so skip the wake/reload cost"
+                 if cand.sleep_level == 0 else
+                 "sleep level 2: the trainer needs the engine's memory; GRPO pushes new weights every step, "
+                 "so discarding them loses nothing")
+    if cand.vllm_tensor_parallel_size > 1:
+        parts.append(f"TP={cand.vllm_tensor_parallel_size}: the smallest TP whose per-GPU share of the vLLM weights fits")
+    if cand.zero_stage != base.zero_stage or cand.offload_optimizer != base.offload_optimizer:
+        parts.append(f"ZeRO-{cand.zero_stage}" + (" + optimizer offload to CPU" if cand.offload_optimizer else "")
+                     + ": the training state does not fit otherwise")
+    return "; ".join(parts)
+
+
+def plan_report(plan: Plan | None = None, **settings) -> dict:
+    """`estimate` plus `recommendation`: what `colo-kit plan --json` prints."""
+    out = estimate(plan, **settings)
+    out["recommendation"] = recommend(plan, **settings)
+    return out
+
+
+def what_fits(model: str, gpu_counts=(8, 16, 32), host_mem_gib: float | None = 1800.0, **settings) -> list[dict]:
+    """The 72B question as a table: for each GPU count, colocate with/without sleep and offload, and server
+    mode (training GPUs only; vLLM needs its own TP-sized group of GPUs on top)."""
+    variants = [
+        ("colocate, sleep 2, offload", dict(mode="colocate", sleep_level=2, offload_optimizer=True)),
+        ("colocate, sleep 2", dict(mode="colocate", sleep_level=2, offload_optimizer=False)),
+        ("colocate, no sleep, offload", dict(mode="colocate", sleep_level=0, offload_optimizer=True)),
+        ("server (training GPUs), offload", dict(mode="server", sleep_level=0, offload_optimizer=True)),
+    ]
+    rows = []
+    for n in gpu_counts:
+        for label, v in variants:
+            kw = {"zero_stage": 3, "host_mem_gib": host_mem_gib, **settings, **v}
+            tp = kw.get("vllm_tensor_parallel_size", 1)
+            r = estimate(Plan(model=model, gpus=n, **kw))
+            rows.append({"gpus": n, "setup": label, "total_gpus": n + (tp if v["mode"] == "server" else 0),
+                         "peak_gib_per_gpu": r["peak_gib_per_gpu"], "peak_phase": r["peak_phase"],
+                         "host_gib_per_node": r["host_gib_per_node"]["total"], "fits": r["fits"],
+                         "fits_gpu": r["fits_gpu"], "fits_host": r["fits_host"]})
+    return rows
+
+
+def parts_figure(report: dict, title: str | None = None):
+    """Plotly stacked bars: one bar per phase, one colour per part, the GPU's memory as a line."""
+    import plotly.graph_objects as go
+
+    parts = report["parts"]
+    names = list(dict.fromkeys(list(parts["training"]) + list(parts["generation"])))
+    fig = go.Figure()
+    for name in names:
+        ys = [parts[ph].get(name, 0.0) for ph in ("training", "generation")]
+        if any(ys):
+            fig.add_bar(name=name, x=["training phase", "generation phase"], y=ys)
+    mem = report["settings"]["gpu_mem_gib"]
+    fig.add_hline(y=mem, line_dash="dash", annotation_text=f"GPU memory {mem:.0f} GiB")
+    verdict = "fits" if report["fits"] else "does not fit"
+    fig.update_layout(barmode="stack", yaxis_title="GiB per GPU", height=420,
+                      title=title or f"{report['model']}: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU, {verdict}")
+    return fig
+
+
+# Checked against measured peaks in colo_kit.memory.planner_validation (results/planner_validation.json).

@@ -1,0 +1,130 @@
+"""A GRPO recipe for one machine: `GRPOConfig` fields in TRL's own names, each with the reason it was chosen.
+
+`colo-kit plan --recommend` writes it as YAML. `TrlParser` reads that file as it reads any TRL config, so the
+same file runs under `colo-kit train --config recipe.yaml` and under a plain TRL script
+(`TrlParser((GRPOConfig,)).parse_args_and_config()`). The memory numbers come from `colo_kit.memory.planner`
+(modelled). The speed choices come from the H200 runs in `results/speed_1xh200.json` (measured, notebook 04
+section 7), and the comments say which run each one rests on:
+
+- `gradient_checkpointing: false` when training fits without it: at 1.5B the step was about 10% shorter;
+- `vllm_gpu_memory_utilization: 0.3` when the plan fits with it (measured there), else the planner's share;
+  a bigger KV cache does not generate faster once every sequence of a generation fits;
+- no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
+- `steps_per_generation` left at TRL's default (on-policy): 8 gave 3.3x the tokens/s but reached the reward
+  threshold no sooner (and one seed of two not at all);
+- the per-device batch is the learner's: 32 gave 5.1x the tokens/s and took about 3x longer to the reward;
+- `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
+- TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
+
+What has no `GRPOConfig` field stays a comment: the weight push in one `load_weights` call
+(`colo-kit train --bucketed-push`, `colo_kit.colocate.bucketed_push`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, recommend
+
+MEASURED = "results/speed_1xh200.json"
+TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
+
+
+def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
+    """The recipe for `plan`: {"fields": [(name, value, why)], "comments": [...], "plan": the Plan it was
+    sized with, "peak_gib_per_gpu": the planner's peak for it, "fits": bool}."""
+    base = replace(plan or Plan(), **settings).validate()
+    if base.mode != "colocate":
+        raise ValueError(f"mode={base.mode!r}: the recipe is for colocate mode (server mode sizes its server apart)")
+    fields: list[tuple[str, object, str]] = []
+    budget = SAFE_FRACTION * base.gpu_mem_gib
+
+    def fits(candidate: Plan) -> bool:
+        est = estimate(candidate)
+        return est["peak_gib_per_gpu"] <= budget and est["fits_host"]
+
+    no_ckpt = replace(base, gradient_checkpointing=False)
+    at_default = replace(no_ckpt, vllm_gpu_memory_utilization=TRL_DEFAULT_UTILIZATION, sleep_level=0)
+    if fits(at_default):
+        chosen, ckpt_why = at_default, (f"training fits without recomputing activations; at 1.5B the step was "
+                                        f"about 10% shorter (measured, {MEASURED})")
+    else:
+        rec = recommend(no_ckpt)
+        if rec["fits"]:
+            chosen = replace(no_ckpt, **_planned(rec))
+            ckpt_why = "training fits without recomputing activations once the engine is sized by the planner"
+        else:
+            rec = recommend(replace(base, gradient_checkpointing=True))
+            if not rec["fits"]:
+                return {"fits": False, "why": rec["why"], "fields": [], "comments": [], "plan": base,
+                        "peak_gib_per_gpu": None}
+            chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
+            ckpt_why = "without it the activations do not fit (modelled)"
+    est = estimate(chosen)
+    u = chosen.vllm_gpu_memory_utilization
+    fields += [
+        ("use_vllm", True, "generation with vLLM"),
+        ("vllm_mode", "colocate", "vLLM inside each training process: no GPU waits for another (notebook 01)"),
+        ("per_device_train_batch_size", chosen.per_device_train_batch_size,
+         "yours: a bigger batch gave more tokens/s but not a faster reward (batch 32: 5.1x the tokens/s, about 3x "
+         f"longer to the threshold, measured, {MEASURED})"),
+        ("num_generations", num_generations, "the group size G the advantage compares within"),
+        ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
+        ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
+        ("vllm_gpu_memory_utilization", u,
+         "TRL's default, measured with this plan; a bigger KV cache does not generate faster once a generation's "
+         f"sequences fit (the engine needs {est['vllm']['min_gpu_memory_utilization']:.3f}, modelled)"
+         if u == TRL_DEFAULT_UTILIZATION and chosen.sleep_level == 0 else
+         "the planner's share: the highest that keeps the peak under "
+         f"{SAFE_FRACTION:.0%} of the GPU (modelled)"),
+        ("vllm_enable_sleep_mode", chosen.sleep_level > 0,
+         "the trainer and the engine fit together (modelled): no sleep, no wake-up or re-push per step"
+         if chosen.sleep_level == 0 else
+         "the trainer needs the engine's memory: TRL sleeps at level 2 and pushes the weights again on waking"),
+        ("vllm_tensor_parallel_size", chosen.vllm_tensor_parallel_size,
+         "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
+        ("steps_per_generation", None,
+         "TRL's default, on-policy: 4 and 8 gave 1.9-3.3x the tokens/s at batch 8 but reached the reward threshold "
+         f"no sooner (4: in 82 s against the defaults' 37 s in a 150 s race; 2: 40.5 s against 34.7 s in a 120 s race; "
+         f"measured, {MEASURED})"),
+        ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
+        ("vllm_importance_sampling_correction", True,
+         "TRL's default: corrects for vLLM sampling from a slightly different distribution than the trainer "
+         f"computes (ratio means 0.31-1.21, mean 0.995, over the H200 runs, measured, {MEASURED})"),
+        ("vllm_importance_sampling_mode", "sequence_mask", "TRL's default"),
+        ("vllm_importance_sampling_clip_max", 3.0, "TRL's default"),
+        ("bf16", True, "bf16 autocast on a GPU, as the H200 runs trained"),
+    ]
+    launch = []
+    if chosen.zero_stage:
+        from colo_kit.memory.recipes import _slug
+
+        launch = [f"launch: accelerate launch --config_file configs/accelerate/"
+                  f"zero3_{_slug(chosen.model)}_{chosen.gpus}gpu.yaml ... (ZeRO-{chosen.zero_stage}"
+                  f"{' + optimizer offload to CPU' if chosen.offload_optimizer else ''}: the training state does not "
+                  "fit otherwise, modelled; `colo-kit plan --write-configs` writes the file)"]
+    comments = [f"planner's predicted peak: {est['peak_gib_per_gpu']:.1f} GiB per GPU of {chosen.gpu_mem_gib} "
+                f"({est['peak_phase']} phase, modelled)",
+                "weight push in one load_weights call instead of one per tensor: `colo-kit train --bucketed-push` "
+                f"(not a GRPOConfig field; 0.03 s instead of 0.05 s per push at 1.5B, measured, {MEASURED})"] + launch
+    return {"fits": True, "fields": fields, "comments": comments, "plan": chosen,
+            "peak_gib_per_gpu": est["peak_gib_per_gpu"]}
+
+
+def _planned(rec: dict) -> dict:
+    return {k: rec[k] for k in ("vllm_gpu_memory_utilization", "sleep_level", "vllm_tensor_parallel_size",
+                                "zero_stage", "offload_optimizer")}
+
+
+def to_yaml(r: dict) -> str:
+    """The recipe as YAML `TrlParser` reads, every field preceded by its reason."""
+    import yaml
+
+    p = r["plan"]
+    lines = [f"# colo_kit recipe: {p.model}, {p.gpus} GPU(s) of {p.gpu_mem_gib} GiB, prompts up to {p.prompt_length} "
+             "tokens", "# run: colo-kit train --config THIS.yaml   or any TRL script built on TrlParser"]
+    lines += [f"# {c}" for c in r["comments"]]
+    for name, value, why in r["fields"]:
+        lines.append(f"# {why}")
+        lines.append(yaml.safe_dump({name: value}, default_flow_style=False, width=1000).rstrip("\n"))
+    return "\n".join(lines) + "\n"

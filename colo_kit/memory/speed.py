@@ -1,0 +1,426 @@
+"""How fast can colocated GRPO go on one GPU, and does it still learn as fast? (notebook 04's speed table)
+
+TRL's defaults (`use_vllm=True, vllm_mode="colocate"`) leave most of a big GPU idle: a small batch, every
+activation recomputed (`gradient_checkpointing=True`), a fresh generation for every optimizer step, and a
+weight push of one `load_weights` call per tensor after each. `CHAIN` adds one knob at a time, in TRL's own
+`GRPOConfig` names where TRL has the knob, so a learner sees what each one buys:
+
+    trl_defaults    what `GRPOConfig(use_vllm=True, vllm_mode="colocate")` gives, batch 8
+    no_grad_ckpt    gradient_checkpointing=False: memory the GPU has, spent on not recomputing
+    no_detokenize   generation_kwargs={"detokenize": False}: TRL reads token ids, never vLLM's text
+    bucketed_push   the weight push in one load_weights call (colo_kit.colocate.bucketed_push)
+    spg8            steps_per_generation=8: one generation of 8 steps' completions, 8 optimizer steps on it
+    batch32         per_device_train_batch_size=32
+
+Every configuration trains the same random-weight model on the same prompts with the same group size,
+completion length and learning rate, for a fixed wall-time budget per seed (`run_config`). What it
+records, and how each number is computed:
+
+- *steady-state completion tokens/s*: completion tokens of whole generation cycles (a cycle is
+  `steps_per_generation` optimizer steps on one generation) over their wall time, the first cycle left out
+  (it holds the first weight push, CUDA warm-up and the allocator's growth);
+- *the step split*: seconds per optimizer step in generation, weight push, scoring and training (forward,
+  backward, optimizer), from TRL's own profiling timers (`colo_kit.grpo.timeline`);
+- NVML's peak beside the planner's prediction (`colo_kit.memory.planner.estimate`);
+- the reward curve against wall time since `trainer.train()` began, and TRL's importance-sampling logs
+  (`sampling/importance_sampling_ratio/*`, `sampling/sampling_logp_difference/*`);
+- *time to the reward threshold* (`time_to_reward`): the first moment the running mean reward over the
+  last >= 64 completions reaches the threshold.
+
+The threshold is fixed by a rule, not read off a run: half the distance from where TRL's defaults (seed 0)
+start to the best reward (0, exactly `target_length` characters). Every configuration of one learning rate
+chases that one number; one that never reaches it within its budget is reported as not reaching it.
+
+What the first H200 runs showed (`results/speed_1xh200.json`): a random-weight model under the length reward
+often *collapses* onto repeating one short token (the reward then sticks at about -236 for 256 one-character
+tokens, with zero spread in the group, so GRPO learns nothing more) instead of learning to stop early (a
+reward near 0). Which of the two happens, and when, varies from seed to seed; read the time to the threshold
+with its spread between seeds.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import statistics
+import time
+
+log = logging.getLogger(__name__)
+
+# The task: the length reward on the tl;dr stand-ins, 256-token completions, G = 8. The learning rate is a tenth of
+# notebook 00's 5e-3: at 5e-3 the random 1.5B model collapsed onto one repeated token within about 10 steps in
+# every H200 run, so the race measured which token it collapsed onto; at 5e-4 the reward moves over 30-40 s and
+# some runs learn to stop early (results/speed_1xh200.json). lr_scheduler "constant": the runs stop on a
+# wall-time budget, not at max_steps, and a linear decay to max_steps would give each configuration a different
+# learning rate at the same step.
+TASK = dict(reward="length", target_length=20, num_generations=8, max_completion_length=256,
+            learning_rate=5e-4, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
+WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
+THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
+
+# Each entry: (name, what it adds, GRPOConfig fields, the kit's own knobs). Each is the one before plus its knob.
+CHAIN = [
+    ("trl_defaults", "TRL 1.16's defaults for colocate mode", {"per_device_train_batch_size": 8}, {}),
+    ("no_grad_ckpt", "gradient_checkpointing=False", {"gradient_checkpointing": False}, {}),
+    ("no_detokenize", "generation_kwargs={'detokenize': False}", {"generation_kwargs": {"detokenize": False}}, {}),
+    ("bucketed_push", "the weight push in one load_weights call", {}, {"push_bucket_mb": 0}),
+    ("spg8", "steps_per_generation=8", {"steps_per_generation": 8}, {}),
+    ("batch32", "per_device_train_batch_size=32", {"per_device_train_batch_size": 32}, {}),
+]
+NAMES = [c[0] for c in CHAIN]
+# Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8; and the
+# two ways to sleep, each on top of `bucketed_push`: TRL's level 2, and the KV cache only (colo_kit.colocate.kv_sleep).
+SIDE = {"sleep_l2": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {}),
+        "sleep_kv": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True}),
+        # less staleness than spg8: at batch 8 a step is mostly generation latency (0.6 s for 8 completions of 256
+        # tokens), so sharing one generation between 2 or 4 steps cuts most of it; whether the policy still
+        # learns as fast per step is what these measure
+        "spg2": ("bucketed_push", {"steps_per_generation": 2}, {}),
+        "spg4": ("bucketed_push", {"steps_per_generation": 4}, {})}
+RECIPE = "recipe"
+RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
+
+
+def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
+    """The GRPOConfig fields and the kit's knobs of configuration `name` (everything up to it in CHAIN, or the
+    planner's recipe for `model`)."""
+    if name == RECIPE:
+        from colo_kit.memory.recipe import recipe
+
+        r = recipe(model=model, per_device_train_batch_size=8, max_completion_length=TASK["max_completion_length"])
+        if not r["fits"]:
+            raise ValueError(f"no recipe for {model}: {r['why']}")
+        fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
+        return fields, {"push_bucket_mb": 0}
+    if name in SIDE:
+        base, extra_fields, extra_knobs = SIDE[name]
+        fields, knobs = config(base, model)
+        return {**fields, **extra_fields}, {**knobs, **extra_knobs}
+    if name not in NAMES:
+        raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + list(SIDE) + [RECIPE])}")
+    fields, knobs = {}, {}
+    for step_name, _, f, k in CHAIN[:NAMES.index(name) + 1]:
+        fields.update(f)
+        knobs.update(k)
+    return fields, knobs
+
+
+class _Budget:
+    """A TrainerCallback that stops training `budget_s` after `trainer.train()` began and notes that moment."""
+
+    def __new__(cls, budget_s: float, marks: dict):
+        from transformers import TrainerCallback
+
+        class Budget(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                marks["train_begin"] = time.time()
+
+            def on_step_end(self, args, state, control, **kw):
+                if time.time() - marks["train_begin"] >= budget_s:
+                    control.should_training_stop = True
+
+        return Budget()
+
+
+def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
+             learning_rate: float | None = None, max_completion_length: int | None = None) -> dict:
+    """One configuration, one seed, in this process: train for `budget_s` seconds and return the record."""
+    from colo_kit.env import has_cuda
+    from colo_kit.grpo.timeline import Timeline, UtilSampler
+    from colo_kit.grpo.train import run_grpo
+
+    fields, knobs = config(name, model)
+    tl, marks, hooked = Timeline(), {}, {}
+    sampler = UtilSampler(pids={"trainer": os.getpid()}).start()
+
+    def on_trainer(trainer):
+        hooked["gen"] = getattr(trainer, "vllm_generation", None)
+        tl.hook(trainer)
+
+    settings = {**TASK, **fields}  # the recipe sizes the engine itself (vllm_gpu_memory_utilization)
+    if learning_rate is not None:
+        settings["learning_rate"] = learning_rate
+    if max_completion_length is not None:  # the CPU smoke run: a cycle of the tiny model in about a second
+        settings["max_completion_length"] = max_completion_length
+    batch = settings["per_device_train_batch_size"]
+    t_start = time.time()
+    try:
+        run = run_grpo(model, "colocate", seed=seed, num_prompts=num_prompts,
+                       callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer,
+                       push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
+                       **settings)
+    finally:
+        tl.unhook()
+        samples = sampler.stop()
+    t0 = marks["train_begin"]
+    spg = run.settings.get("steps_per_generation") or 1
+    per_gen = batch * spg
+    step_marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
+    ends = {m["step"]: m["end_s"] for m in step_marks}
+    rows = []
+    for row in run.steps:
+        step = int(row["step"])
+        if step not in ends:
+            continue
+        keep = {k: v for k, v in row.items() if k.startswith(("sampling/", "completions/", "rewards/", "clip_ratio"))
+                or k in ("reward", "reward_std", "loss", "entropy", "learning_rate")}
+        rows.append({"step": step, "t_s": round(ends[step] - t0, 4), **keep})
+    step_times = [round(b["end_s"] - a["end_s"], 4) for a, b in zip([{"end_s": t0}] + step_marks[:-1], step_marks)]
+    rec = {
+        "config": name, "seed": seed, "model": model, "budget_s": budget_s,
+        "grpo_config": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
+        "bucketed_push_applied": run.settings.get("bucketed_push", False),
+        "push_calls": getattr(hooked.get("gen"), "push_calls", None),
+        "completions_per_generation": per_gen, "steps_per_generation": spg,
+        "startup_s": round(t0 - t_start, 2), "steps_done": len(step_marks),
+        "step_times_s": step_times, "rows": rows,
+        "steady": steady_state(rows, step_times, spg, per_gen),
+        "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
+        "switch": switch_parts(tl, skip_steps=spg),
+        "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
+        "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"]) if has_cuda() else None,
+    }
+    del run
+    gc.collect()
+    if has_cuda():
+        import torch
+
+        torch.cuda.empty_cache()
+    return rec
+
+
+def steady_state(rows: list[dict], step_times: list[float], spg: int, per_gen: int) -> dict:
+    """Completion tokens/s over whole generation cycles, the first cycle left out. A cycle's tokens are its
+    generation's mean completion length times the completions it generated (TRL logs the length on the
+    step that generated)."""
+    lengths = {r["step"]: r.get("completions/mean_length") for r in rows}
+    cycles = []
+    for i in range(0, len(step_times) - spg + 1, spg):
+        first_step = i + 1  # TRL's global_step after the cycle's first optimizer step
+        length = lengths.get(first_step)
+        if length is None:
+            continue
+        cycles.append({"first_step": first_step, "seconds": round(sum(step_times[i:i + spg]), 4),
+                       "tokens": round(length * per_gen, 1)})
+    measured = cycles[1:]
+    seconds = sum(c["seconds"] for c in measured)
+    return {"cycles": len(measured), "seconds": round(seconds, 3),
+            "completion_tokens_per_s": round(sum(c["tokens"] for c in measured) / seconds, 1) if seconds else None,
+            "s_per_step": round(seconds / (len(measured) * spg), 4) if measured else None,
+            "per_cycle": cycles}
+
+
+def phase_per_step(tl, skip_steps: int) -> dict:
+    """Mean seconds per optimizer step in each phase after the first cycle, summed over TRL's timers."""
+    totals = tl.phase_totals(skip_steps=skip_steps)
+    marks = tl.meta.get("steps", [])
+    n = max(len(marks) - skip_steps, 1)
+    out = {}
+    for phases in totals.values():
+        for phase, seconds in phases.items():
+            out[phase] = round(out.get(phase, 0.0) + seconds / n, 4)
+    out["training"] = round(sum(out.get(p, 0.0) for p in ("forward", "backward", "optimizer")), 4)
+    return out
+
+
+def switch_parts(tl, skip_steps: int) -> dict:
+    """The switch from training to generation, by part: each weight push (and sleep/wake-up, if on), medians."""
+    marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
+    start = marks[skip_steps - 1]["end_s"] if len(marks) >= skip_steps > 0 else float("-inf")
+    out = {}
+    for phase in ("weight_sync", "sleep", "wake_up"):
+        times = [iv.end_s - iv.start_s for iv in tl.intervals if iv.phase == phase and iv.start_s >= start]
+        if times:
+            out[phase] = {"n": len(times), "median_s": round(statistics.median(times), 4)}
+    out["switch_median_s"] = round(sum(v["median_s"] for v in out.values()), 4)
+    return out
+
+
+def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
+                 max_completion_length: int = TASK["max_completion_length"],
+                 vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
+                 kv_only_sleep: bool = False) -> float:
+    from colo_kit.memory.planner import estimate
+
+    return estimate(model=model, per_device_train_batch_size=batch, gradient_checkpointing=gradient_checkpointing,
+                    max_completion_length=max_completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep)["peak_gib_per_gpu"]
+
+
+def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
+    """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
+    level 2, or the KV cache only)."""
+    fields, knobs = config(name, model)
+    sleeps = fields.get("vllm_enable_sleep_mode", False)
+    return planner_peak(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
+                        max_completion_length,
+                        fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
+                        2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
+
+
+# --- the reward race ------------------------------------------------------------------------------------
+
+def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
+    """(t_s, running mean reward over the last >= WINDOW_COMPLETIONS completions) at every generation."""
+    gens = [(r["t_s"], r["reward"]) for r in rows if r.get("reward") is not None]
+    out = []
+    for i in range(len(gens)):
+        window, n = [], 0
+        for t, reward in reversed(gens[:i + 1]):
+            window.append(reward)
+            n += per_gen
+            if n >= WINDOW_COMPLETIONS:
+                break
+        if n >= WINDOW_COMPLETIONS:
+            out.append((gens[i][0], sum(window) / len(window)))
+    return out
+
+
+def threshold(defaults_record: dict) -> float | None:
+    """Half the way from where TRL's defaults (seed 0) start to the reward's best, 0 (exactly `target_length`
+    characters): the mean reward of their first generation, halved. Every configuration starts from the same
+    random model, whose completions all run to the length limit, so that start is the same for all of them;
+    the threshold does not depend on how far one run happened to get."""
+    first = next((r["reward"] for r in defaults_record["rows"] if r.get("reward") is not None), None)
+    return None if first is None else first * THRESHOLD_FRACTION
+
+
+def time_to_reward(record: dict, target: float) -> float | None:
+    for t, reward in running_reward(record["rows"], record["completions_per_generation"]):
+        if reward >= target:
+            return round(t, 2)
+    return None
+
+
+def race(record: dict) -> str:
+    """Which race a record ran in: its learning rate, its budget per seed and the commit it ran at. Ratios are
+    taken only inside one race, against the defaults run in it: runs of another day, budget or code are not
+    compared with each other."""
+    parts = [f"lr={record['grpo_config'].get('learning_rate')}"]
+    if record.get("budget_s"):
+        parts.append(f"{record['budget_s']:g} s")
+    if record.get("commit"):
+        parts.append(f"at {record['commit']}")
+    return ", ".join(parts)
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per race (`race`), per configuration: tokens/s per seed and their ratio to TRL's defaults of the same race,
+    time to the threshold per seed and its ratio, the step split, the switch and the peaks."""
+    by_race: dict = {}
+    for r in records:
+        by_race.setdefault(race(r), []).append(r)
+    out = {}
+    for key, rs in by_race.items():
+        out[key] = _summarize_one(rs)
+        out[key]["race"] = {"learning_rate": rs[0]["grpo_config"].get("learning_rate"),
+                            "budget_s": rs[0].get("budget_s"), "commit": rs[0].get("commit")}
+    return out
+
+
+def first_race(result: dict, model: str, learning_rate: float) -> str:
+    """The key of `model`'s first race at `learning_rate` in a merged result's summary."""
+    return next(k for k, g in result["summary"][model].items() if g["race"]["learning_rate"] == learning_rate)
+
+
+def _planner_now(record: dict) -> float | None:
+    """The planner's peak for a record's configuration as the planner is now (the record keeps the one of its
+    day); the recorded one where the configuration is not the kit's."""
+    try:
+        return planner_peak_for(record["config"], record["model"])
+    except (KeyError, ValueError):
+        return record["planner_peak_gib"]
+
+
+def _mean_length(record: dict) -> float | None:
+    cycles = record["steady"]["per_cycle"][1:]
+    tokens = sum(c["tokens"] for c in cycles)
+    return round(tokens / (len(cycles) * record["completions_per_generation"]), 1) if cycles else None
+
+
+def _summarize_one(records: list[dict]) -> dict:
+    by: dict = {}
+    for r in records:
+        by.setdefault(r["config"], []).append(r)
+    base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
+    target = threshold(base[0]) if base else None
+    base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]
+    base_ttr = {r["seed"]: time_to_reward(r, target) for r in base} if target is not None else {}
+    # how long the defaults trained without reaching the threshold: a configuration that got there in t s is at
+    # least this / t times faster (a lower bound, not a ratio)
+    base_span = {r["seed"]: max((row["t_s"] for row in r["rows"]), default=None) for r in base}
+    out = {"threshold": {"rule": f"the mean reward of trl_defaults' (seed 0) first generation times "
+                                 f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
+                                 f"{WINDOW_COMPLETIONS} completions gets there",
+                         "reward": round(target, 2) if target is not None else None}, "configs": {}}
+    for name in [n for n in NAMES if n in by] + [n for n in by if n not in NAMES]:
+        runs = sorted(by[name], key=lambda r: r["seed"])
+        tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
+        ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
+        adds = {**{c[0]: c[1] for c in CHAIN}, "sleep_l2": "bucketed_push + TRL's level-2 sleep",
+                "spg2": "bucketed_push + steps_per_generation=2", "spg4": "bucketed_push + steps_per_generation=4",
+                "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend"}
+        row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
+               "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
+               "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
+               "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
+               "planner_peak_gib": _planner_now(runs[0]),
+               "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
+        if base_tps and all(base_tps) and all(tps):
+            row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
+        if base_ttr:
+            # seed by seed against the defaults' same seed; None where either never reached the threshold
+            row["time_to_reward_speedup_per_seed"] = [
+                round(base_ttr[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"]) else None
+                for r, t in zip(runs, ttr)]
+            row["time_to_reward_speedup_at_least_per_seed"] = [
+                round(base_span[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"], 0) is None
+                and base_span.get(r["seed"]) else None for r, t in zip(runs, ttr)]
+        peak, pred = runs[0]["nvml_peak_gib"], row["planner_peak_gib"]
+        if peak and pred:
+            row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
+        out["configs"][name] = row
+    return out
+
+
+# --- what notebook 04 shows -----------------------------------------------------------------------------
+
+def _speedups(c: dict) -> str:
+    """Per seed: the time ratio to the defaults; '≥ x' where only this configuration reached the threshold (the
+    defaults' training time over this one's time); 'not reached' where this one did not."""
+    at_least = c.get("time_to_reward_speedup_at_least_per_seed") or []
+    out = []
+    for i, ratio in enumerate(c.get("time_to_reward_speedup_per_seed") or []):
+        bound = at_least[i] if i < len(at_least) else None
+        out.append(f"{ratio:.2f}" if ratio is not None else f"≥ {bound:.2f}" if bound is not None else "not reached")
+    return " / ".join(out)
+
+
+def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
+    """One row per race (learning rate, budget per seed, commit) and configuration of a merged
+    `speed_1xh200.json`: the numbers a learner compares, each per seed where there are seeds."""
+    def seeds(values, fmt):
+        return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
+
+    rows = []
+    for g in result["summary"].get(model, {}).values():
+        r = g["race"]
+        for name, c in g["configs"].items():
+            gen = c["phase_s_per_step"]
+            rows.append({
+                "learning rate": f"{r['learning_rate']:g}", "s per seed": f"{r['budget_s']:g}" if r["budget_s"] else "",
+                "ran at": r["commit"] or "", "configuration": name, "adds": c.get("adds") or "",
+                "seeds": ", ".join(map(str, c["seeds"])),
+                "completion tok/s": seeds(c["completion_tokens_per_s"], "{:,.0f}"),
+                "× defaults (tok/s)": (f"{c['tokens_per_s_vs_defaults']:.2f}" if c.get("tokens_per_s_vs_defaults")
+                                       is not None else "no defaults in this race"),
+                "s/step": seeds(c["s_per_step"], "{:.3f}"),
+                "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
+                                                       f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
+                "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
+                "× defaults (time)": _speedups(c) or "no defaults in this race",
+                "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
+            })
+    return rows

@@ -1,0 +1,374 @@
+"""Multi-process cells: run a function on every GPU of the node (or on 2 CPU processes) from a
+notebook, through torch elastic's `elastic_launch`, without losing the kernel.
+
+`launch(fn, *args)` starts one process per GPU (2 on a CPU), runs `fn(*args)` in each under a
+torch.distributed group, and returns what every rank returned (`elastic_launch` hands back
+`{rank: value}`). What it adds to a bare `elastic_launch` (or accelerate's `notebook_launcher`,
+which wraps it), each for a failure seen in practice:
+
+- **Fork when it is safe, spawn when it is not.** Forked workers cannot use CUDA if the kernel
+  already made a CUDA context ("Cannot re-initialize CUDA in forked subprocess", accelerate
+  #1751/#3925), and a forked worker inherits an `Accelerator` made in the kernel as a world of
+  one. `kernel_problems()` finds both; `launch` then spawns the workers instead (fresh
+  interpreters; the function travels by cloudpickle, so one defined in a cell works), or with
+  `fresh_process=False` raises `KernelNotSafe` naming the fix. Forking stays the default because
+  the workers inherit the kernel's imports (vLLM takes 10-60 s to import on a busy CPU).
+  Spawning re-imports a script's main module, as any spawn does: a script (not a notebook) that
+  launches needs an `if __name__ == "__main__":` guard.
+- **A free rendezvous port per launch.** A fixed port (`notebook_launcher` defaults to 29500)
+  hangs or fails a second launch while the first one's port is in TIME_WAIT (TRL #3979).
+- **Per-rank logs, in the cell.** elastic's `DefaultLogsSpecs` redirects each worker's stdout and
+  stderr at the file-descriptor level (vLLM and gloo log from C++) into the launch folder and tees
+  them into the cell as `[rank N] ...`.
+- **A worker's exception as one `WorkerError`, the kernel alive.** elastic records the exception
+  (`record`) and raises `ChildFailedError`; `launch` turns that into `WorkerError` naming the rank,
+  with the worker's traceback. `timeout_s` ends the workers (SIGTERM, then SIGKILL) and raises.
+- **CPU really means 2 processes.** Without `cpu=True`, `PartialState()` on a machine without a
+  GPU ignores WORLD_SIZE and quietly makes every process a world of one (accelerate's
+  `_prepare_backend` only picks MULTI_CPU when `cpu=True`); likewise `accelerate launch --cpu
+  --num_processes 2` runs ONE process (measured here). Each worker therefore initialises
+  `PartialState(cpu=True)` — gloo, world size 2 — before your function runs.
+
+Used by notebook 03 (TP tuning) and `colo_kit.parallel.tp`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from colo_kit.env import gpu_count, has_cuda
+from colo_kit.paths import runs_dir
+from colo_kit.procs import child_env, free_port, without_rank_vars  # noqa: F401  (callers import them here)
+
+log = logging.getLogger(__name__)
+
+
+class KernelNotSafe(RuntimeError):
+    """The kernel holds state that a forked worker cannot inherit (a CUDA context, an Accelerator)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker failed. `rank`, `worker_traceback` and `log_tail` say where and why."""
+
+    def __init__(self, message: str, rank: int | None = None, worker_traceback: str = "", log_tail: str = ""):
+        super().__init__(message)
+        self.rank, self.worker_traceback, self.log_tail = rank, worker_traceback, log_tail
+
+
+@dataclass
+class LaunchResult:
+    """What every rank returned (index = rank), and how the launch ran."""
+
+    results: list
+    num_processes: int
+    port: int
+    how: str  # "elastic_launch (fork)" or "elastic_launch (spawn)"
+    backend: str  # "gloo" on CPU, "nccl" on GPU
+    seconds: float
+    run_dir: str
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, rank: int):
+        return self.results[rank]
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+
+def kernel_problems() -> list[str]:
+    """Why forking this process would break the workers; empty when it is safe.
+
+    Looks without touching the GPU: `torch.cuda.is_initialized()` only reads a flag, and only if
+    torch is already imported.
+    """
+    problems = []
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        problems.append("CUDA is already initialised in this kernel (a tensor or model was put on a GPU, or "
+                        "torch.cuda was queried): forked workers cannot use CUDA after that (accelerate #1751/#3925)")
+    acc = sys.modules.get("accelerate.state")
+    if acc is not None and (acc.AcceleratorState._shared_state or acc.PartialState._shared_state):
+        problems.append("an Accelerator/PartialState already exists in this kernel (a trainer was built here): "
+                        "accelerate refuses to fork after that, and the workers would inherit a world of one")
+    return problems
+
+
+_FIX = ("Fix: restart the kernel and keep every GPU call (models, trainers, torch.cuda.*) inside the launched "
+        "function, or call launch(..., fresh_process=True) to spawn the workers as fresh Python processes.")
+
+
+class _Worker:
+    """What each process runs: the process group, then the function. Pickled (for spawn) by
+    cloudpickle, so a function defined in a notebook cell travels by value."""
+
+    def __init__(self, function: Callable, args: tuple, cpu: bool):
+        self.function, self.args, self.cpu = function, args, cpu
+        # torch elastic names the workers after the entrypoint
+        self.__name__ = getattr(function, "__name__", "function")
+        self.__qualname__ = getattr(function, "__qualname__", self.__name__)
+
+    def __reduce__(self):
+        import cloudpickle
+
+        return _worker_from, (cloudpickle.dumps((self.function, self.args, self.cpu)),)
+
+    @staticmethod
+    def _streams_to_log() -> None:
+        """elastic put the rank's log files behind fds 1 and 2 (see `_Fd`). In a forked Jupyter kernel
+        `sys.stdout` still sends through the kernel's sockets: point Python, and the logging handlers
+        made before the fork (vLLM's, transformers'), at those fds."""
+        old = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *(getattr(s, "_stream", None)
+                                                                           for s in (sys.stdout, sys.stderr)))
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        loggers = [logging.root] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                    if isinstance(lg, logging.Logger)]
+        for handler in (h for lg in loggers for h in lg.handlers):
+            if type(handler) is logging.StreamHandler and handler.stream in old:
+                handler.setStream(sys.stderr)
+
+    @staticmethod
+    def _detach_from_kernel() -> None:
+        """A forked worker still holds the kernel's IPython shell: progress bars and widgets made in
+        it (tqdm.auto, transformers' notebook callback) would try to send through the kernel's
+        sockets ("attempted to send message from fork", one warning per update). Silence that
+        channel and drop the shell, so display() falls back to text in the worker's log."""
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None else None
+        if shell is None:
+            return
+        session = getattr(getattr(shell, "kernel", None), "session", None)
+        if session is not None:
+            session.send = lambda *a, **k: None
+        from IPython.core.interactiveshell import InteractiveShell
+
+        InteractiveShell.clear_instance()
+
+    def __call__(self) -> bytes:
+        import cloudpickle
+
+        import colo_kit
+
+        colo_kit.setup()  # a spawned worker starts without its launcher's settings
+        self._detach_from_kernel()
+        self._streams_to_log()
+        rank = int(os.environ.get("RANK", 0))
+        try:
+            from accelerate.state import AcceleratorState, PartialState
+
+            # A forked worker inherits the kernel's (empty) accelerate state; start from nothing.
+            AcceleratorState._reset_state(True)
+            if self.cpu:
+                os.environ["ACCELERATE_USE_CPU"] = "true"  # Accelerator()/TrainingArguments follow suit
+            state = PartialState(cpu=self.cpu)
+            print(f"[colo_kit.parallel.launch] rank {state.process_index}/{state.num_processes} "
+                  f"backend={state.backend} device={state.device} pid={os.getpid()}", flush=True)
+            value = self.function(*self.args)
+            try:  # cloudpickle here, so that an unpicklable value fails in the worker, with a clear message
+                return cloudpickle.dumps(value)
+            except Exception as exc:
+                raise TypeError(f"the return value of rank {rank} could not be pickled ({exc}); "
+                                "return plain data (dict, list, numbers)") from exc
+        except BaseException:
+            traceback.print_exc()  # into the rank's log; elastic's `record` sends it to the launcher
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+class _Fd:
+    """The kernel's `sys.stdout`/`sys.stderr` for the length of a launch, with fileno() 1 and 2.
+    elastic redirects a worker's output by dup2-ing the log over `sys.stdout.fileno()`: in a Jupyter
+    kernel that is the kernel's copy of its terminal, or an error (no fd at all under pytest), and
+    fds 1 and 2, where C++ code writes, would escape the log. Writes (elastic's tee) go to the kernel's
+    stream."""
+
+    def __init__(self, stream, fd: int):
+        self._stream, self._fd = stream, fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _worker_from(payload: bytes) -> _Worker:
+    import cloudpickle
+
+    return _Worker(*cloudpickle.loads(payload))
+
+
+def _read(path: str | None, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
+    except OSError:
+        return ""
+
+
+def _worker_error(exc, run_dir: Path, ended: list, timeout_s: float | None) -> WorkerError:
+    """`WorkerError` for the rank that failed first: a Python exception (recorded by elastic) before a
+    rank that was killed, then the lowest rank."""
+    failures = exc.failures  # {global rank: ProcessFailure}; `record` leaves {"message": {...}} for an exception
+    recorded = {r: f.error_file_data.get("message") for r, f in failures.items()}
+    rank = min(failures, key=lambda r: (not isinstance(recorded[r], dict), failures[r].timestamp, r))
+    failure, message = failures[rank], recorded[rank]
+    # DefaultLogsSpecs writes <run_dir>/<run id>_<random>/attempt_0/<rank>/std{out,err}.log
+    tail = "\n".join(_read(p) for p in sorted(run_dir.glob(f"*/attempt_*/{rank}/std*.log"), reverse=True))
+    if ended:
+        return WorkerError(f"rank {rank} was still running after timeout_s={timeout_s} s: the launch's {len(ended)} "
+                           f"workers were ended (SIGTERM, then SIGKILL)\n--- last lines of rank {rank}'s log ---\n"
+                           f"{tail}", rank=rank, log_tail=tail)
+    if isinstance(message, dict):
+        text, tb = message.get("message", ""), message.get("extraInfo", {}).get("py_callstack", "")
+        others = f" (ranks {sorted(failures)} failed)" if len(failures) > 1 else ""
+        return WorkerError(f"rank {rank} raised {text}{others}\n\n--- worker traceback (rank {rank}) ---\n{tb}",
+                           rank=rank, worker_traceback=tb, log_tail=tail)
+    return WorkerError(f"rank {rank} ended with exit code {failure.exitcode} without a Python exception "
+                       f"(killed, or a crash in C++ code)\n--- last lines of rank {rank}'s log ---\n{tail}",
+                       rank=rank, log_tail=tail)
+
+
+def _end_on_timeout(timeout_s: float, before: set, ended: list, done: threading.Event) -> None:
+    """After `timeout_s`, SIGTERM the workers this launch started (its new multiprocessing
+    children), then SIGKILL those still alive 10 s later: a worker blocked in a collective runs no
+    Python signal handler. elastic sees them die and raises ChildFailedError."""
+    if done.wait(timeout_s):
+        return
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    ended.extend(workers)
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for p in workers:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(p.is_alive() for p in workers) and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.1)
+
+
+def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu: bool | None = None,
+           fresh_process: bool | str = "auto", echo: bool | str = True, timeout_s: float | None = None,
+           preimport: tuple[str, ...] = (), port: int | None = None,
+           run_dir: str | Path | None = None) -> LaunchResult:
+    """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU) and
+    return each rank's return value.
+
+    Inside `function`, torch.distributed is initialised (gloo on CPU, NCCL on GPU) through
+    `PartialState`, and RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set, so
+    vLLM's `external_launcher` and TRL's trainers join that group. Return plain data (dicts,
+    lists, numbers): it is pickled back to the kernel.
+
+    `fresh_process`: "auto" forks the workers when the kernel is safe to fork and otherwise spawns
+    them (fresh interpreters, the function cloudpickled); True always spawns; False raises
+    `KernelNotSafe` instead of spawning.
+    `timeout_s`: end the workers and raise `WorkerError` once the launch has run this long.
+    `echo`: True tees every worker line into the cell as `[rank N] ...`, "brief" only their stderr
+    (warnings, errors, tracebacks), False none; the logs stay in `run_dir` either way.
+    `preimport`: modules to import in the kernel before forking, so that every worker inherits them
+    instead of importing them again. Checked again for CUDA afterwards: a module that initialises
+    CUDA on import makes the launch spawn.
+    `port`: the rendezvous port (default: a free one picked now; never a fixed one, TRL #3979).
+    """
+    if not callable(function):
+        raise TypeError(f"function={function!r} is not callable: pass the function itself, e.g. launch(train, 2)")
+    if fresh_process not in ("auto", True, False):
+        raise ValueError(f"fresh_process={fresh_process!r}; use 'auto', True or False")
+    cpu = (not has_cuda()) if cpu is None else bool(cpu)
+    available = 0 if cpu else gpu_count()
+    if num_processes is None:
+        num_processes = 2 if cpu else max(available, 1)
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r} must be a positive integer")
+    if not cpu and num_processes > available:
+        raise ValueError(f"num_processes={num_processes} but this node has {available} GPU(s): use at most "
+                         f"{available}, or cpu=True for CPU processes")
+
+    notes = []
+    if fresh_process is not True:
+        import importlib
+
+        for name in preimport:
+            importlib.import_module(name)
+    problems = kernel_problems()
+    if problems and fresh_process is False:
+        raise KernelNotSafe("cannot fork workers from this kernel:\n- " + "\n- ".join(problems) + "\n" + _FIX)
+    if problems and fresh_process == "auto":
+        notes.append("kernel not safe to fork (" + "; ".join(problems) + "): workers spawned instead")
+    method = "spawn" if fresh_process is True or problems else "fork"
+    if num_processes == 1:
+        notes.append("one process: run in a worker all the same, so a crash cannot take the kernel down")
+
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="launch-", dir=runs_dir()))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = int(port or free_port())
+    for note in notes:
+        log.info(note)
+    if echo:
+        log.info("%d %s, %s, rendezvous 127.0.0.1:%d, logs in %s", num_processes,
+                 "CPU processes (gloo)" if cpu else "GPU processes (NCCL)", method, port, run_dir)
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    tee = {True: Std.ALL, "brief": Std.ERR}.get(echo, Std.NONE)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, run_id=run_dir.name,
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
+                          max_restarts=0, monitor_interval=0.1, start_method=method,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.ALL, tee=tee),
+                          log_line_prefix_template="[rank ${rank}] ")
+    # elastic logs a report of a failed worker and the ranks it ends (WorkerError says it all) and leaves
+    # its SIGTERM/SIGINT handlers in the launcher (a kernel interrupt would then raise SignalException).
+    quiet = {name: logging.getLogger(name).level for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                                                              "torch.multiprocessing.spawn")}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    # LaunchConfig asks torch.cuda.is_available(); without the NVML check that initialises CUDA here
+    # and every forked worker fails with "Cannot re-initialize CUDA" (seen on an H200: notebook 03).
+    nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    done, ended = threading.Event(), []
+    if timeout_s is not None:
+        before = set(multiprocessing.active_children())
+        threading.Thread(target=_end_on_timeout, args=(timeout_s, before, ended, done), daemon=True).start()
+    streams = sys.stdout, sys.stderr
+    t0 = time.perf_counter()
+    try:
+        sys.stdout, sys.stderr = _Fd(streams[0], 1), _Fd(streams[1], 2)
+        for name in quiet:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        returned = elastic_launch(config=config, entrypoint=_Worker(function, args, cpu))()
+    except ChildFailedError as exc:
+        raise _worker_error(exc, run_dir, ended, timeout_s) from None
+    finally:
+        sys.stdout, sys.stderr = streams
+        done.set()
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        if nvml_check is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml_check
+    import cloudpickle
+
+    return LaunchResult(results=[cloudpickle.loads(returned[r]) for r in range(num_processes)],
+                        num_processes=num_processes, port=port, how=f"elastic_launch ({method})",
+                        backend="gloo" if cpu else "nccl", seconds=round(time.perf_counter() - t0, 2),
+                        run_dir=str(run_dir), notes=notes)
+

@@ -1,0 +1,116 @@
+"""`colo-kit bench`: the server-vs-colocate sweep (`colo_kit.serving.bench`) as a command, and the two
+entry points the sweep's own processes use:
+
+    colo-kit bench --batches 8,32 --modes server,colocate
+    python -m colo_kit.serving.bench_cli worker PLAN.json        # one device's runs (started by the sweep)
+    python -m colo_kit.serving.bench_cli merge OUT.json PART...  # stages run separately -> one results file
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from colo_kit.serving.bench import _worker_main, attach_model, merge_results, sweep, write_plots
+from colo_kit.env import has_cuda
+from colo_kit.paths import runs_dir
+
+
+def _check_overrides(extra: dict, error) -> None:
+    """Each variant's options are `GRPOConfig` fields (TRL's own dataclass) or `run_grpo` options:
+    a misspelt one would otherwise fail minutes into the sweep, or be measured as the default."""
+    import dataclasses
+    import inspect
+
+    from trl import GRPOConfig
+
+    from colo_kit.grpo.train import run_grpo
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)} | set(inspect.signature(run_grpo).parameters)
+    for label, options in extra.items():
+        if unknown := sorted(set(options) - known):
+            raise error(f"--extra-colocate {label!r}: {unknown} are neither GRPOConfig fields nor run_grpo options; "
+                        "use TRL's spelling, e.g. steps_per_generation")
+
+
+def cli_main(argv: list[str]) -> int:
+    from colo_kit.cli import ArgumentParser, UsageError, fraction, port, positive_float, positive_int, writable_file
+    from colo_kit.models import resolve_model
+
+    ap = ArgumentParser(prog="colo-kit bench", description=sweep.__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batches", default="4,8", help="per-device batch sizes, comma separated")
+    ap.add_argument("--steps", type=positive_int, default=4, help="steps per config; the first is discarded as warm-up")
+    ap.add_argument("--num-generations", type=positive_int, default=4)
+    ap.add_argument("--max-completion-length", type=positive_int, default=32)
+    ap.add_argument("--n-devices", type=positive_int, default=None)
+    ap.add_argument("--server-gpus", default="1")
+    ap.add_argument("--port", type=port, default=8000, help="the vLLM server's port")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
+    ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
+    ap.add_argument("--modes", default="server,colocate", help="server, colocate, or both (comma separated)")
+    ap.add_argument("--extra-colocate", default="{}",
+                    help='JSON {label: GRPO overrides} run in colocate mode at the largest batch, e.g. '
+                         '\'{"colocate-kit-best": {"steps_per_generation": 4}}\'')
+    ap.add_argument("--out", default=None, help="JSON path (default results/runs/pingpong_<tier>.json; the committed "
+                    "results/pingpong_<tier>.json changes only when named here)")
+    ap.add_argument("--budget-s", type=positive_float, default=None, help="wall-clock budget for the whole sweep")
+    a = ap.parse_args(argv)
+    try:
+        batches = [int(x) for x in a.batches.split(",") if x]
+        probe = [int(x) for x in a.gen_probe.split(",") if x]
+        if not batches or min(batches + probe + [1]) < 1:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--batches {a.batches!r} / --gen-probe {a.gen_probe!r}: use positive integers like 8,32,64")
+    if bad := [b for b in batches if b % a.num_generations]:
+        raise UsageError(f"--batches {a.batches!r}: {bad} not a multiple of --num-generations {a.num_generations} "
+                         "(a batch holds whole groups)")
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    if not modes or set(modes) - {"server", "colocate"}:
+        raise UsageError(f"--modes {a.modes!r}: choose server, colocate, or server,colocate")
+    if a.steps < 2:
+        raise UsageError(f"--steps {a.steps}: at least 2 (the first step is warm-up and not measured)")
+    try:
+        extra = json.loads(a.extra_colocate)
+        assert isinstance(extra, dict) and all(isinstance(v, dict) for v in extra.values())
+    except (ValueError, AssertionError):
+        raise UsageError(f"--extra-colocate {a.extra_colocate!r}: give a JSON object of {{label: {{option: value}}}}")
+    if extra:
+        _check_overrides(extra, UsageError)
+    try:  # every run would fail on it, one after the other, and the summary then on none having run
+        resolve_model(a.model, build=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out = writable_file(a.out or runs_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json", "--out")
+    res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
+                max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,
+                server_port=a.port, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                gen_probe_batches=probe, out=out, modes=modes, extra_colocate=extra, budget_s=a.budget_s)
+    for r in res["summary"]:
+        print(json.dumps(r))
+    html = write_plots(res, runs_dir() / (Path(out).stem + ".html"))
+    print(f"[colo_kit] plots: {html}")
+    errors = [r for r in res["runs"] if "error" in r]
+    print(f"[colo_kit] wrote {out}; {len(res['runs'])} runs, {len(errors)} failed")
+    return 1 if errors else 0
+
+
+
+if __name__ == "__main__":
+    import colo_kit
+
+    colo_kit.setup()
+    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
+        raise SystemExit(_worker_main(sys.argv[2]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...
+        loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
+        merged = attach_model(merge_results(loaded))
+        Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
+        print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
+        print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
+        raise SystemExit(0)
+    from colo_kit.cli import main
+
+    raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,297 @@
+"""The ping-pong model: step time and speedup of server vs colocate mode from measured phase costs.
+
+TRL's server mode is synchronous. Each step, the `n = N − k` training devices send their prompts,
+the `k` vLLM devices generate all `n·b` completions (b = per-device batch) while the trainers
+wait, then the trainers train on their `b` while the vLLM devices wait:
+
+    step_server(N, k, b)   = gen(n·b / k) + sync_server + train(b) + other
+    step_colocate(N, b)    = gen(b)       + sync_colocate + train(b) + other
+
+`gen(x)` is the generation time of x completions on one device (measured, interpolated;
+decoding is memory-bound, so it grows much more slowly than x), `train(b)` the
+forward/backward/optimizer time of b completions on one device. Throughput is completions per
+step over step time: server `n·b / step_server`, colocate `N·b / step_colocate`.
+
+What it says about the post:
+- N=2, k=1: the single server generates exactly what one colocated device generates (`n·b/k = b`),
+  so both modes run the same gen(b) + train(b) per device and step; colocate has two training
+  devices instead of one, hence ~2× raw and ~1× per device (modelled; colocated vLLM has less
+  memory and shares the GPU, so a measurement lands slightly below).
+- N=8, k=1: one server generates 7·b completions while seven trainers wait: gen(7b) > gen(b), and
+  the wait grows with the number of trainers a server feeds. Colocate generates b per device in
+  parallel. Normalised speedup = (gen(7b) + train(b) + ...) / (gen(b) + train(b) + ...) > 1 —
+  the post's 1.43× (1.5B) and 1.35× (7B). Two GPUs cannot show it directly; the model can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+POST_SPEEDUPS = {"qwen2.5-1.5b": 1.43, "qwen2.5-7b": 1.35}  # post 1, experiments 1 and 3 (8 GPUs, 7+1)
+
+
+@dataclass
+class PhaseCosts:
+    """Measured per-phase costs on one device (seconds)."""
+
+    gen_points: list[tuple[float, float]]  # (completions generated in one call, seconds): the server
+    train_fixed_s: float  # forward/backward/optimizer: fixed part per step ...
+    train_per_sample_s: float  # ... + per completion
+    sync_server_s: float = 0.0
+    sync_colocate_s: float = 0.0
+    other_server_s: float = 0.0  # scoring, data, logging: the rest of a step
+    other_colocate_s: float = 0.0
+    tokens_per_sample: float = 256.0
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+    # colocated engine and colocated training, when measured apart (a colocated engine has less
+    # memory and shares its device; on CPU the server mode's trainer shares the cores with the
+    # server process). None: same as the server-mode numbers above.
+    gen_points_colocate: list[tuple[float, float]] | None = None
+    train_colocate: tuple[float, float] | None = None  # (fixed_s, per_sample_s)
+
+    def gen(self, x: float, mode: str = "server") -> float:
+        """Generation seconds for x completions: piecewise-linear through the measured points,
+        extended linearly (from the last two points) beyond them."""
+        pts = sorted(self.gen_points_colocate if mode == "colocate" and self.gen_points_colocate else self.gen_points)
+        if not pts:
+            raise ValueError("no generation measurements: run colo_kit.serving.bench first")
+        if len(pts) == 1:
+            b0, t0 = pts[0]
+            return t0 * max(x, 1) / b0 if x > b0 else t0
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if x <= b1:
+                return t0 + (t1 - t0) * (x - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = pts[-2], pts[-1]
+        return t1 + max(t1 - t0, 0.0) / (b1 - b0) * (x - b1)
+
+    def train(self, b: float, mode: str = "server") -> float:
+        if mode == "colocate" and self.train_colocate:
+            return self.train_colocate[0] + self.train_colocate[1] * b
+        return self.train_fixed_s + self.train_per_sample_s * b
+
+    def scaled(self, factor: float, note: str) -> "PhaseCosts":
+        """Every time × `factor` (a crude model-size change: compute and weight traffic both grow
+        with the parameter count). An assumption, labelled as such wherever it is shown."""
+        return PhaseCosts([(b, t * factor) for b, t in self.gen_points], self.train_fixed_s * factor,
+                          self.train_per_sample_s * factor, self.sync_server_s * factor,
+                          self.sync_colocate_s * factor, self.other_server_s * factor,
+                          self.other_colocate_s * factor, self.tokens_per_sample, self.source,
+                          self.notes + [note],
+                          [(b, t * factor) for b, t in self.gen_points_colocate] if self.gen_points_colocate else None,
+                          tuple(v * factor for v in self.train_colocate) if self.train_colocate else None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_train_batch_size: int, k_server: int = 1) -> dict:
+    """Step time and throughput of one configuration."""
+    b = per_device_train_batch_size
+    if mode == "server":
+        n = n_devices - k_server
+        if n < 1 or k_server < 1:
+            raise ValueError(f"server mode with N={n_devices}, k={k_server}: need k >= 1 and N - k >= 1")
+        gen = costs.gen(n * b / k_server)
+        step = gen + costs.sync_server_s + costs.train(b) + costs.other_server_s
+        samples = n * b
+        parts = {"generation": gen, "train": costs.train(b), "sync": costs.sync_server_s, "other": costs.other_server_s}
+    elif mode == "colocate":
+        gen = costs.gen(b, "colocate")
+        step = gen + costs.sync_colocate_s + costs.train(b, "colocate") + costs.other_colocate_s
+        samples = n_devices * b
+        parts = {"generation": gen, "train": costs.train(b, "colocate"), "sync": costs.sync_colocate_s,
+                 "other": costs.other_colocate_s}
+    else:
+        raise ValueError(f"mode={mode!r}; use 'server' or 'colocate'")
+    return {"mode": mode, "n_devices": n_devices, "k_server": k_server if mode == "server" else 0,
+            "per_device_train_batch_size": b, "step_s": step, "samples_per_s": samples / step,
+            "tokens_per_s": samples * costs.tokens_per_sample / step,
+            "parts_s": {p: round(v, 4) for p, v in parts.items()}}
+
+
+def speedup(costs: PhaseCosts, n_devices: int, per_device_train_batch_size: int, k_server: int = 1) -> dict:
+    """Colocate on N devices vs server mode with k of them serving: raw and normalised (× N/(N−k))."""
+    s = predict(costs, "server", n_devices, per_device_train_batch_size, k_server)
+    c = predict(costs, "colocate", n_devices, per_device_train_batch_size)
+    raw = c["tokens_per_s"] / s["tokens_per_s"]
+    norm = raw / (n_devices / (n_devices - k_server))
+    idle_server_trainers = s["parts_s"]["generation"] / s["step_s"]
+    idle_server_vllm = 1 - (s["parts_s"]["generation"] + s["parts_s"]["sync"]) / s["step_s"]
+    return {"n_devices": n_devices, "k_server": k_server, "per_device_train_batch_size": per_device_train_batch_size,
+            "raw": round(raw, 3), "normalised": round(norm, 3), "server_step_s": round(s["step_s"], 4),
+            "colocate_step_s": round(c["step_s"], 4), "server_trainer_idle": round(idle_server_trainers, 3),
+            "server_vllm_idle": round(idle_server_vllm, 3)}
+
+
+def _plain_runs(records: list[dict]) -> list[dict]:
+    """The sweep's runs (`server-b<b>`, `colocate-b<b>`): one generation per optimizer step."""
+    return [r for r in records if "error" not in r and r.get("step_time_s") and r.get("phase_s_per_step")
+            and r.get("label", "").startswith(("server-b", "colocate-b"))]
+
+
+def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
+    """Phase costs from `colo_kit.serving.bench` records (per-step phase seconds per device).
+
+    - gen points: the server's generation seconds per step at its batch (n·b), the colocated
+      devices' at b, and generation-only probes (`bench.time_generation`);
+    - train: least squares of forward+backward+optimizer seconds vs per-device batch;
+    - sync, other: means per mode (other = step time − the phases above, on the training device).
+    """
+    gen_pts = {"server": [], "colocate": []}
+    train_pts = {"server": [], "colocate": []}
+    sync = {"server": [], "colocate": []}
+    other = {"server": [], "colocate": []}
+    tokens = []
+    for r in _plain_runs(records):
+        b, world, mode = r["per_device_train_batch_size"], r.get("world_size", 1), r["mode"]
+        phases = r["phase_s_per_step"]
+        train_dev = [d for d in phases if "vLLM server" not in d]
+        server_dev = [d for d in phases if "vLLM server" in d]
+        if not train_dev:
+            continue
+        tp = phases[train_dev[0]]
+        train_s = tp.get("forward", 0) + tp.get("backward", 0) + tp.get("optimizer", 0)
+        train_pts[mode].append((b, train_s))
+        if mode == "server" and server_dev:
+            gen_pts["server"].append((b * world, phases[server_dev[0]].get("generation", 0)))
+            sync_s = phases[server_dev[0]].get("weight_sync", 0)
+            gen_s = phases[server_dev[0]].get("generation", 0)
+        else:
+            gen_s = tp.get("generation", 0)
+            gen_pts["colocate"].append((b, gen_s))
+            sync_s = tp.get("weight_sync", 0) + tp.get("sleep", 0) + tp.get("wake_up", 0)
+        sync[mode].append(sync_s)
+        other[mode].append(max(_step(r) - gen_s - sync_s - train_s, 0.0))
+        done = [s for s in r.get("steps", [])[r.get("warmup_steps", 1):] if s.get("tokens")]
+        if done:
+            tokens.append(sum(s["tokens"] / s["samples"] for s in done) / len(done))
+    for p in gen_probe or ():
+        if "gen_s" in p:
+            gen_pts["server"].append((p["batch"], p["gen_s"]))
+    if not train_pts["server"] and not train_pts["colocate"]:
+        raise ValueError("no usable bench records (all failed or empty): nothing to fit")
+    mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
+    server_gen = _merge_points(gen_pts["server"]) or _merge_points(gen_pts["colocate"])
+    server_train = _line(train_pts["server"] or train_pts["colocate"])
+    return PhaseCosts(gen_points=server_gen, train_fixed_s=server_train[0], train_per_sample_s=server_train[1],
+                      sync_server_s=mean(sync["server"]), sync_colocate_s=mean(sync["colocate"]),
+                      other_server_s=mean(other["server"]), other_colocate_s=mean(other["colocate"]),
+                      tokens_per_sample=mean(tokens) or 256.0, source="fit_costs",
+                      gen_points_colocate=_merge_points(gen_pts["colocate"]) or None,
+                      train_colocate=_line(train_pts["colocate"]) if train_pts["colocate"] else None)
+
+
+def _merge_points(pts):
+    """One point per batch: the mean of repeated measurements."""
+    merged: dict[float, list] = {}
+    for b, t in pts:
+        merged.setdefault(b, []).append(t)
+    return [(b, sum(v) / len(v)) for b, v in sorted(merged.items())]
+
+
+def _line(pts) -> tuple[float, float]:
+    """Least-squares (fixed_s, per_sample_s), both >= 0."""
+    xs = [b for b, _ in pts]
+    ys = [t for _, t in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my / mx, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def _step(r: dict) -> float:
+    return r.get("median_step_time_s") or r["step_time_s"]
+
+
+def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
+    """Predicted vs measured step time, two ways, neither of which re-adds a run's own phases:
+
+    - `cross-mode`: every colocate run predicted from costs measured in **server mode only**
+      (server generation + probes, the server-mode trainer's training time) plus colocate's
+      weight-sync cost — the model's claim that both modes spend gen(b) + train(b) per device;
+    - `leave-one-out`: each run predicted from the costs fitted on all the *other* runs.
+    """
+    ok = _plain_runs(records)
+    rows = []
+
+    def row(r, costs, method):
+        world = r.get("world_size", 1)
+        n_dev = world + 1 if r["mode"] == "server" else world
+        pred = predict(costs, r["mode"], n_dev, r["per_device_train_batch_size"], 1)
+        measured = _step(r)
+        return {"method": method, "label": r["label"], "mode": r["mode"],
+                "per_device_train_batch_size": r["per_device_train_batch_size"],
+                "n_devices": n_dev, "measured_step_s": measured, "predicted_step_s": round(pred["step_s"], 4),
+                "error_pct": round(100 * (pred["step_s"] - measured) / measured, 1)}
+
+    server_runs = [r for r in ok if r["mode"] == "server"]
+    colocate_runs = [r for r in ok if r["mode"] == "colocate"]
+    if server_runs and colocate_runs:
+        from_server = fit_costs(server_runs, gen_probe)
+        from_server.sync_colocate_s = fit_costs(colocate_runs).sync_colocate_s
+        from_server.other_colocate_s = from_server.other_server_s
+        for r in colocate_runs:
+            rows.append(row(r, from_server, "cross-mode"))
+    for i, r in enumerate(ok):
+        rest = ok[:i] + ok[i + 1:]
+        if not any(x["mode"] == r["mode"] for x in rest):
+            continue
+        rows.append(row(r, fit_costs(rest, gen_probe), "leave-one-out"))
+    return rows
+
+
+def project_post(costs: PhaseCosts, batches=(8, 16, 32, 64), n_devices: int = 8, k_server: int = 1) -> list[dict]:
+    """The post's 8-GPU experiments (7 train + 1 vLLM) from these costs."""
+    return [speedup(costs, n_devices, b, k_server) for b in batches]
+
+
+def projection_figure(rows: list[dict], post_value: float | None = None, title: str = ""):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    xs = [str(r["per_device_train_batch_size"]) for r in rows]
+    fig.add_scatter(x=xs, y=[r["normalised"] for r in rows], mode="lines+markers", name="model: normalised speedup")
+    fig.add_scatter(x=xs, y=[r["raw"] for r in rows], mode="lines+markers", name="model: raw speedup",
+                    line_dash="dot")
+    if post_value:
+        fig.add_hline(y=post_value, line_dash="dash", annotation_text=f"post: {post_value}× (largest batch)")
+    fig.add_hline(y=1.0, line_color="gray")
+    fig.update_layout(title=title, xaxis_title="per-device batch", yaxis_title="colocate / server",
+                      legend_orientation="h")
+    return fig
+
+
+def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
+    """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
+    without a committed ping-pong sweep: generation seconds per generation call at 8, 64 and 256 completions
+    (TRL's defaults, steps_per_generation=8 at batch 8 and at batch 32), training (forward, backward, optimizer,
+    no checkpointing) at batch 8 and 32, and TRL's weight push. The runs at learning rate 5e-3 are used: their
+    completions stayed at the 256-token limit, so every generation call made the same tokens per completion.
+
+    Two assumptions, named in `notes` and wherever the costs are shown: a server's generation costs what the
+    colocated engine's did (it had 0.3 of the GPU, a server 0.9: more KV cache, which these batches do not need),
+    and server mode's weight sync costs what the colocated push did."""
+    from colo_kit.memory.speed import first_race, race
+
+    key = first_race(result, "qwen2.5-1.5b", learning_rate)
+    configs = result["summary"]["qwen2.5-1.5b"][key]["configs"]
+    recs = {(r["config"], r["seed"]): r for r in result["records"] if r["model"] == "qwen2.5-1.5b" and race(r) == key}
+    gen_points, train_points = [], []
+    for name in ("trl_defaults", "spg8", "batch32"):
+        rec = recs[(name, 0)]
+        per_gen = rec["completions_per_generation"]
+        gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
+    for name in ("no_grad_ckpt", "batch32"):
+        rec = recs[(name, 0)]
+        batch = rec["grpo_config"]["per_device_train_batch_size"]
+        train_points.append((batch, configs[name]["phase_s_per_step"]["training"]))
+    fixed, per_sample = _line(train_points)
+    push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
+    notes = ["measured on one H200 (results/speed_1xh200.json); a server generates as fast as the colocated engine "
+             "did, and its weight sync costs what the colocated push did (assumptions)"]
+    return PhaseCosts(gen_points=_merge_points(gen_points), train_fixed_s=fixed, train_per_sample_s=per_sample,
+                      sync_server_s=push, sync_colocate_s=push, tokens_per_sample=256.0,
+                      source="results/speed_1xh200.json", notes=notes)

