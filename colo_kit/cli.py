@@ -41,31 +41,23 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def dataclass_parser(types, prog: str, description: str, parser_class=None):
-    """Flags made from dataclass fields by transformers' HfArgumentParser (TRL's `TrlParser` with
-    `parser_class=TrlParser`): `--name_of_field` and `--name-of-field`, `--no-...` for a field that is True, the
-    field's type and default; errors in one line (UsageError), an unknown flag named."""
-    if parser_class is None:
-        from transformers import HfArgumentParser as parser_class
-
-    parser = parser_class(types, prog=prog, description=description)
+def parse_dataclasses(types, argv: list[str], prog: str, description: str) -> tuple:
+    """`argv` into one instance of each dataclass in `types`, by transformers' HfArgumentParser: a flag per
+    field (`--name_of_field` or `--name-of-field`, `--no-...` for one that is True), its type and default.
+    Bad input is one line (UsageError), an unknown flag named."""
+    from transformers import HfArgumentParser
 
     def one_line(message):
         raise UsageError(message)
 
+    parser = HfArgumentParser(types, prog=prog, description=description)
     parser.error = one_line
-    parse = parser.parse_args_into_dataclasses
-
-    def parse_args_into_dataclasses(args=None, **kw):
-        try:
-            return parse(args, **kw)
-        except ValueError as exc:  # HfArgumentParser's own: "Some specified arguments are not used ..."
-            if isinstance(exc, UsageError):
-                raise
-            raise UsageError(str(exc).splitlines()[0].rstrip(".") + f" (see {prog} --help)") from None
-
-    parser.parse_args_into_dataclasses = parse_args_into_dataclasses
-    return parser
+    try:
+        return parser.parse_args_into_dataclasses(argv)
+    except UsageError:
+        raise
+    except ValueError as exc:  # HfArgumentParser's own: "Some specified arguments are not used ..."
+        raise UsageError(str(exc).splitlines()[0].rstrip(".") + f" (see {prog} --help)") from None
 
 
 def _typed(check, what: str):

@@ -83,12 +83,11 @@ class PlanCommand:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, dataclass_parser
+    from colo_kit.cli import UsageError, parse_dataclasses
 
     # every field of the planner's Plan is a flag (--per-device-train-batch-size, --zero-stage, --tp, ...)
-    plan, args = dataclass_parser((Plan, PlanCommand), prog="colo-kit plan", description=(
-        "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."),
-    ).parse_args_into_dataclasses(argv)
+    plan, args = parse_dataclasses((Plan, PlanCommand), argv, prog="colo-kit plan", description=(
+        "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."))
     if args.validate:
         from colo_kit.cli import writable_file
         from colo_kit.paths import runs_dir

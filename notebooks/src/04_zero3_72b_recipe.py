@@ -387,11 +387,12 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 #   `steps_per_generation=4` in 82 s — 1.9× the tokens/s, 0.45× the speed to the reward. At this learning rate
 #   a step moves the policy far enough that the next steps' completions are already stale. In a 120 s race
 #   `steps_per_generation=2` gave 1.8× the tokens/s and reached the threshold in 40.5 s against the defaults'
-#   34.7 s (0.86×, seed 0).
+#   34.7 s (0.86×, seed 0; measured, `results/speed_1xh200.json`).
 # - **The recommended recipe is on-policy, and a little faster per step.** What `colo-kit plan --recommend`
 #   writes for 1.5B (no activation recomputing, token ids without vLLM's text, the one-call push, no sleep) ran
 #   both seeds of a 120 s race beside the defaults: 1.15× the tokens/s (0.91–0.96 s per step against
-#   1.05–1.10), and the threshold in 40.8 and 37.0 s against the defaults' 34.7 and 43.5 s — 0.85× and 1.18×.
+#   1.05–1.10), and the threshold in 40.8 and 37.0 s against the defaults' 34.7 and 43.5 s — 0.85× and 1.18×
+#   (measured, `results/speed_1xh200.json`).
 #   The defaults' own two seeds differ by 9 s, so a step 13% shorter does not show through the spread between
 #   seeds: the time to the reward is set by the policy's luck more than by the step.
 # - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.16 s per step (sleep 0.05 s, two
