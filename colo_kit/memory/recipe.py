@@ -84,8 +84,10 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("vllm_tensor_parallel_size", chosen.vllm_tensor_parallel_size,
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
         ("steps_per_generation", None,
-         "TRL's default, on-policy: 4 and 8 gave 1.9-3.3x the tokens/s at batch 8 but reached the reward threshold "
-         f"no sooner (4: in 82 s against the defaults' 37 s in a 150 s race; 2: 40.5 s against 34.7 s in a 120 s race; "
+         "TRL's default, on-policy: sharing a generation between 2, 4 or 8 steps gave 1.8-3.3x the tokens/s at batch 8 "
+         "but reached the reward threshold "
+         f"no sooner than the on-policy recipe (4: in 82 s against the defaults' 37 s in a 150 s race; 2: 1.25x sooner "
+         f"in a 90 s race where this recipe was 1.20-1.41x; "
          f"measured, {MEASURED})"),
         ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
         ("vllm_importance_sampling_correction", True,

@@ -116,7 +116,6 @@ run = run_grpo(
 print(f"{len(run.steps)} steps in {run.elapsed_s} s: mean reward {run.rewards[0]:.1f} -> {run.rewards[-1]:.1f}")
 
 # %%
-import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 steps = run.series("step")

@@ -38,7 +38,6 @@
 
 # %%
 import json
-import os
 
 import ipywidgets as widgets
 import pandas as pd
