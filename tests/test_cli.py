@@ -14,6 +14,7 @@ from colo_kit.paths import REPO_ROOT
 @pytest.fixture
 def files(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.yaml").write_text("beta: [1\n")
     (tmp_path / "abc.json").write_text(json.dumps({"hidden_size": "abc", "num_hidden_layers": 2, "num_attention_heads": 2,
                                                    "intermediate_size": 8, "vocab_size": 10}))
     (tmp_path / "bad.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2" "answer": 4}\n')
@@ -43,10 +44,12 @@ CASES = [
     (["train", "--mode", "server"], "needs vllm_server_base_url"),
     (["train", "--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
     (["train", "--no-such-field", "1"], "['--no-such-field', '1']: colo-kit train takes GRPOConfig fields"),
-    (["train", "--config={files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
+    (["train", "--config={files}/list.json"], "not a YAML mapping of GRPOConfig fields"),
     (["train", "--per_device_train_batch_size", "6", "--num_generations", "4"],
      "generation_batch_size (6) must be divisible by num_generations (4) (TRL's GRPOConfig refused"),
-    (["train", "--config", "{files}/list.json"], "holds a YAML list, not a mapping of GRPOConfig fields"),
+    (["train", "--config", "{files}/list.json"], "not a YAML mapping of GRPOConfig fields"),
+    (["train", "--config", "{files}/broken.yaml"], "broken.yaml': cannot read it as YAML"),
+    (["train", "--config", "{files}/none.yaml"], "none.yaml': cannot read it as YAML"),
     (["eval-math500", "--out", "/proc/nope/ev.json"], "--out /proc/nope/ev.json"),
     (["eval-math500", "--limit", "0"], "'0'"),
     (["eval-math500", "--data", "{files}/bad.jsonl"], "bad.jsonl line 3: not JSON"),

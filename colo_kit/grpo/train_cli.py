@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 
 from colo_kit.env import has_cuda
 from colo_kit.grpo.train import RUN_DEFAULTS
@@ -42,29 +41,10 @@ def _config_apart(args: list[str]) -> list[str]:
     return [part for t in args for part in (["--config", t[len("--config="):]] if t.startswith("--config=") else [t])]
 
 
-def _given(args: list[str]) -> list[str]:
-    """The fields named on the command line and in its --config YAML, in order."""
-    import yaml
-
-    from colo_kit.cli import UsageError
-
-    names = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--")]
-    if "config" not in names:
-        return names
-    path = args[args.index("--config") + 1]
-    try:
-        loaded = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UsageError(f"--config {path!r}: cannot read it as YAML ({exc}); give a YAML file of GRPOConfig "
-                         "fields") from None
-    if not isinstance(loaded, dict):
-        raise UsageError(f"--config {path!r}: holds a YAML {type(loaded).__name__}, not a mapping of GRPOConfig fields")
-    return [n for n in names if n != "config"] + [k for k in loaded if k != "env"]
-
-
 def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
     """(the `GRPOConfig` fields as TRL parsed them, with the kit's run defaults where not given; the kit's own
     knobs; the fields given). A bad value or an unknown name is a `UsageError` in one line."""
+    import yaml
     from trl import GRPOConfig, TrlParser
 
     from colo_kit.cli import UsageError
@@ -72,31 +52,49 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
     args = _config_apart(list(argv))
     if "--config" in args and args.index("--config") == len(args) - 1:
         raise UsageError("--config needs a YAML file of GRPOConfig fields")
-    given = _given(args)
+    path = args[args.index("--config") + 1] if "--config" in args else None
 
     def one_line(message):
         raise UsageError(f"{message} (GRPOConfig fields in TRL's spelling, e.g. --beta 0.04)")
 
-    parser = TrlParser((GRPOConfig, TrainArgs), prog="colo-kit train",
-                       description="GRPO with TRL's GRPOTrainer; any GRPOConfig field in TRL's name, or --config "
-                                   "FILE.yaml of them")
+    class Parser(TrlParser):
+        """TRL's parser, noting which fields its one read of the --config YAML set."""
+
+        from_config: list[str] = []
+
+        def set_defaults_with_config(self, **kwargs):
+            self.from_config = list(kwargs)
+            return super().set_defaults_with_config(**kwargs)
+
+    parser = Parser((GRPOConfig, TrainArgs), prog="colo-kit train",
+                    description="GRPO with TRL's GRPOTrainer; any GRPOConfig field in TRL's name, or --config "
+                                "FILE.yaml of them")
     parser.error = one_line
     parser.set_defaults(**run_defaults())
     base = [] if has_cuda() else ["--use_cpu", "true", "--bf16", "false"]
+    on_line = [t[2:].split("=")[0].replace("-", "_") for t in args if t.startswith("--") and t != "--config"]
     try:
         config, kit = parser.parse_args_and_config(base + args)
     except UsageError:  # TRL's parser already said it in one line (one_line above)
         raise
+    except (OSError, yaml.YAMLError) as exc:
+        why = (f"{exc.problem} at line {exc.problem_mark.line + 1}" if isinstance(exc, yaml.MarkedYAMLError)
+               else exc.strerror if isinstance(exc, OSError) else str(exc))
+        raise UsageError(f"--config {path!r}: cannot read it as YAML ({why}); give a YAML file of GRPOConfig "
+                         "fields") from None
     except ZeroDivisionError:  # GRPOConfig.__post_init__ divides by num_generations before checking it
         ns, _ = parser.parse_known_args(base + args)
-        zero = next((n for n in given if getattr(ns, n, None) == 0), "a count")
+        zero = next((n for n in on_line + parser.from_config if getattr(ns, n, None) == 0), "a count")
         raise UsageError(f"{zero}=0: give a whole number of at least 1 (TRL's GRPOConfig divides by it)") from None
     except ValueError as exc:
         first = str(exc).splitlines()[0].rstrip(".")
+        if "must contain a YAML mapping" in first:
+            raise UsageError(f"--config {path!r}: not a YAML mapping of GRPOConfig fields") from None
         if "not used by the HfArgumentParser" in first:
             raise UsageError(f"{first}: colo-kit train takes GRPOConfig fields in TRL's names and --model, --mode, "
                              "--reward, --target-length, --bucketed-push, --json (see --help)") from None
         raise UsageError(f"{first} (TRL's GRPOConfig refused the settings)") from None
+    given = on_line + parser.from_config
     grpo = {name: getattr(config, name) for name in dict.fromkeys(list(run_defaults()) + given)
             if name in GRPOConfig.__dataclass_fields__}
     return {k: v.value if isinstance(v, Enum) else v for k, v in grpo.items()}, kit, given  # e.g. lr_scheduler_type
