@@ -23,7 +23,8 @@ def _parse(tmp_path, text):
 
 @pytest.mark.parametrize("settings", [dict(model="qwen2.5-1.5b"), dict(model="qwen2.5-7b"),
                                       dict(model="qwen2.5-72b", gpus=8, zero_stage=3, offload_optimizer=True),
-                                      dict(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16)])
+                                      dict(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16),
+                                      dict(model="qwen2.5-7b", train_dtype="bfloat16")])
 def test_trls_parser_loads_every_field_with_its_reason(settings, tmp_path):
     from trl import GRPOConfig
 
@@ -50,6 +51,16 @@ def test_speed_choices_follow_what_fits():
     tight = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16)["fields"]}
     assert tight["vllm_gpu_memory_utilization"] != 0.3 or tight["vllm_enable_sleep_mode"] \
         or tight["gradient_checkpointing"]
+
+
+def test_a_recipe_sized_for_bfloat16_tells_trl_to_load_bfloat16(tmp_path):
+    """TRL loads a model given by path in float32 unless `model_init_kwargs` says otherwise: a recipe sized for
+    bfloat16 weights that did not say so would run with twice the training state the planner counted."""
+    bf16 = recipe(model="qwen2.5-7b", train_dtype="bfloat16")
+    assert _parse(tmp_path, to_yaml(bf16)).model_init_kwargs == {"dtype": "bfloat16"}
+    fp32 = recipe(model="qwen2.5-7b")
+    assert "model_init_kwargs" not in {k for k, _, _ in fp32["fields"]}
+    assert bf16["plan"].zero_stage == 0 and fp32["plan"].zero_stage == 3  # bfloat16 fits one H200 without ZeRO
 
 
 def test_server_mode_is_refused_with_the_fix():

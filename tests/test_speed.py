@@ -27,6 +27,19 @@ def test_each_configuration_is_the_one_before_plus_its_knob():
         speed.config("spg9")
 
 
+def test_7b_races_in_bfloat16_without_zero_and_the_planner_says_it_fits_one_h200():
+    """Every 7B configuration loads bfloat16 weights (TRL's model_init_kwargs), the recipe included, and is
+    sized as such: in float32 TRL's defaults alone would not fit one H200 beside a 0.3 engine."""
+    from colo_kit.memory.planner import estimate
+
+    for name in ["trl_defaults", "no_grad_ckpt", "spg2", "sleep_l2", speed.RECIPE]:
+        fields, _ = speed.config(name, "qwen2.5-7b")
+        assert fields["model_init_kwargs"] == {"dtype": "bfloat16"}, name
+        assert speed.planner_peak_for(name, "qwen2.5-7b") < 139.8 * 0.92, name
+    assert "model_init_kwargs" not in speed.config("trl_defaults")[0]
+    assert estimate(model="qwen2.5-7b", per_device_train_batch_size=8)["peak_gib_per_gpu"] > 139.8
+
+
 def test_chain_fields_are_grpo_config_fields():
     from dataclasses import fields
 

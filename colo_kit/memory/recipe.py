@@ -97,6 +97,10 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("vllm_importance_sampling_clip_max", 3.0, "TRL's default"),
         ("bf16", True, "bf16 autocast on a GPU, as the H200 runs trained"),
     ]
+    if chosen.train_dtype == "bfloat16":  # without it TRL loads a model given by path in float32: twice the state
+        fields.append(("model_init_kwargs", {"dtype": "bfloat16"},
+                       "the planner sized the training state for bfloat16 weights; TRL loads a model given by path in "
+                       "float32 unless told"))
     launch = []
     if chosen.zero_stage:
         from colo_kit.memory.recipes import _slug

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # learning rate at the same step.
 TASK = dict(reward="length", target_length=20, num_generations=8, max_completion_length=256,
             learning_rate=5e-4, lr_scheduler_type="constant", vllm_gpu_memory_utilization=0.3, max_steps=100_000)
+# A model whose float32 training state does not fit one GPU beside vLLM trains in bfloat16 (TRL's
+# `model_init_kwargs`), every configuration alike and ZeRO-free: 7B's weights, gradients and AdamW states take about
+# 113 GiB in float32 and about 57 GiB in bfloat16 (modelled, `colo-kit plan --model qwen2.5-7b --gpus 1`).
+TRAIN_DTYPE = {"qwen2.5-7b": "bfloat16"}
 WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
 THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
 
@@ -88,9 +92,12 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
     if name == RECIPE:
         from colo_kit.memory.recipe import recipe
 
-        r = recipe(model=model, per_device_train_batch_size=8, max_completion_length=TASK["max_completion_length"])
+        r = recipe(model=model, per_device_train_batch_size=8, max_completion_length=TASK["max_completion_length"],
+                   train_dtype=TRAIN_DTYPE.get(model, "float32"))
         if not r["fits"]:
             raise ValueError(f"no recipe for {model}: {r['why']}")
+        if r["plan"].zero_stage:  # the race launches one plain process per configuration, no DeepSpeed
+            raise ValueError(f"the recipe for {model} needs ZeRO-{r['plan'].zero_stage}, which the race does not launch")
         fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
         return fields, {"push_bucket_mb": 0}
     if name in SIDE:
@@ -100,7 +107,9 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
     if name not in NAMES:
         raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + list(SIDE) + [RECIPE])}")
     fields, knobs = {}, {}
-    for step_name, _, f, k in CHAIN[:NAMES.index(name) + 1]:
+    if model in TRAIN_DTYPE:
+        fields["model_init_kwargs"] = {"dtype": TRAIN_DTYPE[model]}
+    for _, _, f, k in CHAIN[:NAMES.index(name) + 1]:
         fields.update(f)
         knobs.update(k)
     return fields, knobs
@@ -246,7 +255,8 @@ def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
 
     return estimate(model=model, per_device_train_batch_size=batch, gradient_checkpointing=gradient_checkpointing,
                     max_completion_length=max_completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep)["peak_gib_per_gpu"]
+                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep,
+                    train_dtype=TRAIN_DTYPE.get(model, "float32"))["peak_gib_per_gpu"]
 
 
 def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:

@@ -5,7 +5,7 @@
 # configuration run again replacing its earlier records) and copies it and the log to $OUT/.
 #
 #   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/speed.sh
-#   SPEED_CONFIGS="trl_defaults:0,1 spg8:0" SPEED_MODEL=qwen2.5-7b bash scripts/gpu/speed.sh
+#   SPEED_CONFIGS="trl_defaults:0,1 recipe:0,1" SPEED_MODEL=qwen2.5-7b bash scripts/gpu/speed.sh   # bfloat16, no ZeRO
 #
 # CPU check of the same code with the tiny model (writes results/runs/speed_smoke.json, not evidence):
 #   PY=.venv/bin/python bash scripts/gpu/speed.sh --smoke
