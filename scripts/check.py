@@ -12,6 +12,9 @@ same command measures the CPU tier.
 
 Pytest results are written as each test ends (scripts/check_plugin.py), so a part cut off by its
 time budget keeps what it finished; `--budget-s` stops starting notebooks that would not finish.
+
+Each notebook's record carries the peak memory of its process tree (the kernel and what it started): host
+RSS, and on a GPU what NVML says the tree's processes hold.
 """
 
 from __future__ import annotations
@@ -45,12 +48,18 @@ def _commit() -> dict:
     return {"commit": head or None, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if head else None}
 
 
-def _run(cmd: list[str], timeout_s: float, **kwargs):
+def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
     """`subprocess.run` in a session of its own, so a timeout ends the whole tree (a vLLM server a
-    test started, a notebook's kernel) instead of leaving it on the GPU for the next part."""
+    test started, a notebook's kernel) instead of leaving it on the GPU for the next part. With `peaks`,
+    the tree's peak memory is sampled into it while it runs (`_sample_peaks`)."""
     import signal
+    import threading
 
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **kwargs)
+    done = threading.Event()
+    sampler = threading.Thread(target=_sample_peaks, args=(proc.pid, done, peaks), daemon=True)
+    if peaks is not None:
+        sampler.start()
     try:
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, err
@@ -58,6 +67,48 @@ def _run(cmd: list[str], timeout_s: float, **kwargs):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return "timeout", out, err
+    finally:
+        done.set()
+        if peaks is not None:
+            sampler.join()
+
+
+def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
+    """Peak memory of process `pid` and everything it started (the notebook's kernel, the vLLM servers
+    and workers it launched), every `interval_s` until `done`: host memory as the sum of their resident
+    sets (`peak_rss_gib`), and on a GPU what NVML says those processes hold (`peak_gpu_gib`, all GPUs)."""
+    import psutil
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 — no NVML: a CPU machine
+        gpus = []
+    rss = gpu = 0
+    while not done.wait(interval_s):
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        pids, now = set(), 0
+        for p in tree:
+            try:
+                now += p.memory_info().rss
+                pids.add(p.pid)
+            except psutil.Error:
+                pass
+        rss = max(rss, now)
+        held = 0
+        for h in gpus:
+            for fn in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                held += sum(x.usedGpuMemory or 0 for x in fn(h) if x.pid in pids)
+        gpu = max(gpu, held)
+    peaks["peak_rss_gib"] = round(rss / 2**30, 2)
+    if gpus:
+        peaks["peak_gpu_gib"] = round(gpu / 2**30, 2)
 
 
 def run_tests(pytest_args: list[str], budget_s: float) -> dict:
@@ -103,10 +154,11 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
                 continue
             start = time.time()
             cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(html_dir)]
-            rc, stdout, stderr = _run(cmd, left, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            peaks: dict = {}
+            rc, stdout, stderr = _run(cmd, left, peaks, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             tail = (stdout or "")[-1500:] + (stderr or "")[-3000:]
             rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
-                   "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **_commit()}
+                   "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **peaks, **_commit()}
             if rc != 0:
                 rec["error_tail"] = tail
             if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
