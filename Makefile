@@ -32,15 +32,21 @@ test-fast: venv
 # fresh copies back. LAB_IP=0.0.0.0 to listen beyond this machine (then `export LAB_TOKEN=...` first: it
 # reaches JupyterLab through its environment, not its command line, where `ps` would show it); as root
 # (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
+# LAB_DIR=lab-NAME gives each learner sharing one clone on a GPU node a working copy of their own.
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
+LAB_DIR ?= lab
 LAB_ARGS = --ip=$(LAB_IP) --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_DIR_OK = [[ "$(LAB_DIR)" =~ ^lab(-[A-Za-z0-9]+)?$$ ]] || { echo "LAB_DIR=$(LAB_DIR): use lab or lab-NAME \
+	(letters and digits, e.g. lab-alice), a folder git ignores" >&2; exit 2; }
 lab: venv
-	@mkdir -p lab && for nb in notebooks/*.ipynb; do [ -e "lab/$$(basename $$nb)" ] || cp "$$nb" lab/; done
-	@if [ -n "$$LAB_TOKEN" ]; then export JUPYTER_TOKEN="$$LAB_TOKEN"; fi; $(BIN)/jupyter lab lab/ $(LAB_ARGS)
+	@$(LAB_DIR_OK)
+	@mkdir -p $(LAB_DIR) && for nb in notebooks/*.ipynb; do [ -e "$(LAB_DIR)/$$(basename $$nb)" ] || cp "$$nb" $(LAB_DIR)/; done
+	@if [ -n "$$LAB_TOKEN" ]; then export JUPYTER_TOKEN="$$LAB_TOKEN"; fi; $(BIN)/jupyter lab $(LAB_DIR)/ $(LAB_ARGS)
 
 lab-reset:
-	@mkdir -p lab && rm -f lab/*.ipynb && cp notebooks/*.ipynb lab/ && echo "lab/: fresh copies of notebooks/"
+	@$(LAB_DIR_OK)
+	@mkdir -p $(LAB_DIR) && rm -f $(LAB_DIR)/*.ipynb && cp notebooks/*.ipynb $(LAB_DIR)/ && echo "$(LAB_DIR)/: fresh copies of notebooks/"
 
 data: venv
 	$(BIN)/python -m colo_kit data

@@ -30,6 +30,22 @@ def test_lab_flags_follow_the_user_and_the_variables():
     assert "token" not in script.split("jupyterlab", 1)[1].lower()  # the token goes through the environment
 
 
+@pytest.mark.parametrize("lab_dir", ["notebooks", "lab-x/../../notebooks", "lab-a b", "lab-", "."])
+def test_a_working_copy_outside_lab_names_is_refused_before_anything_is_deleted(tmp_path, lab_dir):
+    """`make lab-reset LAB_DIR=...` deletes the folder's notebooks: anything but lab or lab-NAME is refused, one line,
+    exit code 2, and the tracked notebooks stay."""
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_quickstart.ipynb").write_text("{}")
+    proc = subprocess.run(["make", "-f", str(REPO_ROOT / "Makefile"), "lab-reset", f"LAB_DIR={lab_dir}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"LAB_DIR={lab_dir}: use lab or lab-NAME" in proc.stderr
+    assert (tmp_path / "notebooks" / "00_quickstart.ipynb").read_text() == "{}"
+    ok = subprocess.run(["make", "-f", str(REPO_ROOT / "Makefile"), "lab-reset", "LAB_DIR=lab-alice"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and (tmp_path / "lab-alice" / "00_quickstart.ipynb").read_text() == "{}"
+    assert " lab-alice/" in _lab_script(LAB_DIR="lab-alice")
+
+
 @pytest.mark.slow
 def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_alone(tmp_path):
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed in this environment")
