@@ -44,13 +44,15 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_dataclasses(types, argv: list[str], prog: str, description: str) -> tuple:
     """`argv` into one instance of each dataclass in `types`, by transformers' HfArgumentParser: a flag per
     field (`--name_of_field` or `--name-of-field`, `--no-...` for one that is True), its type and default.
-    Bad input is one line (UsageError), an unknown flag named."""
+    Bad input is one line (UsageError), an unknown flag named; a flag's prefix is not that flag."""
     from transformers import HfArgumentParser
 
     def one_line(message):
         raise UsageError(message)
 
-    parser = HfArgumentParser(types, prog=prog, description=description)
+    # argparse's prefixes would take `colo-kit proxy --token SECRET` as --token-env SECRET and echo it; with each
+    # field spelt two ways (--a_b, --a-b), most prefixes were ambiguous anyway
+    parser = HfArgumentParser(types, prog=prog, description=description, allow_abbrev=False)
     parser.error = one_line
     try:
         return parser.parse_args_into_dataclasses(argv)

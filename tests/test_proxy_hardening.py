@@ -140,8 +140,10 @@ CLI_CASES = [
     ([*REPLICA, "--max-body-mb", "nan"], "max_body_mb=nan: give a finite number above 0"),
     ([*REPLICA, "--max-body-mb", "inf"], "max_body_mb=inf: give a finite number above 0"),
     ([*REPLICA, "--max-body-mb", "-1"], "max_body_mb=-1.0: give a finite number above 0"),
-    ([*REPLICA, "--port", "abc"], "--port: 'abc': give a port number in 1-65535"),
-    ([*REPLICA, "--port", "70000"], "--port: '70000': give a port number in 1-65535"),
+    ([*REPLICA, "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    ([*REPLICA, "--port", "70000"], "port=70000: choose 1-65535 (0 picks a free one)"),
+    ([], "no replicas: pass at least one --replica http://HOST:PORT"),
+    ([*REPLICA, "--token", "x"], "['--token', 'x'] (see colo-kit proxy --help)"),
     ([*REPLICA, "--policy", "bogus"], "--policy: invalid choice: 'bogus' (choose from 'affinity', 'round_robin')"),
     ([*REPLICA, "--client-timeout-s", "0"], "client_timeout_s=0.0: give a finite number above 0"),
     (["--replica", "http://alice:hunter2@127.0.0.1:1", "--token-env", "COLO_KIT_TEST_REPLICA_KEY"],
@@ -165,6 +167,20 @@ def test_bad_proxy_flags_are_one_line_and_exit_2(argv, words, capsys, monkeypatc
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("colo-kit proxy: ") and words in lines[0], lines[0]
     assert "Traceback" not in captured.err + captured.out and "hunter2" not in captured.err + captured.out
+
+
+def test_proxy_flags_come_from_proxy_config_and_the_tokens_are_not_flags():
+    from colo_kit.async_lora.proxy_cli import parse
+    from colo_kit.cli import UsageError
+
+    cfg, cmd = parse(["--replica", "http://a:1", "--replica", "http://b:2", "--health-interval", "2",
+                      "--log-level", "INFO"])
+    assert cfg.replicas == ["http://a:1", "http://b:2"] and cfg.health_interval_s == 2.0, cfg
+    assert cmd.log_level == "INFO" and cfg.port == 8000 and cfg.token is None
+    for flag in ("--token", "--client-token", "--client_token", "--upstream-urls"):
+        # refused as unknown, not read as a prefix of --token-env or --client-token-env
+        with pytest.raises(UsageError, match=f"not used .*'{flag}', 'x'"):
+            parse(["--replica", "http://a:1", flag, "x"])
 
 
 def test_a_nul_byte_in_lora_path_is_a_400_with_one_line(stubs, adapters, caplog):

@@ -1,6 +1,6 @@
 """The routing proxy's settings (`colo_kit.async_lora.proxy`), checked before anything is served.
 
-`ProxyConfig` holds what `colo-kit proxy`'s flags set; `validate()` refuses a bad value with one
+`ProxyConfig`'s fields are `colo-kit proxy`'s flags, each with its help; `validate()` refuses a bad value with one
 line that names it and the fix (a replica URL that is not a server root, a token variable that is
 missing, a non-loopback address without a client token, an adapter root of `/`), and reads the
 tokens from their environment variables, so they never appear on a command line.
@@ -21,29 +21,49 @@ MAX_BODY_MB = 1024  # the proxy holds a whole body in memory; aiohttp needs the 
 
 @dataclass
 class ProxyConfig:
-    replicas: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    token_env: str | None = None  # the replicas' API key, sent upstream
-    client_token_env: str | None = None  # the key clients must send to the proxy
-    adapter_root: str | None = None  # the only directory adapter loads may point into
-    block_size: int | None = None  # None: ask the replicas (/server_info), else 16
-    max_prefix_blocks: int = 64
-    prefix_index_size: int = 65536
-    policy: str = "affinity"  # or "round_robin", the baseline the post compares against
-    imbalance: float = 1.2
-    slack: int = 8
-    tokenizer: str | None = None
-    max_body_mb: float = 16.0
-    upstream_timeout_s: float = 30.0  # broadcasts and health checks
-    request_timeout_s: float = 600.0  # one generation (thousands of tokens take minutes)
-    health_interval_s: float = 1.0
-    health_failures_to_drop: int = 2  # consecutive failed polls; a refused connection drops at once
-    connect_timeout_s: float = 2.0
-    client_timeout_s: float = 30.0  # a request's head, and then its body, from a client
-    max_attempts: int = 3
-    token: str | None = field(default=None, repr=False)
-    client_token: str | None = field(default=None, repr=False)
+    # Every init field is a flag of `colo-kit proxy` (colo_kit.async_lora.proxy_cli), its help in `metadata`, so a
+    # setting is written once. The tokens are not init fields: validate() reads them from the variables named by
+    # --token-env and --client-token-env, so a secret is never typed on a command line.
+    replicas: list[str] = field(default_factory=list, metadata={
+        "aliases": ["--replica"], "action": "extend", "metavar": "URL",
+        "help": "a vLLM server's root URL; repeat the flag, once per replica"})
+    host: str = field(default="127.0.0.1", metadata={"help": "anything but loopback needs --client-token-env"})
+    port: int = field(default=8000, metadata={"help": "1-65535; 0 picks a free one"})
+    token_env: str | None = field(default=None, metadata={
+        "metavar": "NAME",
+        "help": "environment variable holding the replicas' API key (sent upstream as Authorization: Bearer)"})
+    client_token_env: str | None = field(default=None, metadata={
+        "metavar": "NAME", "help": "environment variable holding the key every client must send (401 otherwise)"})
+    adapter_root: str | None = field(default=None, metadata={
+        "metavar": "DIR", "help": "the shared directory adapters are published under; adapter loads outside it "
+                                  "are refused, and without it every adapter load is"})
+    block_size: int | None = field(default=None, metadata={
+        "help": "the replicas' KV block size in tokens; None asks them (16 if they do not say)"})
+    max_prefix_blocks: int = field(default=64, metadata={"help": "leading KV blocks of a prompt that pick its replica"})
+    prefix_index_size: int = field(default=65536, metadata={
+        "help": "prefix hashes remembered for routing, least recently used first out"})
+    policy: str = field(default="affinity", metadata={
+        "choices": ["affinity", "round_robin"], "help": "round_robin is the baseline the post compares against"})
+    imbalance: float = field(default=1.2, metadata={"help": "bound on max/mean in-flight load"})
+    slack: int = field(default=8, metadata={"help": "extra in-flight requests allowed above the bound"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "model folder whose tokenizer.json tokenises text prompts"})
+    max_body_mb: float = field(default=16.0, metadata={"help": f"larger request bodies get 413 (at most {MAX_BODY_MB})"})
+    upstream_timeout_s: float = field(default=30.0, metadata={
+        "help": "how long broadcasts and health checks wait for a replica"})
+    request_timeout_s: float = field(default=600.0, metadata={
+        "help": "how long one generation may take (thousands of tokens take minutes)"})
+    health_interval_s: float = field(default=1.0, metadata={
+        "aliases": ["--health-interval"], "metavar": "S", "help": "seconds between health polls of each replica"})
+    health_failures_to_drop: int = field(default=2, metadata={
+        "help": "consecutive failed health polls that drop a replica (a refused connection drops it at once)"})
+    connect_timeout_s: float = field(default=2.0, metadata={"help": "how long a connection to a replica may take"})
+    client_timeout_s: float = field(default=30.0, metadata={
+        "help": "how long a client may take to send a request's head, and then its body; silent sockets are "
+                "closed after it"})
+    max_attempts: int = field(default=3, metadata={"help": "replicas a request is tried on before a 502"})
+    token: str | None = field(default=None, init=False, repr=False)
+    client_token: str | None = field(default=None, init=False, repr=False)
     # shown replica URL (password as ***) -> the URL requests go to, credentials and all
     upstream_urls: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
