@@ -8,7 +8,7 @@
 # - measure the prefix-cache hit rate that prefix-affinity routing buys over round-robin;
 # - read the post's lessons: versioned adapter names, adapter size, what makes TRL fall back to full weights.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.4 min · 1×H200 ~2.7 min · 8 GPUs: not measured
+# **Time** (Run All, measured): CPU laptop (2 cores) ~1.2 min · 1×H200 ~2.7 min · 8 GPUs: not measured
 # (`results/cpu_check.json`, `results/gpu_check.json`).
 # **Before this:** `00_quickstart`; `02_sleep_mode` for what a replica's memory holds.
 #
