@@ -415,7 +415,7 @@ def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
         return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
 
     rows = []
-    for g in result["summary"].get(model, {}).values():
+    for g in reversed(list(result["summary"].get(model, {}).values())):  # the newest race first: merges append
         r = g["race"]
         for name, c in g["configs"].items():
             gen = c["phase_s_per_step"]

@@ -359,7 +359,8 @@ show()
 #
 # All numbers below are measured (`results/speed_1xh200.json`). Each block of rows is one *race*: one learning
 # rate, one training budget per seed ("s per seed") and one version of the kit ("ran at"), with TRL's defaults
-# run in the same race; a ratio is only ever taken against those. "not reached" means not within the budget.
+# run in the same race; a ratio is only ever taken against those. "not reached" means not within the budget. The
+# newest race comes first.
 
 # %%
 import pandas as pd
@@ -372,6 +373,20 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 # %% [markdown]
 # What the table says, and what it does not:
 #
+# - **One race, four configurations, two seeds each** (90 s per seed, learning rate 5e-4, one commit; measured,
+#   `results/speed_1xh200.json`). The defaults reached the threshold in 55.2 and 51.9 s at 1,720–1,920 tokens/s.
+#   - The recommended recipe (what `colo-kit plan --recommend` writes for 1.5B: no activation recomputing, token
+#     ids without vLLM's text, the one-call push, no sleep): 1.21× the tokens/s (0.92–0.93 s per step against
+#     1.06–1.19) and the threshold in 39.0 and 43.1 s, 1.41× and 1.20× sooner: faster on both seeds.
+#   - `steps_per_generation=2`: 1.78× the tokens/s, 1.25× and 1.26× sooner.
+#   - No activation recomputing alone: 1.04× the tokens/s yet 1.22× and 1.62× sooner.
+#
+#   That last row is the warning: a knob that barely changes the step time moved the time to the reward as much
+#   as the recipe did, and in an earlier 120 s race the defaults' own two seeds were 9 s apart (34.7 and 43.5 s)
+#   while the recipe's were 0.85× and 1.18× of them. A time ratio under about 1.6× is within the policy's luck;
+#   the step time, not the time to the reward, is what the recipe reliably buys. 2.5× sooner is out of reach
+#   on-policy: generation is 0.68 s of a 0.92 s step, and only sharing a generation between steps cuts it, which
+#   costs learning per step (the rows below).
 # - **Tokens/s went up 5×, learning did not.** A per-device batch of 32 with `steps_per_generation=8` generates
 #   256 completions at once and trains on them in 8 steps: about 5× the defaults' tokens/s, yet it needed about
 #   3× *longer* to reach the threshold. Each optimizer step sees 32 completions instead of 8 and the learning rate
@@ -385,27 +400,14 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 #   configuration's time). The longer race settles it: with 150 s per seed the defaults got there in 37 s and
 #   `steps_per_generation=4` in 82 s — 1.9× the tokens/s, 0.45× the speed to the reward. At this learning rate
 #   a step moves the policy far enough that the next steps' completions are already stale.
-# - **One race, four configurations, two seeds each** (90 s per seed, learning rate 5e-4, one commit; measured,
-#   `results/speed_1xh200.json`). The defaults reached the threshold in 55.2 and 51.9 s at 1,720–1,920 tokens/s.
-#   - The recommended recipe (what `colo-kit plan --recommend` writes for 1.5B: no activation recomputing, token
-#     ids without vLLM's text, the one-call push, no sleep): 1.21× the tokens/s (0.92–0.93 s per step against
-#     1.06–1.19) and the threshold in 39.0 and 43.1 s, 1.41× and 1.20× sooner: faster on both seeds.
-#   - `steps_per_generation=2`: 1.78× the tokens/s, 1.25× and 1.26× sooner.
-#   - No activation recomputing alone: 1.04× the tokens/s yet 1.22× and 1.62× sooner.
-#
-#   That last row is the warning: a knob that barely changes the step time moved the time to the reward as much
-#   as the recipe did, and in an earlier 120 s race the defaults' own two seeds were 9 s apart (34.7 and 43.5 s)
-#   while the recipe's were 0.85× and 1.18× of them. A time ratio under about 1.6× is within the policy's luck;
-#   the step time, not the time to the reward, is what the recipe reliably buys. The goal of 2.5× sooner is out of reach on-policy: generation is 0.68 s of
-#   a 0.92 s step, and only sharing a generation between steps cuts it, which costs learning per step.
 # - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.15 s per step (sleep 0.05 s, two
 #   wake-ups of 0.02 s, the push 0.08 s; the 90 s race) and ran at 0.8–0.99× the defaults' tokens/s; it buys
-#   18 GiB of peak, which a 1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`, `colo_kit.colocate.kv_sleep`) keeps the
-#   weights mapped: 0.14 s per switch (sleep 0.045 s, two wake-ups of 0.011 s, the same push) and a peak of
+#   18 GiB of peak, which a 1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`,
+#   `colo_kit.colocate.kv_sleep`) keeps the weights mapped: 0.14 s per switch (sleep 0.045 s, two wake-ups of 0.011 s, the same push) and a peak of
 #   60.9 GiB. At 1.5B the push, not the re-mapping, is most of the switch, so keeping the weights saves little.
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
-#   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is generation:
-#   256 decode steps of 8 sequences take about 0.6 s whatever else changes.
+#   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is
+#   generation: 256 decode steps of 8 sequences take about 0.6 s whatever else changes.
 # - **The planner holds:** every configuration's NVML peak (seed 0, the first trainer in its process) is within
 #   5% of the prediction.
 # - **A random model can cheat the length reward.** Many runs *collapse*: every completion becomes one short
