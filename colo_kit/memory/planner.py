@@ -68,28 +68,36 @@ def _finite_positive(value) -> bool:
 # The settings of a run
 # =================================================================================================
 
+def _help(text: str, **more) -> dict:
+    """A field's `colo-kit plan --help` line (HfArgumentParser reads `metadata`)."""
+    return {"metadata": {"help": text, **more}}
+
+
 @dataclass
 class Plan:
-    model: str = "qwen2.5-1.5b"
-    gpus: int = 1
-    gpu_mem_gib: float = H200_GIB
-    mode: str = "colocate"                    # colocate | server (server: the training GPU)
-    zero_stage: int = 0                       # 0 = DDP
-    offload_optimizer: bool = False           # DeepSpeed offload_optimizer: cpu (needs zero_stage >= 1)
-    offload_params: bool = False              # DeepSpeed offload_param: cpu (needs zero_stage 3)
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"aliases": ["--tp"]})  # `colo-kit plan --tp 2`
-    sleep_level: int = 0                      # 0 = no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2
-    kv_only_sleep: bool = False               # with sleep: release the KV cache only (colo_kit.colocate.kv_sleep)
-    per_device_train_batch_size: int = 8      # completions per GPU per step
-    steps_per_generation: int = 1             # TRL's: one generation feeds this many optimizer steps
-    prompt_length: int = 96
-    max_completion_length: int = 256
-    lora_rank: int = 0                        # 0 = full fine-tuning
-    gradient_checkpointing: bool = True       # TRL GRPOConfig's default
-    train_dtype: str = "float32"              # TRL's default for a model given by path; bfloat16 via model_init_kwargs
-    gpus_per_node: int = 8
-    host_mem_gib: float | None = None         # CPU RAM per node, to check offload and sleep level 1
+    model: str = field(default="qwen2.5-1.5b", **_help("a preset, or a folder or JSON file with the model's config"))
+    gpus: int = field(default=1, **_help("training GPUs (colocate: each also runs its engine)"))
+    gpu_mem_gib: float = field(default=H200_GIB, **_help("memory per GPU in GiB"))
+    mode: str = field(default="colocate", **_help("colocate, or server (sized for the training GPU)"))
+    zero_stage: int = field(default=0, **_help("DeepSpeed ZeRO stage; 0 is plain DDP"))
+    offload_optimizer: bool = field(default=False, **_help("DeepSpeed offload_optimizer: cpu (needs zero_stage >= 1)"))
+    offload_params: bool = field(default=False, **_help("DeepSpeed offload_param: cpu (needs zero_stage 3)"))
+    vllm_gpu_memory_utilization: float = field(default=0.3, **_help("vLLM's share of the whole GPU (TRL's default)"))
+    vllm_tensor_parallel_size: int = field(default=1, **_help("GPUs per vLLM engine", aliases=["--tp"]))
+    sleep_level: int = field(default=0, **_help("0: no sleep; TRL's vllm_enable_sleep_mode sleeps at level 2"))
+    kv_only_sleep: bool = field(default=False, **_help("with a sleep level: release the KV cache only "
+                                                      "(colo_kit.colocate.kv_sleep)"))
+    per_device_train_batch_size: int = field(default=8, **_help("completions per GPU per optimizer step"))
+    steps_per_generation: int = field(default=1, **_help("optimizer steps fed by one generation"))
+    prompt_length: int = field(default=96, **_help("longest prompt in tokens"))
+    max_completion_length: int = field(default=256, **_help("longest completion in tokens"))
+    lora_rank: int = field(default=0, **_help("0: full fine-tuning; else the LoRA rank"))
+    gradient_checkpointing: bool = field(default=True, **_help("recompute activations (TRL GRPOConfig's default)"))
+    train_dtype: str = field(default="float32", **_help("float32 (TRL's default for a model given by path) or "
+                                                        "bfloat16 (model_init_kwargs: {dtype: bfloat16})"))
+    gpus_per_node: int = field(default=8, **_help("GPUs per node, for multi-node plans"))
+    host_mem_gib: float | None = field(default=None, **_help("CPU memory per node in GiB, to check offload and "
+                                                             "sleep level 1"))
 
     def validate(self) -> "Plan":
         def bad(name, value, fix):
