@@ -1,8 +1,12 @@
 """`colo-kit` (or `python -m colo_kit`): one entry point, one subcommand per module.
 
-Each subcommand lives in its module as `cli_main(argv) -> int` and is imported only when called,
-so `colo-kit plan` does not pay for importing vLLM. Bad input is one line and exit code 2: commands
-parse with `ArgumentParser` below and raise `UsageError`, before anything runs or is written.
+Each subcommand is one `cli_main(argv) -> int`, named in `COMMANDS` and imported only when called, so
+`colo-kit plan` does not pay for importing vLLM. It sits in the module whose work it runs (`models`, `data`,
+`env`, `notebook`, `answers.math500_eval`), or beside a lesson's module as `<module>_cli.py` when the command
+parses settings of its own on top of the lesson's (`grpo.train_cli`: `TrainArgs` beside TRL's `GRPOConfig`;
+`memory.planner_cli`, `async_lora.proxy_cli`, `serving.bench_cli`), so the lesson's module reads without them.
+Flags come from dataclasses wherever the settings are one (`parse_dataclasses`). Bad input is one line and exit
+code 2: commands raise `UsageError`, before anything runs or is written.
 """
 
 from __future__ import annotations
