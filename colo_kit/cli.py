@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 from pathlib import Path
@@ -81,13 +80,8 @@ def _typed(check, what: str):
 
 
 positive_int = _typed(lambda t: int(t) if int(t) >= 1 else None, "a whole number of at least 1")
-nonneg_int = _typed(lambda t: int(t) if int(t) >= 0 else None, "a whole number of at least 0")
-positive_float = _typed(lambda t: float(t) if math.isfinite(float(t)) and float(t) > 0 else None,
-                        "a finite number above 0")
-fraction = _typed(lambda t: float(t) if 0 < float(t) <= 1 else None, "a fraction in (0, 1], e.g. 0.3")
 # numpy's seed range: TRL's and transformers' set_seed seed numpy too, which refuses anything else
 seed_int = _typed(lambda t: int(t) if 0 <= int(t) <= 2**32 - 1 else None, "a whole number from 0 to 2**32 - 1")
-port = _typed(lambda t: int(t) if 1 <= int(t) <= 65535 else None, "a TCP port from 1 to 65535")
 
 
 def writable_file(path: str | Path, flag: str) -> Path:

@@ -9,7 +9,9 @@ entry points the sweep's own processes use:
 from __future__ import annotations
 
 import json
+import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.serving.bench import _worker_main, attach_model, merge_results, sweep, write_plots
@@ -34,29 +36,51 @@ def _check_overrides(extra: dict, error) -> None:
                         "use TRL's spelling, e.g. steps_per_generation")
 
 
+@dataclass
+class BenchArgs:
+    """`colo-kit bench`'s settings: `sweep`'s arguments, in TRL's names where TRL has the setting."""
+
+    model: str = field(default="tiny", metadata={"help": "a preset, a model folder or a hub id"})
+    batches: str = field(default="4,8", metadata={"help": "per-device batch sizes, comma separated"})
+    steps: int = field(default=4, metadata={"help": "steps per config; the first is discarded as warm-up"})
+    num_generations: int = field(default=4, metadata={"help": "G, completions per prompt"})
+    max_completion_length: int = field(default=32, metadata={"help": "tokens per completion"})
+    n_devices: int | None = field(default=None, metadata={"help": "devices to use (default: all)"})
+    server_gpus: str = field(default="1", metadata={"help": "server mode: how many devices serve"})
+    port: int = field(default=8000, metadata={"help": "the vLLM server's port"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of each device"})
+    gen_probe: str = field(default="", metadata={"help": "generation-only batch sizes timed on the server"})
+    modes: str = field(default="server,colocate", metadata={"help": "server, colocate, or both (comma separated)"})
+    extra_colocate: str = field(default="{}", metadata={
+        "help": 'JSON {label: GRPO overrides} run in colocate mode at the largest batch, e.g. '
+                '\'{"colocate-kit-best": {"steps_per_generation": 4}}\''})
+    out: str | None = field(default=None, metadata={
+        "help": "JSON path (default results/runs/pingpong_<tier>.json; the committed results/pingpong_<tier>.json "
+                "changes only when named here)"})
+    budget_s: float | None = field(default=None, metadata={"help": "wall-clock budget for the whole sweep"})
+
+
+def _check_ranges(a: BenchArgs, error) -> None:
+    """What the field types do not say: counts of at least 1, a port, a fraction, a positive budget."""
+    for name in ("steps", "num_generations", "max_completion_length", "n_devices"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise error(f"--{name.replace('_', '-')} {value}: give a whole number of at least 1")
+    if not 1 <= a.port <= 65535:
+        raise error(f"--port {a.port}: give a TCP port from 1 to 65535")
+    if not 0 < a.vllm_gpu_memory_utilization <= 1:  # NaN fails this too
+        raise error(f"--vllm-gpu-memory-utilization {a.vllm_gpu_memory_utilization}: give a fraction in (0, 1], "
+                    "e.g. 0.3")
+    if a.budget_s is not None and not (math.isfinite(a.budget_s) and a.budget_s > 0):
+        raise error(f"--budget-s {a.budget_s}: give a finite number of seconds above 0")
+
+
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, fraction, port, positive_float, positive_int, writable_file
+    from colo_kit.cli import UsageError, parse_dataclasses, writable_file
     from colo_kit.models import resolve_model
 
-    ap = ArgumentParser(prog="colo-kit bench", description=sweep.__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batches", default="4,8", help="per-device batch sizes, comma separated")
-    ap.add_argument("--steps", type=positive_int, default=4, help="steps per config; the first is discarded as warm-up")
-    ap.add_argument("--num-generations", type=positive_int, default=4)
-    ap.add_argument("--max-completion-length", type=positive_int, default=32)
-    ap.add_argument("--n-devices", type=positive_int, default=None)
-    ap.add_argument("--server-gpus", default="1")
-    ap.add_argument("--port", type=port, default=8000, help="the vLLM server's port")
-    ap.add_argument("--vllm-gpu-memory-utilization", type=fraction, default=0.3)
-    ap.add_argument("--gen-probe", default="", help="generation-only batch sizes timed on the server")
-    ap.add_argument("--modes", default="server,colocate", help="server, colocate, or both (comma separated)")
-    ap.add_argument("--extra-colocate", default="{}",
-                    help='JSON {label: GRPO overrides} run in colocate mode at the largest batch, e.g. '
-                         '\'{"colocate-kit-best": {"steps_per_generation": 4}}\'')
-    ap.add_argument("--out", default=None, help="JSON path (default results/runs/pingpong_<tier>.json; the committed "
-                    "results/pingpong_<tier>.json changes only when named here)")
-    ap.add_argument("--budget-s", type=positive_float, default=None, help="wall-clock budget for the whole sweep")
-    a = ap.parse_args(argv)
+    (a,) = parse_dataclasses((BenchArgs,), argv, prog="colo-kit bench", description=sweep.__doc__)
+    _check_ranges(a, UsageError)
     try:
         batches = [int(x) for x in a.batches.split(",") if x]
         probe = [int(x) for x in a.gen_probe.split(",") if x]
