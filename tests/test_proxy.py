@@ -318,7 +318,11 @@ def test_groups_stick_to_one_replica_and_load_stays_balanced(stubs):
         same = sum(len(v) == 1 for v in where.values()) / len(where)
         counts = [_state(port)["requests"] for port in ports]
         assert same >= 0.95, where
-        assert max(counts) / (sum(counts) / 2) <= 1.2, counts
+        # One group is in flight at a time, so the load bound (slack 8) never binds here and the split is rendezvous
+        # hashing's alone, over replica URLs whose ports change from run to run: 120 groups, Binomial(120, 1/2).
+        # 1.4 (72 of 120 would be 1.2, and failed once in CI at 78) is 4.4 standard deviations out; the bound itself
+        # is tested on choose_replica above.
+        assert max(counts) / (sum(counts) / 2) <= 1.4, counts
         snap = p.snapshot()
         assert snap["affinity_hit_rate"] >= 0.8 and snap["errors"] == 0
         assert all(_state(port)["unauthorized"] == 0 for port in ports)  # the Bearer token reached both
