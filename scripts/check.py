@@ -103,8 +103,11 @@ def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
         rss = max(rss, now)
         held = 0
         for h in gpus:
-            for fn in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
-                held += sum(x.usedGpuMemory or 0 for x in fn(h) if x.pid in pids)
+            try:
+                held += sum(x.usedGpuMemory or 0 for x in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                            if x.pid in pids)
+            except pynvml.NVMLError:  # a GPU or driver that does not list processes: no GPU figure
+                gpus = []
         gpu = max(gpu, held)
     peaks["peak_rss_gib"] = round(rss / 2**30, 2)
     if gpus:
