@@ -57,8 +57,9 @@ def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
 
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **kwargs)
     done = threading.Event()
-    sampler = threading.Thread(target=_sample_peaks, args=(proc.pid, done, peaks), daemon=True)
+    sampler = None
     if peaks is not None:
+        sampler = threading.Thread(target=_sample_peaks, args=(proc.pid, done, peaks), daemon=True)
         sampler.start()
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -69,7 +70,7 @@ def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
         return "timeout", out, err
     finally:
         done.set()
-        if peaks is not None:
+        if sampler is not None:
             sampler.join()
 
 

@@ -27,7 +27,10 @@ def files(tmp_path):
 CASES = [
     (["bench", "--modes", "bogus"], "--modes 'bogus'"),
     (["bench", "--batches", "8,x"], "--batches '8,x'"),
-    (["bench", "--batches", "6", "--num-generations", "4"], "[6] not a multiple of --num-generations 4"),
+    (["bench", "--batches", "6", "--num-generations", "4"], "per_device_train_batch_size=6 must be a multiple of "
+                                                             "num_generations=4"),
+    (["bench", "--num-generations", "0"], "num_generations=0: give a whole number of at least 2"),
+    (["bench", "--vllm-gpu-memory-utilization", "nan"], "vllm_gpu_memory_utilization=nan"),
     (["bench", "--steps", "1"], "--steps 1"),
     (["bench", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json"),
     (["bench", "--extra-colocate", '{"fast": {"stepz_per_generation": 4}}'], "'fast': ['stepz_per_generation'] are neither"),

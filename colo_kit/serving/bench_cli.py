@@ -61,16 +61,11 @@ class BenchArgs:
 
 
 def _check_ranges(a: BenchArgs, error) -> None:
-    """What the field types do not say: counts of at least 1, a port, a fraction, a positive budget."""
-    for name in ("steps", "num_generations", "max_completion_length", "n_devices"):
-        value = getattr(a, name)
-        if value is not None and value < 1:
-            raise error(f"--{name.replace('_', '-')} {value}: give a whole number of at least 1")
+    """What neither the field types nor the kit's GRPO checks (`check_settings`, in cli_main) say."""
+    if a.n_devices is not None and a.n_devices < 1:
+        raise error(f"--n-devices {a.n_devices}: give a whole number of at least 1")
     if not 1 <= a.port <= 65535:
         raise error(f"--port {a.port}: give a TCP port from 1 to 65535")
-    if not 0 < a.vllm_gpu_memory_utilization <= 1:  # NaN fails this too
-        raise error(f"--vllm-gpu-memory-utilization {a.vllm_gpu_memory_utilization}: give a fraction in (0, 1], "
-                    "e.g. 0.3")
     if a.budget_s is not None and not (math.isfinite(a.budget_s) and a.budget_s > 0):
         raise error(f"--budget-s {a.budget_s}: give a finite number of seconds above 0")
 
@@ -88,14 +83,20 @@ def cli_main(argv: list[str]) -> int:
             raise ValueError
     except ValueError:
         raise UsageError(f"--batches {a.batches!r} / --gen-probe {a.gen_probe!r}: use positive integers like 8,32,64")
-    if bad := [b for b in batches if b % a.num_generations]:
-        raise UsageError(f"--batches {a.batches!r}: {bad} not a multiple of --num-generations {a.num_generations} "
-                         "(a batch holds whole groups)")
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if not modes or set(modes) - {"server", "colocate"}:
         raise UsageError(f"--modes {a.modes!r}: choose server, colocate, or server,colocate")
     if a.steps < 2:
         raise UsageError(f"--steps {a.steps}: at least 2 (the first step is warm-up and not measured)")
+    try:  # G, completion length, memory share, each batch a multiple of G: the checks `colo-kit train` makes too
+        from colo_kit.grpo.train_checks import check_settings
+
+        for b in batches:
+            check_settings("colocate", max_steps=a.steps, num_generations=a.num_generations,
+                           per_device_train_batch_size=b, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                           max_completion_length=a.max_completion_length)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         extra = json.loads(a.extra_colocate)
         assert isinstance(extra, dict) and all(isinstance(v, dict) for v in extra.values())
