@@ -388,6 +388,7 @@ def _summarize_one(records: list[dict]) -> dict:
             row["time_to_reward_speedup_at_least_per_seed"] = [
                 round(base_span[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"], 0) is None
                 and base_span.get(r["seed"]) else None for r, t in zip(runs, ttr)]
+            row["defaults_ran_seed"] = [r["seed"] in base_ttr for r in runs]  # no defaults of a seed: no ratio
         peak, pred = runs[0]["nvml_peak_gib"], row["planner_peak_gib"]
         if peak and pred:
             row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
@@ -399,11 +400,16 @@ def _summarize_one(records: list[dict]) -> dict:
 
 def _speedups(c: dict) -> str:
     """Per seed: the time ratio to the defaults; '≥ x' where only this configuration reached the threshold (the
-    defaults' training time over this one's time); 'not reached' where this one did not."""
+    defaults' training time over this one's time); 'not reached' where this one did not; 'no defaults run' where
+    the race has no defaults of that seed."""
     at_least = c.get("time_to_reward_speedup_at_least_per_seed") or []
+    ran = c.get("defaults_ran_seed") or []
     out = []
     for i, ratio in enumerate(c.get("time_to_reward_speedup_per_seed") or []):
         bound = at_least[i] if i < len(at_least) else None
+        if i < len(ran) and not ran[i]:
+            out.append("no defaults run")
+            continue
         out.append(f"{ratio:.2f}" if ratio is not None else f"≥ {bound:.2f}" if bound is not None else "not reached")
     return " / ".join(out)
 

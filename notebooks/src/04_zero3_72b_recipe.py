@@ -373,16 +373,21 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **One race, four configurations, two seeds each** (90 s per seed, learning rate 5e-4, one commit; measured,
-#   `results/speed_1xh200.json`). The defaults reached the threshold in 55.2 and 51.9 s at 1,720–1,920 tokens/s.
+# - **The newest race: the same step, a different clock** (defaults and recipe, two seeds each, 90 s per seed,
+#   learning rate 5e-4, at 0cfd418; measured, `results/speed_1xh200.json`). The recipe again ran 1.23× the
+#   defaults' tokens/s (0.94–0.95 s per step against 1.13–1.18), yet reached the threshold in 59.0 and 35.3 s
+#   against the defaults' 40.8 and 37.5 s: 0.69× and 1.06×. One race earlier the same recipe was 1.41× and 1.20×
+#   sooner (next bullet). The step time came back; the time to the reward did not.
+# - **The race before, four configurations, two seeds each** (90 s per seed, learning rate 5e-4, at 40e0da9;
+#   measured). The defaults reached the threshold in 55.2 and 51.9 s at 1,720–1,920 tokens/s.
 #   - The recommended recipe (what `colo-kit plan --recommend` writes for 1.5B: no activation recomputing, token
 #     ids without vLLM's text, the one-call push, no sleep): 1.21× the tokens/s (0.92–0.93 s per step against
 #     1.06–1.19) and the threshold in 39.0 and 43.1 s, 1.41× and 1.20× sooner: faster on both seeds.
 #   - `steps_per_generation=2`: 1.78× the tokens/s, 1.25× and 1.26× sooner.
 #   - No activation recomputing alone: 1.04× the tokens/s yet 1.22× and 1.62× sooner.
 #
-#   That last row is the warning: a knob that barely changes the step time moved the time to the reward as much
-#   as the recipe did, and in an earlier 120 s race the defaults' own two seeds were 9 s apart (34.7 and 43.5 s)
+#   That last row is the warning, and the newest race confirms it: a knob that barely changes the step time
+#   moved the time to the reward as much as the recipe did, and in an earlier 120 s race the defaults' own two seeds were 9 s apart (34.7 and 43.5 s)
 #   while the recipe's were 0.85× and 1.18× of them. A time ratio under about 1.6× is within the policy's luck;
 #   the step time, not the time to the reward, is what the recipe reliably buys. 2.5× sooner is out of reach
 #   on-policy: generation is 0.68 s of a 0.92 s step, and only sharing a generation between steps cuts it, which
@@ -408,12 +413,34 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
 #   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is
 #   generation: 256 decode steps of 8 sequences take about 0.6 s whatever else changes.
-# - **The planner holds:** every configuration's NVML peak (seed 0, the first trainer in its process) is within
-#   5% of the prediction.
+# - **The planner holds:** every configuration's NVML peak (seed 0) is within 6% of the prediction. Read seed 0:
+#   up to 0cfd418 both seeds of a configuration ran in one process, and the second trainer's peak carries up to
+#   18 GiB the first left behind (87.7 against 69.7 GiB for the defaults). Each seed now runs in a process of its own.
 # - **A random model can cheat the length reward.** Many runs *collapse*: every completion becomes one short
 #   token repeated (reward about -236, the same for all eight completions, so GRPO learns nothing more) instead of
 #   learning to stop early (reward near 0). Which happens, and when, varies by seed — read the spread between
 #   seeds before reading a ratio.
+
+# %% [markdown]
+# ### The same race at 7B
+#
+# Qwen2.5-7B's float32 training state (weights, gradients, AdamW) does not fit one H200 beside vLLM, so every
+# 7B configuration trains in bfloat16 (`model_init_kwargs={"dtype": "bfloat16"}`), without ZeRO, 120 s per seed.
+
+# %%
+pd.DataFrame(speed.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
+
+# %% [markdown]
+# Measured (`results/speed_1xh200.json`, at 0cfd418):
+#
+# - **The recipe buys less at 7B: 1.10× the tokens/s** (1.70 s per step against 1.87). Generation is 1.30–1.32 s
+#   of either step, and the recipe's knobs cut only the rest: training 0.36 → 0.27 s, the push 0.082 → 0.030 s.
+# - **Neither learns much in two minutes.** From about −2,850 the defaults' seed 0 got to −2,796 and the recipe's
+#   seed 0 to −2,540, both short of the threshold (−1,426); the recipe's seed 1 got there in 34.9 s by collapsing
+#   onto one repeated token (−748 for all eight completions). The defaults' seed 1 has no run: it ran out of
+#   memory as the second trainer of seed 0's process, the leftover the planner bullet above describes.
+# - **The planner holds at 7B too:** NVML 101.4 GiB against 103.3 predicted for the defaults, 113.7 against 119.8
+#   for the recipe (5% over, the safe side).
 
 # %% [markdown]
 # ### Break it · pick the memory share by hand
