@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast lab lab-reset clean-venv data
+.PHONY: venv demo test test-fast numbers lab lab-reset clean-venv data
 
 venv: $(STAMP)
 
@@ -26,6 +26,13 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not slow and not notebook"
+
+# Every measured time and peak a learner reads, from one check run here: the notebooks executed as Run All runs
+# them (into results/gpu_check.json where there is a GPU, else results/cpu_check.json), then the notebooks'
+# headers, README.md's hardware matrix and docs/INSTRUCTOR.md's tables rewritten from what it measured.
+numbers: venv
+	$(BIN)/python scripts/check.py notebooks --json results/$(TIER)_check.json
+	$(BIN)/python scripts/check.py refresh
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
 # JupyterLab's autosaves land there (ignored by git), never in the tracked notebooks. `make lab-reset` puts

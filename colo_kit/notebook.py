@@ -14,9 +14,11 @@ what it does instead. The runner rewrites nothing; what it adds against hangs is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -43,6 +45,73 @@ def parse_source(text: str) -> list[dict]:
     return cells
 
 
+# --- the measured times and peaks a learner reads, from the committed check runs (scripts/check.py) ----------
+
+# A source's header says `**Time** (Run All, measured): {{measured_times}}` and the build writes the measured
+# times there: a typed time would go stale the moment a check runs again.
+TIMES = "{{measured_times}}"
+
+
+def source_digest(src: Path) -> str:
+    """A notebook source's sha256 (16 hex digits): a check run records it beside what it measured, and a test
+    compares it with the source as it is now, so a value older than its notebook shows."""
+    return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+
+
+def measured_runs() -> dict[str, dict[str, dict]]:
+    """{notebook: {"cpu" | "gpu": its record}}: the committed check runs (results/cpu_check.json and
+    results/gpu_check.json) of notebooks that executed every cell."""
+    from colo_kit.labs.lab import CHECKS
+
+    out: dict[str, dict[str, dict]] = {}
+    for tier, (_, name) in CHECKS.items():
+        path = REPO_ROOT / "results" / name
+        for rec in json.loads(path.read_text()).get("notebooks", {}).get("notebooks", []) if path.exists() else []:
+            if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
+                out.setdefault(rec["notebook"], {})[tier] = rec
+    return out
+
+
+def _minutes(rec: dict | None) -> str:
+    return f"~{rec['seconds'] / 60:.1f} min" if rec else "not measured"
+
+
+def measured_times(stem: str) -> str:
+    """What a notebook's header says about its Run All time on each kind of machine, and which run said so."""
+    from colo_kit.labs.lab import CHECKS
+
+    runs = measured_runs().get(stem, {})
+    times = [f"{label} {_minutes(runs[t])}" if t in runs else f"{label}: not measured"
+             for t, (label, _) in CHECKS.items()]
+    where = [f"`results/{name}` at {(runs[t].get('commit') or '?')[:7]}" for t, (_, name) in CHECKS.items() if t in runs]
+    return " · ".join(times + ["8 GPUs: not measured"]) + (f" ({', '.join(where)})" if where else "")
+
+
+def refresh_tables(text: str) -> str:
+    """README.md's hardware matrix and INSTRUCTOR.md's schedule and memory tables with the committed check
+    runs' times and peaks written in (`python scripts/check.py refresh`); a test fails while they differ."""
+    runs = measured_runs()
+
+    def rec(stem: str, tier: str) -> dict | None:
+        return runs.get(stem, {}).get(tier)
+
+    def peak(r: dict | None, key: str) -> str:
+        return f"{r[key]:.1f} GiB" if r and r.get(key) is not None else "not recorded yet"
+
+    out = []
+    for line in text.split("\n"):
+        if m := re.match(r"^(\| \d:\d\d–\d:\d\d \| `(\d\d_\w+)` \| )[^|]*( \|.*)$", line):  # INSTRUCTOR's schedule
+            cpu, gpu = (_minutes(rec(m[2], t)) for t in ("cpu", "gpu"))
+            both = f"{cpu.removesuffix(' min')} / {gpu}" if cpu.endswith(" min") and gpu.endswith(" min") else f"{cpu} / {gpu}"
+            line = m[1] + both + m[3]
+        elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]* \| )[^|]* \| [^|]*( \|)$", line):  # INSTRUCTOR's memory
+            line = m[1] + f"{peak(rec(m[2], 'cpu'), 'peak_rss_gib')} | {peak(rec(m[2], 'gpu'), 'peak_gpu_gib')}" + m[3]
+        elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]*?· )[^|]*?( \| [^|]*?· )[^|]*?( \|.*)$", line):  # README
+            line = m[1] + _minutes(rec(m[2], "cpu")) + m[3] + _minutes(rec(m[2], "gpu")) + m[4]
+        out.append(line)
+    return "\n".join(out)
+
+
 def build_notebook(src: Path):
     import nbformat
 
@@ -53,7 +122,8 @@ def build_notebook(src: Path):
                    "colo_kit": {"source": str(src.relative_to(REPO_ROOT))}}
     makers = {"code": nbformat.v4.new_code_cell, "markdown": nbformat.v4.new_markdown_cell, "raw": nbformat.v4.new_raw_cell}
     for i, c in enumerate(parse_source(src.read_text())):
-        cell = makers[c["type"]](c["source"])
+        text = c["source"].replace(TIMES, measured_times(src.stem)) if TIMES in c["source"] else c["source"]
+        cell = makers[c["type"]](text)
         cell.id = f"cell-{i:02d}"
         if c["tags"]:
             cell.metadata["tags"] = c["tags"]

@@ -3,6 +3,7 @@ this machine, recorded with hardware, versions and commit.
 
     python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
+    python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
 item keeps the commit it ran at). Executed notebooks are kept as HTML beside the JSON
@@ -14,7 +15,9 @@ Pytest results are written as each test ends (scripts/check_plugin.py), so a par
 time budget keeps what it finished; `--budget-s` stops starting notebooks that would not finish.
 
 Each notebook's record carries the peak memory of its process tree (the kernel and what it started): host
-RSS, and on a GPU what NVML says the tree's processes hold.
+RSS, and on a GPU what NVML says the tree's processes hold; and the digest of the notebook's source it ran
+(`colo_kit.notebook.source_digest`), so a test can tell a record older than its notebook. `refresh` writes the
+records' times and peaks where a learner reads them (`make numbers` runs the check, then `refresh`).
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     says which lane it ran in and beside how many others)."""
     import threading
 
-    from colo_kit.notebook import NOTEBOOKS
+    from colo_kit.notebook import NOTEBOOKS, SOURCES, source_digest
 
     by_number = {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
     lanes = lanes or [sorted(by_number)]
@@ -162,7 +165,8 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
             rc, stdout, stderr = _run(cmd, left, peaks, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             tail = (stdout or "")[-1500:] + (stderr or "")[-3000:]
             rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
-                   "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **peaks, **_commit()}
+                   "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **peaks, **_commit(),
+                   "source_sha256": source_digest(SOURCES / (p.stem + ".py"))}
             if rc != 0:
                 rec["error_tail"] = tail
             if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
@@ -209,6 +213,21 @@ def merge(path: Path, part: str, result: dict) -> dict:
     return record
 
 
+def refresh() -> int:
+    """The committed records' times and peaks written where a learner reads them: each notebook's header (built
+    from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
+    from colo_kit.notebook import build_all, refresh_tables
+
+    for nb in build_all():
+        print(f"[check] built {nb.relative_to(REPO)}")
+    for doc in (REPO / "README.md", REPO / "docs" / "INSTRUCTOR.md"):
+        text = doc.read_text()
+        if (new := refresh_tables(text)) != text:
+            doc.write_text(new)
+            print(f"[check] rewrote {doc.relative_to(REPO)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = []
@@ -216,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["tests", "notebooks"])
+    ap.add_argument("part", choices=["tests", "notebooks", "refresh"])
     ap.add_argument("--json", default=None, help="the record to write (default results/runs/check.json)")
     ap.add_argument("--notebooks", default="", help="numbers in order, e.g. 00,03 (default: all); '+' separates "
                     "lanes that run at the same time, e.g. 01,03+05,00")
     ap.add_argument("--budget-s", type=float, default=3600.0)
     a = ap.parse_args(argv)
+    if a.part == "refresh":
+        return refresh()
     if a.budget_s != a.budget_s or a.budget_s <= 0:
         ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")
     from colo_kit.paths import runs_dir

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from colo_kit.labs import lab
-from colo_kit.notebook import SOURCES, parse_source
+from colo_kit.notebook import NOTEBOOKS, SOURCES, TIMES, parse_source, refresh_tables, source_digest
 from colo_kit.paths import REPO_ROOT
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
@@ -81,13 +81,55 @@ def _stated_minutes(head: str, tier: str) -> float | None:
 
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
 def test_the_times_a_notebook_states_are_the_measured_ones(src):
-    head = _cells(src)[0]["source"]
+    """The source types no time (it says {{measured_times}}); the notebook a learner opens states each
+    tier's measured time and the commit it was measured at."""
+    assert TIMES in _cells(src)[0]["source"], f"{src.name}: the header says {TIMES}, the build writes the times"
+    import nbformat
+
+    head = nbformat.read(NOTEBOOKS / (src.stem + ".ipynb"), as_version=4).cells[0].source
     for tier, name in (("CPU laptop", "cpu_check.json"), ("1×H200", "gpu_check.json")):
         record = json.loads((REPO_ROOT / "results" / name).read_text())
-        seconds = {n["notebook"]: n.get("seconds") for n in record["notebooks"]["notebooks"]}[src.stem]
+        nb = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}[src.stem]
         stated = _stated_minutes(head, tier)
-        assert stated is not None, f"{src.name}: state the {tier} time from results/{name}"
-        assert abs(stated - seconds / 60) <= 0.25, f"{src.name}: says {stated} min on {tier}, measured {seconds} s"
+        assert stated is not None, f"{src.stem}.ipynb: no {tier} time; run `python scripts/check.py refresh`"
+        assert abs(stated - nb["seconds"] / 60) <= 0.05, f"{src.stem}.ipynb: says {stated} min on {tier}, " \
+                                                         f"measured {nb['seconds']} s; run `python scripts/check.py refresh`"
+        assert f"`results/{name}` at {nb['commit'][:7]}" in head
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/INSTRUCTOR.md"])
+def test_the_docs_tables_hold_the_measured_times_and_peaks(doc):
+    text = (REPO_ROOT / doc).read_text()
+    assert refresh_tables(text) == text, f"{doc}: its times or peaks are not the committed check runs'; " \
+                                         "run `python scripts/check.py refresh`"
+
+
+def test_refresh_rewrites_a_stale_time_and_peak():
+    text = (REPO_ROOT / "docs" / "INSTRUCTOR.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `04_zero3_72b_recipe` |"))
+    stale = row.rsplit("|", 3)[0] + "| 99.9 GiB | 99.9 GiB |"
+    assert refresh_tables(text.replace(row, stale)) == text
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
+    """A value older than its notebook shows: the CPU check recorded the digest of the source it ran."""
+    record = json.loads((REPO_ROOT / "results" / "cpu_check.json").read_text())
+    nb = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}[src.stem]
+    assert nb.get("source_sha256") == source_digest(src), \
+        f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
+
+
+@pytest.mark.xfail(strict=True, reason="owed: `scripts/gpu/check.sh` on one H200 at the notebooks' current "
+                                       "sources, every notebook completed with its HTML copy, then "
+                                       "`python scripts/check.py refresh`")
+def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
+    record = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())
+    nbs = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}
+    for src in SRCS:
+        assert nbs[src.stem].get("source_sha256") == source_digest(src), src.name
+        assert nbs[src.stem]["status"] == "completed", src.name
+        assert (REPO_ROOT / "results" / "gpu_check" / (src.stem + ".html")).exists(), src.name
 
 
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])

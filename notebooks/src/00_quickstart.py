@@ -7,8 +7,7 @@
 # - read the two numbers that prove the colocated engine follows the trainer's weights;
 # - generate with the engine that lives inside the trainer.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.1 min · 1×H200 ~1.2 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device, whatever the machine has.
+# **Time** (Run All, measured): {{measured_times}}. Uses one device, whatever the machine has.
 # **Before this:** Python and a first idea of reinforcement learning; nothing about vLLM or TRL.
 #
 # **GRPO** (Group Relative Policy Optimization, from the DeepSeekMath paper) is *online* RL: at every step the

@@ -7,8 +7,7 @@
 # - predict, with the ping-pong model, when colocation wins — at 2 GPUs and at the post's 8;
 # - tell measured numbers from modelled and quoted ones.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.1 min · 1×H200 ~3.8 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Time** (Run All, measured): {{measured_times}}.
 # **Before this:** `00_quickstart` (a colocated GRPO run and what TRL logs).
 #
 # The core claim of [the first post](https://huggingface.co/blog/vllm-colocate). In **server mode** (TRL before 0.18, `trl vllm-serve`) vLLM runs on its own device and the

@@ -7,8 +7,7 @@
 # - put it to sleep at level 1 and level 2 and read what each frees (on a GPU; the measured H200 numbers otherwise);
 # - time the switch one training step pays, part by part.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~0.5 min · 1×H200 ~0.6 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device.
+# **Time** (Run All, measured): {{measured_times}}. Uses one device.
 # **Before this:** `00_quickstart`; `01_ping_pong` helps (why colocation at all).
 #
 # In colocate mode ([the first post](https://huggingface.co/blog/vllm-colocate), TRL PR #3394) every training process holds its own vLLM engine, built with

@@ -7,8 +7,7 @@
 # - see why every TP group needs one seed, and what breaks without it;
 # - weigh the post's explanation of the TP trend against what the kit measured.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.2 min · 1×H200 ~1.1 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Time** (Run All, measured): {{measured_times}}.
 # **Before this:** `02_sleep_mode` (the colocated engine).
 #
 # Colocated vLLM (TRL's `vllm_mode="colocate"`) can shard each engine over several GPUs with

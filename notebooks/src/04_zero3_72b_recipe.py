@@ -7,8 +7,7 @@
 # - work out what the post's 72B recipe needs: GPUs, sleep level, offload and host memory;
 # - generate the DeepSpeed and accelerate configs, and read a real scaled-down ZeRO-3 run.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~0.1 min · 1×H200 ~0.1 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`). No GPU needed: the planner is arithmetic.
+# **Time** (Run All, measured): {{measured_times}}. No GPU needed: the planner is arithmetic.
 # **Before this:** `02_sleep_mode` (what sleep frees).
 #
 # The last experiment of [the first post](https://huggingface.co/blog/vllm-colocate) trained **Qwen2.5-Math-72B** with colocated vLLM: it used **4 fewer GPUs**

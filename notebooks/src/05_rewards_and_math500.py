@@ -7,8 +7,7 @@
 # - train the same GRPO run with vLLM colocated and with TRL's own `generate` (no vLLM), and compare the curves;
 # - evaluate base and trained models on Math500 with an honest interval.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.0 min · 1×H200 ~1.7 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`). Uses one device.
+# **Time** (Run All, measured): {{measured_times}}. Uses one device.
 # **Before this:** `00_quickstart`.
 #
 # GRPO learns from a **reward function**: TRL calls it with the completions of a step (and the

@@ -8,8 +8,7 @@
 # - measure the prefix-cache hit rate that prefix-affinity routing buys over round-robin;
 # - read the post's lessons: versioned adapter names, adapter size, what makes TRL fall back to full weights.
 #
-# **Time** (Run All, measured): CPU laptop (2 cores) ~1.2 min · 1×H200 ~2.7 min · 8 GPUs: not measured
-# (`results/cpu_check.json`, `results/gpu_check.json`).
+# **Time** (Run All, measured): {{measured_times}}.
 # **Before this:** `00_quickstart`; `02_sleep_mode` for what a replica's memory holds.
 #
 # [The second post](https://huggingface.co/blog/asyncgrpo-lora-hfjobs) moves generation **off** the training GPUs: one trainer job (TRL's `AsyncGRPOTrainer`, LoRA,
