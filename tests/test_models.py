@@ -114,6 +114,7 @@ def test_tiny_folder_loads_in_transformers_with_a_working_tokenizer(tiny_model_p
     assert model.lm_head.weight.shape[0] == cfg.vocab_size
     meta = json.loads((__import__("pathlib").Path(tiny_model_path) / "colo_kit.json").read_text())
     assert meta["random_weights"] is True
+    assert meta.get("init_device", "cpu") == "cpu"  # a small preset's weights are the same on every machine
 
 
 def test_build_is_cached(tiny_model_path):
