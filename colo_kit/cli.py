@@ -65,23 +65,14 @@ def parse_dataclasses(types, argv: list[str], prog: str, description: str) -> tu
         raise UsageError(str(exc).splitlines()[0].rstrip(".") + f" (see {prog} --help)") from None
 
 
-def _typed(check, what: str):
-    def parse(text: str):
-        try:
-            value = check(text)
-        except (TypeError, ValueError):
-            value = None
-        if value is None:
-            raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
-positive_int = _typed(lambda t: int(t) if int(t) >= 1 else None, "a whole number of at least 1")
-# numpy's seed range: TRL's and transformers' set_seed seed numpy too, which refuses anything else
-seed_int = _typed(lambda t: int(t) if 0 <= int(t) <= 2**32 - 1 else None, "a whole number from 0 to 2**32 - 1")
+def run(fn, argv: list[str], prog: str) -> int:
+    """`fn(argv)`'s exit code, a UsageError printed as one line (`prog: message`) and exit code 2: `colo-kit
+    <command>` and the modules run as `python -m` alike."""
+    try:
+        return int(fn(argv) or 0)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
 
 
 def writable_file(path: str | Path, flag: str) -> Path:
@@ -141,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError) as exc:
         print(f"colo-kit: {name!r} is not available in this checkout ({exc})", file=sys.stderr)
         return 2
-    try:
-        return int(fn(rest) or 0)
-    except UsageError as exc:
-        print(f"colo-kit {name}: {exc}", file=sys.stderr)
-        return 2
+    return run(fn, rest, f"colo-kit {name}")
 
 
 if __name__ == "__main__":

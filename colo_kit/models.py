@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colo_kit.paths import cache_dir, data_dir
@@ -343,15 +343,27 @@ def default_preset() -> str:
     return "qwen2.5-0.5b" if has_cuda() else "tiny"
 
 
+@dataclass
+class BuildArgs:
+    """`colo-kit build-model [preset]`'s flags: `build_model`'s keyword arguments."""
+
+    seed: int = field(default=0, metadata={"help": "random weights from this seed (one cached folder per seed)"})
+    force: bool = field(default=False, metadata={"help": "rebuild even if cached"})
+
+
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, seed_int
+    from colo_kit.cli import UsageError, parse_dataclasses
     from colo_kit.paths import cache_dir
 
-    ap = ArgumentParser(prog="colo-kit build-model", description=build_model.__doc__)
-    ap.add_argument("preset", nargs="?", default="tiny", choices=sorted(n for n, p in PRESETS.items() if p.buildable))
-    ap.add_argument("--seed", type=seed_int, default=0, help="random weights from this seed (one cached folder per seed)")
-    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    args = ap.parse_args(argv)
+    # HfArgumentParser takes flags only: the preset, a leading word, is taken off first
+    preset, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("tiny", argv)
+    buildable = sorted(n for n, p in PRESETS.items() if p.buildable)
+    (args,) = parse_dataclasses((BuildArgs,), argv, prog="colo-kit build-model", description=(
+        f"preset (a first word, before the flags): one of {', '.join(buildable)}; default tiny. {build_model.__doc__}"))
+    if preset not in buildable:
+        raise UsageError(f"preset {preset!r}: choose one of {', '.join(buildable)}")
+    if not 0 <= args.seed <= 2**32 - 1:  # numpy's seed range: TRL's and transformers' set_seed seed numpy too
+        raise UsageError(f"--seed {args.seed}: give a whole number from 0 to 2**32 - 1")
     try:
         cache = cache_dir()
     except OSError as exc:
@@ -359,5 +371,5 @@ def cli_main(argv: list[str]) -> int:
                          "writable folder") from None
     if not os.access(cache, os.W_OK):
         raise UsageError(f"the model cache {cache} is not writable; set COLO_KIT_CACHE to a writable folder")
-    print(build_model(args.preset, seed=args.seed, force=args.force))
+    print(build_model(preset, **asdict(args)))
     return 0

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.paths import REPO_ROOT, runs_dir
@@ -295,21 +296,28 @@ def _find_nbconvert_templates() -> None:
         os.environ["JUPYTER_PATH"] = os.pathsep.join([*paths, str(share)])
 
 
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, writable_dir
+@dataclass
+class RunNotebooksArgs:
+    """`colo-kit run-notebooks [notebook ...]`'s flags."""
 
-    ap = ArgumentParser(prog="colo-kit run-notebooks")
-    ap.add_argument("notebooks", nargs="*", help="paths (default: every notebooks/NN_*.ipynb)")
-    ap.add_argument("--build", action="store_true", help="regenerate the .ipynb files from notebooks/src/ first")
-    ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--out", default=None, help="folder for executed copies (default results/runs/notebooks)")
-    args = ap.parse_args(argv)
+    build: bool = field(default=False, metadata={"help": "regenerate the .ipynb files from notebooks/src/ first"})
+    build_only: bool = field(default=False, metadata={"help": "regenerate them, execute none"})
+    out: str | None = field(default=None, metadata={"help": "folder for executed copies (default results/runs/notebooks)"})
+
+
+def cli_main(argv: list[str]) -> int:
+    from colo_kit.cli import UsageError, parse_dataclasses, writable_dir
+
+    # HfArgumentParser takes flags only: the notebooks, the words before the first flag, are taken off first
+    n = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    (args,) = parse_dataclasses((RunNotebooksArgs,), argv[n:], prog="colo-kit run-notebooks", description=(
+        "notebooks (words before the flags): paths (default: every notebooks/NN_*.ipynb)"))
     if args.build or args.build_only:
         for p in build_all():
             print(f"built {p.relative_to(REPO_ROOT)}")
         if args.build_only:
             return 0
-    paths = [Path(p) for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    paths = [Path(p) for p in argv[:n]] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     for p in paths:
         if not p.is_file():
             raise UsageError(f"{p}: no such notebook; give .ipynb files, e.g. notebooks/00_quickstart.ipynb")
@@ -326,14 +334,19 @@ def cli_main(argv: list[str]) -> int:
     return 0
 
 
+@dataclass
+class DemoArgs:
+    """`colo-kit demo`'s flag."""
+
+    out: str | None = field(default=None, metadata={"help": "folder for the executed copies (default results/runs/demo)"})
+
+
 def cli_demo(argv: list[str]) -> int:
     """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
-    from colo_kit.cli import ArgumentParser, writable_dir
+    from colo_kit.cli import parse_dataclasses, writable_dir
 
-    ap = ArgumentParser(prog="colo-kit demo", description=cli_demo.__doc__)
-    ap.add_argument("--out", default=str(runs_dir() / "demo"))
-    args = ap.parse_args(argv)
-    r = execute(NOTEBOOKS / "00_quickstart.ipynb", writable_dir(args.out, "--out"))
+    (args,) = parse_dataclasses((DemoArgs,), argv, prog="colo-kit demo", description=cli_demo.__doc__)
+    r = execute(NOTEBOOKS / "00_quickstart.ipynb", writable_dir(args.out or runs_dir() / "demo", "--out"))
     print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n"
           f"  HTML copy:         {r['html']}")
     return 0

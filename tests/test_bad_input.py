@@ -65,8 +65,9 @@ CASES = [
     (["demo", "--out", "/proc/nope"], "--out /proc/nope: cannot create it"),
     (["demo", "--out", "{files}/a_file"], "a_file: is a file, not a folder"),
     (["build-model", "--seed", "100000000000000000000"], "give a whole number from 0 to 2**32 - 1"),
-    (["build-model", "--seed", "4294967296"], "'4294967296'"),
-    (["build-model", "--seed", "1e20"], "'1e20'"),
+    (["build-model", "--seed", "4294967296"], "--seed 4294967296: give a whole number"),
+    (["build-model", "--seed", "1e20"], "argument --seed: invalid int value: '1e20'"),
+    (["run-notebooks", "--build", "maybe"], "argument --build: Truthy value expected: got maybe"),
 ]
 
 

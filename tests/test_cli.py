@@ -54,7 +54,9 @@ CASES = [
     (["train", "--config", "{files}/broken.yaml"], "broken.yaml': cannot read it as YAML"),
     (["train", "--config", "{files}/none.yaml"], "none.yaml': cannot read it as YAML"),
     (["eval-math500", "--out", "/proc/nope/ev.json"], "--out /proc/nope/ev.json"),
-    (["eval-math500", "--limit", "0"], "'0'"),
+    (["eval-math500", "--limit", "0"], "--limit 0: give a whole number of at least 1"),
+    (["eval-math500", "--max-tokens", "0"], "--max-tokens 0: give a whole number of at least 1"),
+    (["eval-math500", "--source", "web"], "argument --source: invalid choice: 'web'"),
     (["eval-math500", "--data", "{files}/bad.jsonl"], "bad.jsonl line 3: not JSON"),
     (["eval-math500", "--data", "{files}/noanswer.jsonl"], "line 1: needs a JSON object with problem, answer (missing answer)"),
     (["eval-math500", "--data", "{files}/empty.jsonl"], "empty.jsonl: no rows"),
@@ -65,8 +67,8 @@ CASES = [
     (["plan", "--gpus", "0"], "gpus=0"),
     (["plan", "--model", "qwen2.5-72b", "--gpus", "8", "--tp", "3"], "vllm_tensor_parallel_size=3"),
     (["plan", "--validate", "--out", "/proc/nope/v.json"], "--out /proc/nope/v.json"),
-    (["build-model", "--seed", "-3"], "'-3'"),
-    (["build-model", "nope"], "invalid choice: 'nope'"),
+    (["build-model", "--seed", "-3"], "--seed -3: give a whole number from 0 to 2**32 - 1"),
+    (["build-model", "nope"], "preset 'nope': choose one of qwen2.5-0.5b, qwen2.5-1.5b,"),
     (["run-notebooks", "/no/such.ipynb"], "/no/such.ipynb: no such notebook"),
     (["run-notebooks", "{files}/text.md"], "not a Jupyter notebook"),
     (["env", "--bogus"], "unrecognized arguments: --bogus"),
@@ -209,3 +211,14 @@ def test_an_unwritable_model_cache_is_one_line(tmp_path, monkeypatch, capsys):
         locked.chmod(0o700)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "COLO_KIT_CACHE" in err[0]
+
+
+def test_build_model_takes_the_preset_first_then_build_models_flags(tmp_path, monkeypatch):
+    from colo_kit import models
+
+    seen = []
+    monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "build_model", lambda preset, **kwargs: seen.append((preset, kwargs)) or tmp_path)
+    assert main(["build-model", "qwen2.5-0.5b", "--seed", "4294967295", "--force"]) == 0
+    assert main(["build-model", "--seed=7"]) == 0
+    assert seen == [("qwen2.5-0.5b", {"seed": 4294967295, "force": True}), ("tiny", {"seed": 7, "force": False})]

@@ -137,6 +137,27 @@ def test_peft_push_merges_the_adapter(engine, hf_model):
     assert engine.probe()["token_ids"] == base["token_ids"]
 
 
+def test_the_check_command_takes_trls_names_and_its_own_spellings(monkeypatch, capsys):
+    from colo_kit.cli import run
+    from colo_kit.colocate import engine_check
+
+    class Built(Exception):
+        pass
+
+    def engine(model, settings):  # stands in for the engine: only what it is built from matters here
+        raise Built(model, settings)
+
+    monkeypatch.setattr(engine_check, "ColocatedEngine", engine)
+    for argv in (["--tp", "2", "--max-tokens", "6"], ["--vllm-tensor-parallel-size", "2", "--max_completion_length", "6"]):
+        with pytest.raises(Built) as built:
+            engine_check.main(["--model", "m", *argv, "--sampled", "--push", "--out-dir", "d"])
+        model, s = built.value.args
+        assert (model, s.vllm_tensor_parallel_size, s.max_completion_length) == ("m", 2, 6)
+    assert run(engine_check.main, ["--tp", "two"], engine_check.PROG) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("--tp: invalid int value: 'two'"), err
+
+
 @pytest.mark.slow
 @pytest.mark.devices(2)
 def test_tp2_under_two_processes_agree(free_port, tmp_path):

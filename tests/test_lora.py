@@ -66,6 +66,22 @@ def test_launch_recipe(monkeypatch):
         replica_launch("m", port=1, api_key_env="COLO_KIT_TEST_KEY")
 
 
+def test_the_recipe_command_takes_the_model_first_then_replica_launchs_flags(capsys):
+    from colo_kit.async_lora.lora import PROG, cli_recipe
+    from colo_kit.cli import run
+
+    assert run(cli_recipe, ["/models/qwen", "--replicas", "2", "--base-port", "9000", "--max_staleness", "2",
+                            "--lora-rank", "3"], PROG) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "--port 9000" in out[0] and "--port 9001" in out[1] and "--model /models/qwen" in out[1]
+    assert json.loads(out[2]) == {"max_loras": 4, "max_lora_rank": max_lora_rank_for(3)}
+    for argv, words in ((["m", "--replicas", "two"], "argument --replicas: invalid int value: 'two'"),
+                        (["--replicas", "2"], "no model: give one first")):
+        assert run(cli_recipe, argv, PROG) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"{PROG}: {words}"), err
+
+
 def test_adapter_paths_follow_trl(tmp_path):
     assert adapter_dir(tmp_path, 3) == tmp_path.resolve() / ".vllm_lora" / "trl-policy-v3"
     (tmp_path / ".vllm_lora" / "trl-policy-v2").mkdir(parents=True)

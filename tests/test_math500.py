@@ -241,6 +241,27 @@ def test_score_breakdowns_from_known_completions():
         score(rows, completions[:2])
 
 
+def test_eval_cli_hands_its_flags_to_evaluate(tmp_path, monkeypatch, capsys):
+    from colo_kit.answers import math500_eval
+    from colo_kit.cli import main
+
+    seen = {}
+
+    def evaluate(model, **kwargs):  # stands in for the vLLM run: only what reaches it matters here
+        seen.update(kwargs, model=model)
+        return {"model": model, "correct": 0, "n": 0, "accuracy": 0.0, "ci95": [0, 1], "dataset": "d", "by_subject": {},
+                "path": "p"}
+
+    monkeypatch.setattr(math500_eval, "evaluate", evaluate)
+    assert main(["eval-math500", "--limit", "6", "--max-tokens", "12", "--source", "offline",
+                 "--out", str(tmp_path / "e.json")]) == 0
+    assert {k: seen[k] for k in ("model", "limit", "source", "max_tokens", "out", "llm_kwargs")} == \
+        {"model": "tiny", "limit": 6, "source": "offline", "max_tokens": 12, "out": tmp_path / "e.json", "llm_kwargs": None}
+    assert main(["eval-math500", "--max_tokens", "many"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["colo-kit eval-math500: argument --max_tokens/--max-tokens: invalid int value: 'many'"]
+
+
 @pytest.mark.slow
 def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
     """The real runner: vLLM (CPU) generates with the training prompt; a random model's accuracy is

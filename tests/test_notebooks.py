@@ -63,6 +63,24 @@ def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
     assert "".join(cell["source"]) == "print('ran', 6 * 7)" and "ran 42" in "".join(cell["outputs"][0]["text"])
 
 
+def test_run_notebooks_and_demo_take_their_flags(tmp_path, monkeypatch):
+    from colo_kit import notebook
+    from colo_kit.cli import main
+    from colo_kit.paths import runs_dir
+
+    ran, built = [], []
+    monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path))  # demo's default folder is under it
+    monkeypatch.setattr(notebook, "build_all", lambda: built.append(1) or [])
+    monkeypatch.setattr(notebook, "execute", lambda path, out: ran.append((path, out)) or {
+        "notebook": path, "seconds": 0, "executed": "e", "html": "h"})
+    first, second = NOTEBOOKS / "00_quickstart.ipynb", NOTEBOOKS / "01_ping_pong.ipynb"
+    assert main(["run-notebooks", str(first), str(second), "--build", "--out", str(tmp_path)]) == 0
+    assert main(["run-notebooks", "--build-only"]) == 0 and main(["demo"]) == 0
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    assert built == [1, 1] and ran == [(first, tmp_path), (second, tmp_path), (first, runs_dir() / "demo"),
+                                       (first, tmp_path / "demo")]
+
+
 def test_sources_are_read_as_jupytext_percent_format():
     from colo_kit.notebook import parse_source
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.answers.math500 import Checker, default_checker
@@ -218,24 +219,32 @@ def _check_tp(tp: int, model: str, error) -> None:
                     f"evenly over {tp} GPUs; give a --tp that divides {preset.num_attention_heads}")
 
 
+@dataclass
+class EvalArgs:
+    """`colo-kit eval-math500`'s settings: `evaluate`'s arguments, and where the model and problems come from."""
+
+    model: str = field(default="tiny", metadata={"help": "preset (tiny, qwen2.5-1.5b...), hub id or folder"})
+    limit: int | None = field(default=None, metadata={"help": "first N problems only"})
+    source: str = field(default="auto", metadata={"help": "where MATH-500 comes from", "choices": ["auto", "hub", "offline"]})
+    data: str | None = field(default=None, metadata={"help": "a JSONL file of your own problems (problem, answer) instead"})
+    max_tokens: int = field(default=1024, metadata={"help": "tokens per answer"})
+    tp: int = field(default=1, metadata={"help": "vLLM tensor_parallel_size (GPUs)"})
+    out: str | None = field(default=None, metadata={"help": "JSON path (default results/runs/math500_eval.json)"})
+
+
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser, UsageError, positive_int, writable_file
+    from colo_kit.cli import UsageError, parse_dataclasses, writable_file
     from colo_kit.models import resolve_model
     from colo_kit.paths import runs_dir
 
-    ap = ArgumentParser(prog="colo-kit eval-math500", description="Evaluate a model on MATH-500 (greedy, "
-                        "the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
-    ap.add_argument("--model", default="tiny", help="preset (tiny, qwen2.5-1.5b...), hub id or folder")
-    ap.add_argument("--limit", type=positive_int, default=None, help="first N problems only")
-    ap.add_argument("--source", default="auto", choices=["auto", "hub", "offline"])
-    ap.add_argument("--data", default=None, help="a JSONL file of your own problems (problem, answer) instead")
-    ap.add_argument("--max-tokens", type=positive_int, default=1024)
-    ap.add_argument("--tp", type=positive_int, default=1, help="vLLM tensor_parallel_size (GPUs)")
-    ap.add_argument("--out", default=str(runs_dir() / "math500_eval.json"))
-    args = ap.parse_args(argv)
+    (args,) = parse_dataclasses((EvalArgs,), argv, prog="colo-kit eval-math500", description="Evaluate a model on "
+                                "MATH-500 (greedy, the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
+    for flag, value in (("--limit", args.limit), ("--max-tokens", args.max_tokens), ("--tp", args.tp)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: give a whole number of at least 1")
     if args.tp > 1:
         _check_tp(args.tp, args.model, UsageError)
-    out = writable_file(args.out, "--out")
+    out = writable_file(args.out or runs_dir() / "math500_eval.json", "--out")
     try:
         resolve_model(args.model, build=False)
         problems = None

@@ -279,23 +279,37 @@ def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
     return rows
 
 
+PROG = "python -m colo_kit.async_lora.lora"
+
+
+@dataclass
+class RecipeArgs:
+    """`python -m colo_kit.async_lora.lora MODEL`'s flags, named as `replica_launch`'s arguments."""
+
+    replicas: int = field(default=2, metadata={"help": "replicas, one per GPU"})
+    base_port: int = field(default=8001, metadata={"help": "the first replica's port; the next ones count up"})
+    max_staleness: int = field(default=4, metadata={"help": "versions a rollout may lag behind (sets --max-loras)"})
+    lora_rank: int = field(default=1, metadata={"help": "the adapter's rank (sets --max-lora-rank)"})
+
+
 def cli_recipe(argv: list[str]) -> int:
     """Print the launch lines for N replicas (used by the README and scripts/gpu)."""
-    import argparse
+    from colo_kit.cli import UsageError, parse_dataclasses
 
-    ap = argparse.ArgumentParser(prog="python -m colo_kit.async_lora.lora")
-    ap.add_argument("model")
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--base-port", type=int, default=8001)
-    ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--lora-rank", type=int, default=1)
-    a = ap.parse_args(argv)
+    # HfArgumentParser takes flags only: the model, a leading word, is taken off first
+    model, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
+    (a,) = parse_dataclasses((RecipeArgs,), argv, prog=PROG, description="model (a first word, before the flags): "
+                             "a model folder or hub id. Prints each replica's launch line and the slots they need.")
+    if model is None:
+        raise UsageError(f"no model: give one first, e.g. {PROG} Qwen/Qwen2.5-1.5B-Instruct --replicas 2")
     for i in range(a.replicas):
-        print(replica_launch(a.model, port=a.base_port + i, gpu=i, max_staleness=a.max_staleness,
+        print(replica_launch(model, port=a.base_port + i, gpu=i, max_staleness=a.max_staleness,
                              lora_rank=a.lora_rank).shell())
     print(json.dumps({"max_loras": max_loras_for(a.max_staleness), "max_lora_rank": max_lora_rank_for(a.lora_rank)}))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli_recipe(sys.argv[1:]))
+    from colo_kit.cli import run
+
+    raise SystemExit(run(cli_recipe, sys.argv[1:], PROG))

@@ -11,34 +11,44 @@ size, token ids. With `vllm_tensor_parallel_size=2` the two ranks are one model:
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
 
+PROG = "python -m colo_kit.colocate.engine_check"
 
-def main(argv: list[str] | None = None) -> int:
+
+@dataclass
+class CheckArgs:
+    """The check's settings, in TRL's GRPOConfig names where TRL has the setting."""
+
+    model: str = field(default="tiny", metadata={"help": "a preset, a model folder or a hub id"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine", "aliases": ["--tp"]})
+    max_completion_length: int = field(default=8, metadata={"help": "tokens per completion", "aliases": ["--max-tokens"]})
+    sampled: bool = field(default=False, metadata={"help": "also sample at temperature 1 with the TP seed"})
+    push: bool = field(default=False, metadata={"help": "also push the model's own weights, then perturbed ones"})
+    out_dir: str | None = field(default=None, metadata={
+        "help": "write rank<N>.json here too (stdout lines of ranks can interleave)"})
+
+
+def main(argv: list[str]) -> int:
     """Build an engine in every process, generate greedily, and print one JSON line per rank
     (rank, seed, TP group, token ids): the TP=2 test compares them across ranks."""
-    import argparse
+    from colo_kit.cli import parse_dataclasses
 
-    ap = argparse.ArgumentParser(prog="python -m colo_kit.colocate.engine_check")
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--sampled", action="store_true", help="also sample at temperature 1 with the TP seed")
-    ap.add_argument("--push", action="store_true", help="also push the model's own weights, then perturbed ones")
-    ap.add_argument("--out-dir", default=None, help="write rank<N>.json here too (stdout lines of ranks can interleave)")
-    args = ap.parse_args(argv)
-    s = ColocateSettings(vllm_tensor_parallel_size=args.tp, per_device_train_batch_size=2, max_prompt_length=64,
-                         max_completion_length=args.max_tokens)
+    (args,) = parse_dataclasses((CheckArgs,), argv, prog=PROG, description=__doc__)
+    s = ColocateSettings(vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, per_device_train_batch_size=2,
+                         max_prompt_length=64, max_completion_length=args.max_completion_length)
     engine = ColocatedEngine(args.model, s)
     prompts = [f"rank {engine.rank} prompt {i}:" for i in range(2)]
-    greedy = engine.generate(prompts, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = engine.generate(prompts, max_tokens=args.max_completion_length, temperature=0.0, ignore_eos=True)
     rec = {"rank": engine.rank, "seed": engine.seed, "tp": engine.tp, "prompts": prompts,
            "prompt_texts": [engine.tokenizer.decode(ids) for ids in greedy.prompt_ids],
            "greedy": greedy.completion_ids}
     if args.sampled:
-        group = engine.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
+        group = engine.generate(prompts, max_tokens=args.max_completion_length, temperature=1.0, ignore_eos=True,
                                 whole_group=True)
         rec["group_sampled"] = group.completion_ids
     if args.push:  # each rank loads the full weights; load_weights keeps this rank's TP shard
@@ -65,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     import colo_kit
+    from colo_kit.cli import run
 
     colo_kit.setup()
-    raise SystemExit(main())
+    raise SystemExit(run(main, sys.argv[1:], PROG))
