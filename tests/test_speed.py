@@ -190,6 +190,17 @@ def test_a_seed_the_defaults_did_not_run_gets_no_time_ratio():
     assert rows["recipe"]["time to threshold s"] == "not reached / 12.0"
 
 
+def test_the_committed_summary_is_what_the_records_give_now():
+    """Notebook 04 reads the summary: one written before a change to the summary's code would show old ratios."""
+    result = json.loads(RESULT.read_text())
+    by_model = {}
+    for rec in result["records"]:
+        by_model.setdefault(rec["model"], []).append(rec)
+    now = json.loads(json.dumps({m: speed.summarize(rs) for m, rs in by_model.items()}, default=str))
+    assert now == result["summary"], ("results/speed_1xh200.json's summary is stale: run `python scripts/speed_bench.py "
+                                      "merge --into results/speed_1xh200.json --out results/speed_1xh200.json`")
+
+
 def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
     """Out of sample: these runs were not used to fit the planner. The prediction is recomputed from the
     planner as it is now, not read back from the file."""
