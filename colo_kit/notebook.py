@@ -63,10 +63,11 @@ def measured_runs() -> dict[str, dict[str, dict]]:
     """{notebook: {"cpu" | "gpu": its record}}: the committed check runs (results/cpu_check.json and
     results/gpu_check.json) of notebooks that executed every cell."""
     from colo_kit.labs.lab import CHECKS
+    from colo_kit.paths import results_dir
 
     out: dict[str, dict[str, dict]] = {}
     for tier, (_, name) in CHECKS.items():
-        path = REPO_ROOT / "results" / name
+        path = results_dir() / name
         for rec in json.loads(path.read_text()).get("notebooks", {}).get("notebooks", []) if path.exists() else []:
             if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
                 out.setdefault(rec["notebook"], {})[tier] = rec
@@ -102,9 +103,7 @@ def refresh_tables(text: str) -> str:
     out = []
     for line in text.split("\n"):
         if m := re.match(r"^(\| \d:\d\d–\d:\d\d \| `(\d\d_\w+)` \| )[^|]*( \|.*)$", line):  # INSTRUCTOR's schedule
-            cpu, gpu = (_minutes(rec(m[2], t)) for t in ("cpu", "gpu"))
-            both = f"{cpu.removesuffix(' min')} / {gpu}" if cpu.endswith(" min") and gpu.endswith(" min") else f"{cpu} / {gpu}"
-            line = m[1] + both + m[3]
+            line = m[1] + " / ".join(_minutes(rec(m[2], t)) for t in ("cpu", "gpu")) + m[3]
         elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]* \| )[^|]* \| [^|]*( \|)$", line):  # INSTRUCTOR's memory
             line = m[1] + f"{peak(rec(m[2], 'cpu'), 'peak_rss_gib')} | {peak(rec(m[2], 'gpu'), 'peak_gpu_gib')}" + m[3]
         elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]*?· )[^|]*?( \| [^|]*?· )[^|]*?( \|.*)$", line):  # README

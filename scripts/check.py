@@ -48,7 +48,9 @@ def _commit() -> dict:
     if given:
         return {"commit": given, "dirty": None}
     head = _git("rev-parse", "HEAD")
-    return {"commit": head or None, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if head else None}
+    # results/ is left out: the check itself rewrites its HTML copies there before it records the commit
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results")
+    return {"commit": head or None, "dirty": bool(dirty) if head else None}
 
 
 def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):

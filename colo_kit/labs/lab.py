@@ -245,22 +245,18 @@ CHECKS = {"cpu": ("CPU laptop (2 cores)", "cpu_check.json"), "gpu": ("1×H200", 
 
 
 def measured_facts(key: str) -> dict[str, dict]:
-    """{tier: {"values": {...}, "source": ...}} for `key`, from the committed check runs."""
-    import json
-
-    from colo_kit.paths import results_dir
+    """{tier: {"values": {...}, "source": ...}} for `key`, from the committed check runs of notebooks that
+    executed every cell (`colo_kit.notebook.measured_runs`)."""
+    from colo_kit.notebook import measured_runs
 
     out = {}
-    for tier, (label, name) in CHECKS.items():
-        path = results_dir() / name
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
-        for nb in record.get("notebooks", {}).get("notebooks", []):
-            fact = (nb.get("facts") or {}).get(key)
+    for runs in measured_runs().values():
+        for tier, rec in runs.items():
+            fact = (rec.get("facts") or {}).get(key)
             if fact is not None:
+                label, name = CHECKS[tier]
                 out[tier] = {"label": label, "values": fact, "source": f"results/{name}",
-                             "commit": (nb.get("commit") or "")[:7]}
+                             "commit": (rec.get("commit") or "")[:7]}
     return out
 
 

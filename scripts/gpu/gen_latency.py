@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"trl": {}, "no_async": {"async_scheduling": False}, "eager": {"enforce_eager": True},
             "seqs64": {"max_num_seqs": 64}}
-PROMPT_LEN, COMPLETION_LEN, REPS = 64, 256, 5
+PROMPT_LEN, COMPLETION_LEN, REPS = 64, int(os.environ.get("GEN_LATENCY_TOKENS", 256)), 5
 
 
 def one_variant(name: str, model: str) -> dict:
@@ -106,7 +106,8 @@ def main() -> int:
     from colo_kit.models import resolve_model
 
     resolve_model(a.model)  # build once, before the children time anything
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = os.environ.get("COLO_KIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                                 capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "vLLM generation latency with TRL 1.16's colocate LLM arguments", "model": a.model,
               "prompt_len": PROMPT_LEN, "completion_len": COMPLETION_LEN, "reps": REPS, "commit": commit,
               "env": describe(), "variants": {}}
