@@ -84,6 +84,16 @@ def test_running_reward_needs_64_completions_and_time_to_reward_reads_it():
     assert speed.time_to_reward(record, -5) is None
 
 
+def test_generations_to_reward_counts_the_rows_that_logged_a_reward_up_to_the_threshold():
+    # steps_per_generation=2: a reward row every other step, as TRL logs a generation's reward once
+    rows = [{"t_s": float(i), **({"reward": r} if i % 2 == 0 else {})}
+            for i, r in enumerate([-100, None, -100, None, -100, None, -100, None, -10, None, -10, None, -10])]
+    record = {"rows": rows, "completions_per_generation": 16}  # 4 generations make a window
+    assert speed.time_to_reward(record, -60) == 10.0        # (-100-100-10-10)/4 = -55 at the 6th generation
+    assert speed.generations_to_reward(record, -60) == 6
+    assert speed.generations_to_reward(record, -5) is None
+
+
 def test_threshold_is_half_the_defaults_first_generation():
     record = {"rows": [{"t_s": 1.0}, {"t_s": 2.0, "reward": -2800.0}, {"t_s": 3.0, "reward": -100.0}],
               "completions_per_generation": 8}

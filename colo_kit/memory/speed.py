@@ -304,6 +304,14 @@ def time_to_reward(record: dict, target: float) -> float | None:
     return None
 
 
+def generations_to_reward(record: dict, target: float) -> int | None:
+    """How many generations a run had made when it reached the threshold (TRL logs a generation's reward once, at
+    its first optimizer step). With `steps_per_generation=k` that is k times fewer than its optimizer steps: this
+    asks whether the reward moves per optimizer step or per generation."""
+    t = time_to_reward(record, target)
+    return None if t is None else sum(1 for r in record["rows"] if r.get("reward") is not None and r["t_s"] <= t)
+
+
 def race(record: dict) -> str:
     """Which race a record ran in: its learning rate, its budget per seed and the commit it ran at. Ratios are
     taken only inside one race, against the defaults run in it: runs of another day, budget or code are not
@@ -375,6 +383,7 @@ def _summarize_one(records: list[dict]) -> dict:
         row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
                "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
                "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
+               "generations_to_reward": [generations_to_reward(r, target) if target is not None else None for r in runs],
                "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
                "planner_peak_gib": _planner_now(runs[0]),
                "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
@@ -436,6 +445,7 @@ def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
                 "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
                                                        f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
                 "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
+                "generations to threshold": seeds(c.get("generations_to_reward") or [], "{:d}"),
                 "× defaults (time)": _speedups(c) or "no defaults in this race",
                 "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
             })
