@@ -10,8 +10,9 @@ section 7), and the comments say which run each one rests on:
 - `vllm_gpu_memory_utilization: 0.3` when the plan fits with it (measured there), else the planner's share;
   a bigger KV cache does not generate faster once every sequence of a generation fits;
 - no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
-- `steps_per_generation` left at TRL's default (on-policy): 8 gave 3.3x the tokens/s but reached the reward
-  threshold no sooner (and one seed of two not at all);
+- `steps_per_generation` left at TRL's default (on-policy): 2 and 4 gave 1.8-2.4x the tokens/s but needed as
+  many generations to the reward threshold as on-policy runs, so got there no sooner (the reward moves per
+  generation, not per optimizer step);
 - the per-device batch is the learner's: 32 gave 5.1x the tokens/s and took about 3x longer to the reward;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
@@ -84,11 +85,9 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("vllm_tensor_parallel_size", chosen.vllm_tensor_parallel_size,
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
         ("steps_per_generation", None,
-         "TRL's default, on-policy: sharing a generation between 2, 4 or 8 steps gave 1.8-3.3x the tokens/s at batch 8 "
-         "but reached the reward threshold "
-         f"no sooner than the on-policy recipe (4: in 82 s against the defaults' 37 s in a 150 s race; 2: 1.25x sooner "
-         f"in a 90 s race where this recipe was 1.20-1.41x; "
-         f"measured, {MEASURED})"),
+         "TRL's default, on-policy: sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at batch 8 "
+         "but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), each "
+         f"generation cycle longer, so it got there no sooner (4: in 82 s against the defaults' 37 s; measured, {MEASURED})"),
         ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
         ("vllm_importance_sampling_correction", True,
          "TRL's default: corrects for vLLM sampling from a slightly different distribution than the trainer "

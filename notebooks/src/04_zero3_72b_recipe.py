@@ -389,21 +389,30 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 #   moved the time to the reward as much as the recipe did, and in an earlier 120 s race the defaults' own two seeds were 9 s apart (34.7 and 43.5 s)
 #   while the recipe's were 0.85× and 1.18× of them. A time ratio under about 1.6× is within the policy's luck;
 #   the step time, not the time to the reward, is what the recipe reliably buys. 2.5× sooner is out of reach
-#   on-policy: generation is 0.68 s of a 0.92 s step, and only sharing a generation between steps cuts it, which
-#   costs learning per step (the rows below).
+#   on-policy: generation is 0.68 s of a 0.92 s step, and sharing a generation between steps does not help
+#   either (the next bullet).
+# - **The reward moves per generation, not per optimizer step** (the column "generations to threshold", all
+#   1.5B races at 5e-4). The on-policy runs (defaults, recipe and the single knobs, 20 seeds in all) got there
+#   after 26–63 generations, half of them within 40. `steps_per_generation=2` got there after 33–38 generations
+#   (67–77 optimizer steps, five seeds) and `steps_per_generation=4` after 33–36 (129–141 steps, three seeds):
+#   twice and four times the steps bought no fewer generations. So the time to the reward is the number of
+#   generations times one generation cycle, and the cycle is shortest on-policy: one generation, one push, one
+#   training step.
 # - **Tokens/s went up 5×, learning did not.** A per-device batch of 32 with `steps_per_generation=8` generates
 #   256 completions at once and trains on them in 8 steps: about 5× the defaults' tokens/s, yet it needed about
 #   3× *longer* to reach the threshold. Each optimizer step sees 32 completions instead of 8 and the learning rate
 #   is the same, so it takes about as many steps — each of them longer.
 # - **Staleness is a cost.** `steps_per_generation=8` at batch 8 trains 3.3× more steps per second, but 7 of
-#   every 8 steps learn from completions of an older policy (PPO's clipping then limits the update): at
-#   learning rate 5e-4 it reached the threshold no sooner than the defaults, and one seed not at all.
+#   every 8 steps learn from completions of an older policy: at learning rate 5e-4 it reached the threshold no
+#   sooner than the defaults, and one seed not at all. It is not PPO's clipping that holds it back: TRL's
+#   `clip_ratio/region_mean` stayed at 0 in every run and under 0.2% of tokens in `steps_per_generation=8`; the
+#   extra steps on an old generation simply move the reward little (the bullet above).
 # - **Sharing a generation between fewer steps** (`steps_per_generation` 2 and 4, on top of the one-call push):
 #   1.75× and 2.4× the defaults' tokens/s in a 60 s race, where both seeds of each reached the threshold
 #   (38–42 s and 46–52 s) and the defaults, that day, did not: only a bound, "≥" (the defaults' 60 s over the
 #   configuration's time). The longer race settles it: with 150 s per seed the defaults got there in 37 s and
-#   `steps_per_generation=4` in 82 s — 1.9× the tokens/s, 0.45× the speed to the reward. At this learning rate
-#   a step moves the policy far enough that the next steps' completions are already stale.
+#   `steps_per_generation=4` in 82 s — 1.9× the tokens/s, 0.45× the speed to the reward: 36 generations, as
+#   many as an on-policy run needs, each of them four steps long.
 # - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.15 s per step (sleep 0.05 s, two
 #   wake-ups of 0.02 s, the push 0.08 s; the 90 s race) and ran at 0.8–0.99× the defaults' tokens/s; it buys
 #   18 GiB of peak, which a 1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`,
