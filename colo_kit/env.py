@@ -1,7 +1,8 @@
 """The runtime the kit needs, set once: environment defaults, the tier (CPU or GPU), and a
 description of the machine that every results JSON carries.
 
-Import `colo_kit` and these defaults are in place before torch or vLLM are imported:
+Call `colo_kit.setup()` (a notebook's `colo_kit.quiet()` does) before torch or vLLM are imported and
+these defaults are in place; importing a kit module sets none of them:
 - `OMP_NUM_THREADS=1`: on 2 cores a trainer and an engine each wanting a thread per core fight over
   them; tiny models run many times faster with one thread each.
 - `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM's CPU engine otherwise reserves

@@ -13,3 +13,83 @@ def test_ruff_finds_nothing():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "colo_kit", "tests", "scripts"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+
+
+def _module_level_kit_imports() -> dict[str, set[str]]:
+    """Each colo_kit module -> the colo_kit modules that importing it imports: its top-level `import` and
+    `from` statements (in `if`/`try` blocks too, not under `if TYPE_CHECKING:`), read with `ast`; imports
+    inside functions run when called and are left out. `import colo_kit.a.b` also imports `colo_kit.a`."""
+    import ast
+
+    root = REPO_ROOT / "colo_kit"
+    files = {}
+    for p in root.rglob("*.py"):
+        parts = ("colo_kit",) + p.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.stem == "__init__" else mod.rpartition(".")[0]
+        named = set()
+
+        def visit(body):
+            for node in body:
+                if isinstance(node, ast.Import):
+                    named.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                        base = ".".join(up + ([node.module] if node.module else []))
+                    named.add(base)
+                    named.update(f"{base}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.If):
+                    if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                        visit(node.body)
+                    visit(node.orelse)
+                elif isinstance(node, ast.Try):
+                    for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                        visit(block)
+
+        visit(ast.parse(path.read_text()).body)
+        deps = set()
+        for name in named:
+            parts = name.split(".")
+            deps.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in files)
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def dfs(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == "open":
+                return stack[stack.index(w):] + [w]
+            if w not in state and (found := dfs(w)):
+                return found
+        state[v] = "done"
+        stack.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := dfs(v)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+
+
+def test_no_kit_module_imports_itself_through_others():
+    """No import circle among colo_kit's modules at import time: a shared piece lives in the module it belongs
+    to, and the modules that need it import it from there."""
+    graph = _module_level_kit_imports()
+    assert len(graph) > 40 and "colo_kit.env" in graph["colo_kit"]  # the reader sees the kit's imports
+    assert "colo_kit.paths" in graph["colo_kit.notebook"]
+    cycle = _a_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)

@@ -50,23 +50,47 @@ def test_the_kits_lines_are_said_once_where_the_process_wants_them(setup, where)
         assert said["stderr"].count("using offline data/x") == 1 and "using offline" not in said["stdout"]
 
 
+# The modules that import torch when imported: the colocated engine's, which hold and move torch tensors.
+# Every other module imports torch (and vLLM) inside the functions that use them.
+TORCH_AT_IMPORT = {"colocate.engine", "colocate.engine_check", "colocate.vllm_compat"}
+
+
 def test_importing_any_kit_module_has_no_side_effects():
-    """Importing sets no environment variable, installs no log handler and probes no GPU: `colo_kit.setup()`
-    (the CLI, a notebook's `colo_kit.quiet()`, the test suite, every engine build) does that, explicitly."""
+    """Importing sets no environment variable, installs no log handler, initialises no NVML and imports no
+    vLLM (and torch only for the modules in TORCH_AT_IMPORT): `colo_kit.setup()` (the CLI, a notebook's
+    `colo_kit.quiet()`, the test suite, every engine build) sets the defaults, explicitly."""
     import json
 
     from colo_kit.paths import REPO_ROOT
 
     modules = sorted(".".join(p.relative_to(REPO_ROOT / "colo_kit").with_suffix("").parts)
                      for p in (REPO_ROOT / "colo_kit").rglob("*.py") if p.stem != "__main__")
+    assert TORCH_AT_IMPORT <= set(modules)
+    light = [m for m in modules if m not in TORCH_AT_IMPORT]
     code = (
         "import json, os, sys, logging\n"
         "before = dict(os.environ)\n"
-        f"for m in {modules!r}:\n"
+        "nvml_inits = []\n"
+        "try:\n"  # a spy on NVML's init: pynvml is looked up when called, so every caller meets the spy
+        "    import pynvml\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    for fn in ('nvmlInit', 'nvmlInitWithFlags'):\n"
+        "        real = getattr(pynvml, fn)\n"
+        "        setattr(pynvml, fn, lambda *a, _fn=fn, _real=real: (nvml_inits.append(_fn), _real(*a))[1])\n"
+        "def imp(m):\n"
         "    __import__('colo_kit.' + m.removesuffix('.__init__') if m != '__init__' else 'colo_kit')\n"
+        f"for m in {light!r}:\n"
+        "    imp(m)\n"
+        "torch_before = 'torch' in sys.modules\n"
+        f"for m in {sorted(TORCH_AT_IMPORT)!r}:\n"
+        "    imp(m)\n"
         "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
         "print(json.dumps({'changed': changed, 'handlers': [type(h).__name__ for h in "
-        "logging.getLogger('colo_kit').handlers], 'nvml': 'pynvml' in sys.modules}))\n")
+        "logging.getLogger('colo_kit').handlers], 'root_handlers': len(logging.getLogger().handlers), "
+        "'nvml_inits': nvml_inits, 'torch_before': torch_before, "
+        "'vllm': sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')[:5]}))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "COLO_KIT_QUIET"))}
     for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_MODE"):
         env.pop(name, None)
@@ -79,7 +103,10 @@ def test_importing_any_kit_module_has_no_side_effects():
             "VLLM_TARGET_DEVICE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "WANDB_DISABLED", "WANDB_MODE",
             "VLLM_USE_FLASHINFER_SAMPLER", "PYTORCH_NVML_BASED_CUDA_CHECK", "COLO_KIT_QUIET"}
     assert not ours & set(seen["changed"]), seen["changed"]
-    assert seen["handlers"] == []
+    assert seen["handlers"] == [] and seen["root_handlers"] == 0
+    assert seen["nvml_inits"] == []
+    assert seen["vllm"] == []
+    assert not seen["torch_before"], f"a module outside {sorted(TORCH_AT_IMPORT)} imports torch when imported"
 
 
 def test_setup_sets_the_defaults_once_and_keeps_what_the_user_set():

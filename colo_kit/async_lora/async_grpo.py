@@ -98,23 +98,24 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
 
 
 class BearerRequests:
-    """The `requests` module as TRL 1.16's async-GRPO `VLLMClient` calls it (`requests.get`,
-    `requests.post`; trl/experimental/async_grpo/vllm_client.py), with `Authorization: Bearer
-    <token>` on every call. Everything else (`requests.ConnectionError`, ...) is requests' own."""
+    """TRL 1.16's async-GRPO `VLLMClient` HTTP client, the `requests` module that
+    trl/experimental/async_grpo/vllm_client.py imported (`requests_module`), with `Authorization:
+    Bearer <token>` on every call (`requests.get`, `requests.post`). Everything else
+    (`requests.ConnectionError`, ...) is that module's own, so TRL's `except` clauses and callers'
+    still catch what they did. The kit's own synchronous clients use httpx; this one is TRL's."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, requests_module):
         self._authorization = f"Bearer {token}"
+        self._requests = requests_module
 
     def __getattr__(self, name):
-        import requests
-
-        return getattr(requests, name)
+        if name == "_requests":  # not set yet (a copy made without __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self._requests, name)
 
     def request(self, method, url, **kwargs):
-        import requests
-
         kwargs["headers"] = {**(kwargs.get("headers") or {}), "Authorization": self._authorization}
-        return requests.request(method, url, **kwargs)
+        return self._requests.request(method, url, **kwargs)
 
     def get(self, url, **kwargs):
         return self.request("GET", url, **kwargs)
@@ -168,7 +169,7 @@ def trl_client_auth(token_env: str) -> Iterator[None]:
 
     worker = async_rollout_worker.AsyncRolloutWorker
     saved_requests, saved_loop = vllm_client.requests, worker.__dict__["_loop_cls"]
-    vllm_client.requests = BearerRequests(token)
+    vllm_client.requests = BearerRequests(token, saved_requests)
     # a staticmethod, so `self._loop_cls` is the partial itself, as it was the class
     worker._loop_cls = staticmethod(functools.partial(bearer_rollout_loop, saved_loop, token_env))
     try:
