@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _commit() -> str | None:
+    """COLO_KIT_COMMIT when set: the lent GPU machines get a copy of the working tree whose .git is the one the
+    checkout started from, so git there names an older commit than the tree's (seen: f4de445 for a baa0b71 tree)."""
+    if os.environ.get("COLO_KIT_COMMIT"):
+        return os.environ["COLO_KIT_COMMIT"][:7]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=10)

@@ -4,7 +4,8 @@
 # for SPEED_BUDGET_S seconds per seed. Writes results/speed_1xh200.json (merged into what is there, a
 # configuration run again replacing its earlier records) and copies it and the log to $OUT/.
 #
-#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache bash scripts/gpu/speed.sh
+#   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache COLO_KIT_COMMIT=<your tree's commit> bash scripts/gpu/speed.sh
+# (COLO_KIT_COMMIT is read on this machine and passed in: git on the GPU machine names an older commit)
 #   SPEED_CONFIGS="trl_defaults:0,1 recipe:0,1" SPEED_MODEL=qwen2.5-7b bash scripts/gpu/speed.sh   # bfloat16, no ZeRO
 #
 # CPU check of the same code with the tiny model (writes results/runs/speed_smoke.json, not evidence):
