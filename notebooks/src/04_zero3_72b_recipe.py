@@ -439,18 +439,50 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 pd.DataFrame(speed.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
 
 # %% [markdown]
-# Measured (`results/speed_1xh200.json`, at 0cfd418):
+# Measured (`results/speed_1xh200.json`; two races, at 0cfd418 and at baa0b71, each with TRL's defaults in it):
 #
 # - **The recipe buys less at 7B: 1.10× the tokens/s** (1.70 s per step against 1.87). Generation is 1.30–1.32 s
 #   of either step, and the recipe's knobs cut only the rest: training 0.36 → 0.27 s, the push 0.082 → 0.030 s.
-# - **Neither learns much in two minutes.** From about −2,850 the defaults' seed 0 got to −2,796 and the recipe's
-#   seed 0 to −2,540, both short of the threshold (−1,426); the recipe's seed 1 got there in 34.9 s by collapsing
-#   onto one repeated token (−748 for all eight completions). The defaults' seed 1 has no run: it ran out of
-#   memory as the second trainer of seed 0's process, the leftover the planner bullet above describes.
-# - **The planner holds at 7B too:** NVML 101.4 GiB against 103.3 predicted for the defaults, 113.7 against 119.8
-#   for the recipe (5% over, the safe side).
+# - **On-policy runs got stuck at 7B.** Both seeds of the defaults and the recipe's seed 0 were making eight
+#   identical completions by step 8 or 9 (reward −2,796 and −2,540, spread 0): GRPO's advantage is then 0 for every
+#   completion, nothing more is learned, and the threshold (−1,426) is never reached. The recipe's seed 1 got there
+#   in 34.9 s (19 generations) and then stuck at −748.
+# - **`steps_per_generation=2` reached the threshold with both seeds:** in 56.1 and 31.7 s (25 and 14
+#   generations), at 1.73× the defaults' tokens/s (1.07–1.08 s per step: one generation of 16 completions every
+#   two steps costs about what one of 8 did). Against the defaults' seed 1 of the same race, which trained 120 s
+#   without getting there, seed 1 is at least 3.84× sooner; the defaults' seed 0 ran in the other race and did
+#   not get there either. These runs got stuck too, later (steps 31 and 57), past the threshold. Four on-policy
+#   seeds and two stale ones are few: read this as what happened in these runs, not yet as a rule.
+# - **The planner holds at 7B too:** NVML 101.4 GiB against 103.3 predicted for the defaults, 113.7–114.7 against
+#   119.8 for the recipe and `steps_per_generation=2` (4–5% over, the safe side).
 
 # %% [markdown]
+# ### How short can one generation be?
+#
+# If the reward moves per generation, the fastest run is the one with the shortest generation cycle, and most of
+# a cycle is generating. `scripts/gpu/gen_latency.py` timed that alone: TRL 1.16's own `LLM(...)` arguments, the
+# 1.5B model, 256 tokens per completion, one process per variant (measured, `results/gen_latency_1xh200.json`).
+
+# %%
+latency = json.loads((results_dir() / "gen_latency_1xh200.json").read_text())
+pd.DataFrame([{"variant": name, "sequences": r["batch"], "sampling": ", ".join(f"{k}={v}" for k, v in r["sampling"].items())
+               or "TRL's (logprobs=0, detokenize=False)", "median s": r["median_s"], "ms per decoding step":
+               r["ms_per_decoding_step"], "tokens/s": r["tok_per_s"]}
+              for name, v in latency["variants"].items() for r in v.get("runs", [])])
+
+# %% [markdown]
+# - **8, 16 or 32 sequences take the same time**: 0.68–0.77 s for 256 decoding steps, about 2.9 ms a step, far
+#   above the ~0.65 ms it takes to read 3 GB of weights once (modelled from 4.8 TB/s). A decoding step at this
+#   size is mostly the engine's own work per step, not the GPU's.
+# - **What vLLM already does for you:** CUDA graphs (eager mode: 4.83 s, 6.3× longer) and asynchronous scheduling
+#   (off: 1.03 s, 1.34× longer) are both on under TRL's arguments.
+# - **What is left:** the log-probabilities TRL asks for (`logprobs=0`, for its importance-sampling correction):
+#   0.65 s without them, 17% less; vLLM's text (`detokenize=True`): 0.88 s, which the recipe already turns off.
+# - **So on-policy has a floor.** One cycle is at least one generation (~0.65 s), one push (0.03 s) and one training
+#   step (0.12 s without recomputing activations): about 0.8 s against the defaults' 0.89–1.30 s per step in the
+#   races, at most about 1.1–1.6× sooner if every run needs as many generations (modelled from these measured
+#   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one.
+
 # ### Break it · pick the memory share by hand
 #
 # `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Pick it by hand
