@@ -94,6 +94,23 @@ def test_generations_to_reward_counts_the_rows_that_logged_a_reward_up_to_the_th
     assert speed.generations_to_reward(record, -5) is None
 
 
+def test_the_budget_stops_after_its_time_but_never_inside_the_second_cycle():
+    from types import SimpleNamespace
+
+    control = SimpleNamespace(should_training_stop=False)
+    spent = speed._Budget(0.0, {}, min_steps=16)   # time is up at once; steps_per_generation=8 needs 16 steps
+    spent.on_train_begin(None, None, control)
+    spent.on_step_end(None, SimpleNamespace(global_step=15), control)
+    assert not control.should_training_stop
+    spent.on_step_end(None, SimpleNamespace(global_step=16), control)
+    assert control.should_training_stop
+    control.should_training_stop = False
+    fresh = speed._Budget(3600.0, {}, min_steps=2)  # steps enough, time not up
+    fresh.on_train_begin(None, None, control)
+    fresh.on_step_end(None, SimpleNamespace(global_step=100), control)
+    assert not control.should_training_stop
+
+
 def test_threshold_is_half_the_defaults_first_generation():
     record = {"rows": [{"t_s": 1.0}, {"t_s": 2.0, "reward": -2800.0}, {"t_s": 3.0, "reward": -100.0}],
               "completions_per_generation": 8}

@@ -116,9 +116,11 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
 
 
 class _Budget:
-    """A TrainerCallback that stops training `budget_s` after `trainer.train()` began and notes that moment."""
+    """A TrainerCallback that stops training `budget_s` after `trainer.train()` began, but not before `min_steps`
+    optimizer steps (two whole generation cycles: the steady state leaves the first out, so it needs a second one;
+    a slow CPU had ended `steps_per_generation=8` inside its first cycle), and notes when training began."""
 
-    def __new__(cls, budget_s: float, marks: dict):
+    def __new__(cls, budget_s: float, marks: dict, min_steps: int = 0):
         from transformers import TrainerCallback
 
         class Budget(TrainerCallback):
@@ -126,7 +128,7 @@ class _Budget:
                 marks["train_begin"] = time.time()
 
             def on_step_end(self, args, state, control, **kw):
-                if time.time() - marks["train_begin"] >= budget_s:
+                if time.time() - marks["train_begin"] >= budget_s and state.global_step >= min_steps:
                     control.should_training_stop = True
 
         return Budget()
@@ -156,7 +158,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     t_start = time.time()
     try:
         run = run_grpo(model, "colocate", seed=seed, num_prompts=num_prompts,
-                       callbacks=[_Budget(budget_s, marks)], on_trainer=on_trainer,
+                       callbacks=[_Budget(budget_s, marks, min_steps=2 * (settings.get("steps_per_generation") or 1))],
+                       on_trainer=on_trainer,
                        push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
                        **settings)
     finally:
