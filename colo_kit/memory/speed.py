@@ -81,7 +81,13 @@ SIDE = {"sleep_l2": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {}),
         # tokens), so sharing one generation between 2 or 4 steps cuts most of it; whether the policy still
         # learns as fast per step is what these measure
         "spg2": ("bucketed_push", {"steps_per_generation": 2}, {}),
-        "spg4": ("bucketed_push", {"steps_per_generation": 4}, {})}
+        "spg4": ("bucketed_push", {"steps_per_generation": 4}, {}),
+        # the reward has moved per generation, not per optimizer step (generations_to_reward); num_iterations
+        # (GRPO's mu) trains several times on each generation's completions, so each generation should teach more
+        "mu2": ("bucketed_push", {"num_iterations": 2}, {}),
+        "mu4": ("bucketed_push", {"num_iterations": 4}, {}),
+        # a generation of 32 costs about what one of 8 does (results/gen_latency_1xh200.json), on-policy
+        "batch32_on_policy": ("bucketed_push", {"per_device_train_batch_size": 32}, {})}
 RECIPE = "recipe"
 RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
@@ -158,7 +164,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     t_start = time.time()
     try:
         run = run_grpo(model, "colocate", seed=seed, num_prompts=num_prompts,
-                       callbacks=[_Budget(budget_s, marks, min_steps=2 * (settings.get("steps_per_generation") or 1))],
+                       callbacks=[_Budget(budget_s, marks, min_steps=2 * cycle_steps(settings))],
                        on_trainer=on_trainer,
                        push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
                        **settings)
@@ -168,6 +174,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     t0 = marks["train_begin"]
     spg = run.settings.get("steps_per_generation") or 1
     per_gen = batch * spg
+    cycle = cycle_steps(run.settings)
     step_marks = sorted(tl.meta.get("steps", []), key=lambda s: s["end_s"])
     ends = {m["step"]: m["end_s"] for m in step_marks}
     rows = []
@@ -185,12 +192,12 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
         "bucketed_push_applied": run.settings.get("bucketed_push", False),
         "push_calls": getattr(hooked.get("gen"), "push_calls", None),
-        "completions_per_generation": per_gen, "steps_per_generation": spg,
+        "completions_per_generation": per_gen, "steps_per_generation": spg, "steps_per_cycle": cycle,
         "startup_s": round(t0 - t_start, 2), "steps_done": len(step_marks),
         "step_times_s": step_times, "rows": rows,
-        "steady": steady_state(rows, step_times, spg, per_gen),
-        "phase_s_per_step": phase_per_step(tl, skip_steps=spg),
-        "switch": switch_parts(tl, skip_steps=spg),
+        "steady": steady_state(rows, step_times, cycle, per_gen),
+        "phase_s_per_step": phase_per_step(tl, skip_steps=cycle),
+        "switch": switch_parts(tl, skip_steps=cycle),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
         "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"]) if has_cuda() else None,
     }
@@ -203,24 +210,29 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     return rec
 
 
-def steady_state(rows: list[dict], step_times: list[float], spg: int, per_gen: int) -> dict:
+def cycle_steps(settings: dict) -> int:
+    """Optimizer steps on one generation: TRL generates once per `steps_per_generation * num_iterations` steps."""
+    return (settings.get("steps_per_generation") or 1) * (settings.get("num_iterations") or 1)
+
+
+def steady_state(rows: list[dict], step_times: list[float], cycle: int, per_gen: int) -> dict:
     """Completion tokens/s over whole generation cycles, the first cycle left out. A cycle's tokens are its
     generation's mean completion length times the completions it generated (TRL logs the length on the
     step that generated)."""
     lengths = {r["step"]: r.get("completions/mean_length") for r in rows}
     cycles = []
-    for i in range(0, len(step_times) - spg + 1, spg):
+    for i in range(0, len(step_times) - cycle + 1, cycle):
         first_step = i + 1  # TRL's global_step after the cycle's first optimizer step
         length = lengths.get(first_step)
         if length is None:
             continue
-        cycles.append({"first_step": first_step, "seconds": round(sum(step_times[i:i + spg]), 4),
+        cycles.append({"first_step": first_step, "seconds": round(sum(step_times[i:i + cycle]), 4),
                        "tokens": round(length * per_gen, 1)})
     measured = cycles[1:]
     seconds = sum(c["seconds"] for c in measured)
     return {"cycles": len(measured), "seconds": round(seconds, 3),
             "completion_tokens_per_s": round(sum(c["tokens"] for c in measured) / seconds, 1) if seconds else None,
-            "s_per_step": round(seconds / (len(measured) * spg), 4) if measured else None,
+            "s_per_step": round(seconds / (len(measured) * cycle), 4) if measured else None,
             "per_cycle": cycles}
 
 
@@ -382,7 +394,9 @@ def _summarize_one(records: list[dict]) -> dict:
         ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
         adds = {**{c[0]: c[1] for c in CHAIN}, "sleep_l2": "bucketed_push + TRL's level-2 sleep",
                 "spg2": "bucketed_push + steps_per_generation=2", "spg4": "bucketed_push + steps_per_generation=4",
-                "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend"}
+                "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend",
+                "mu2": "bucketed_push + num_iterations=2", "mu4": "bucketed_push + num_iterations=4",
+                "batch32_on_policy": "bucketed_push + per_device_train_batch_size=32"}
         row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
                "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
                "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
