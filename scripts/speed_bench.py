@@ -3,9 +3,9 @@
     python scripts/speed_bench.py run --config spg8 --model qwen2.5-1.5b --seeds 0,1 --budget-s 45 --out part.json
     python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh200.json [--into results/speed_1xh200.json]
 
-`scripts/gpu/speed.sh` runs one process per configuration; the seeds of one configuration share it
-(and its vLLM engine, `colo_kit.colocate.engine_reuse.reuse_engines`: an engine start is 50-90 s on a GPU, and each new
-trainer pushes its own weights into it before its first generation).
+`scripts/gpu/speed.sh` runs one process per configuration and seed. Seeds given together here share the process
+and its vLLM engine (`colo_kit.colocate.engine_reuse.reuse_engines`: each new trainer pushes its own weights into it
+before its first generation), and the second trainer's peak then carries what the first left behind.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _key(record: dict) -> tuple:
 
 
 def merge(args) -> int:
-    from colo_kit.memory.speed import summarize
+    from colo_kit.memory.race import summarize
 
     records, parts, old = [], [], {}
     if args.into and Path(args.into).exists():
@@ -77,7 +77,7 @@ def merge(args) -> int:
         records, parts = old.get("records", []), old.get("parts", [])
     for path in args.parts:
         part = json.loads(Path(path).read_text())
-        # each record knows the commit it ran at: the summary compares only records of one race (colo_kit.memory.speed.race)
+        # each record knows the commit it ran at: the summary compares only records of one race (colo_kit.memory.race.race)
         part["records"] = [{**r, "commit": r.get("commit") or part.get("commit")} for r in part["records"]]
         # a configuration run again at the same commit, budget and learning rate replaces its earlier records
         keys = {_key(r) for r in part["records"]}

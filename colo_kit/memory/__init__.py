@@ -4,5 +4,6 @@
   against measured peaks; `colo-kit plan`
 - recipe, recipes: the GRPOConfig YAML `colo-kit plan --recommend` writes, and the accelerate and DeepSpeed
   configs for one node or many
-- speed: TRL's defaults against the kit's knobs, tokens/s and time to the same reward, on one GPU
+- speed, race: TRL's defaults against the kit's knobs on one GPU (speed runs them), and who reached the same
+  reward first (race judges the records)
 """

@@ -31,6 +31,8 @@ The threshold is fixed by a rule, not read off a run: half the distance from whe
 start to the best reward (0, exactly `target_length` characters). Every configuration of one learning rate
 chases that one number; one that never reaches it within its budget is reported as not reaching it.
 
+`colo_kit.memory.race` judges the records: the threshold, time and generations to it, the ratios per race.
+
 What the first H200 runs showed (`results/speed_1xh200.json`): a random-weight model under the length reward
 often *collapses* onto repeating one short token (the reward then sticks at about -236 for 256 one-character
 tokens, with zero spread in the group, so GRPO learns nothing more) instead of learning to stop early (a
@@ -73,22 +75,28 @@ CHAIN = [
     ("batch32", "per_device_train_batch_size=32", {"per_device_train_batch_size": 32}, {}),
 ]
 NAMES = [c[0] for c in CHAIN]
-# Beside the chain: what `colo-kit plan --recommend` writes for the model, at the chain's batch of 8; and the
-# two ways to sleep, each on top of `bucketed_push`: TRL's level 2, and the KV cache only (colo_kit.colocate.kv_sleep).
-SIDE = {"sleep_l2": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {}),
-        "sleep_kv": ("bucketed_push", {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True}),
-        # less staleness than spg8: at batch 8 a step is mostly generation latency (0.6 s for 8 completions of 256
-        # tokens), so sharing one generation between 2 or 4 steps cuts most of it; whether the policy still
-        # learns as fast per step is what these measure
-        "spg2": ("bucketed_push", {"steps_per_generation": 2}, {}),
-        "spg4": ("bucketed_push", {"steps_per_generation": 4}, {}),
-        # the reward has moved per generation, not per optimizer step (generations_to_reward); num_iterations
-        # (GRPO's mu) trains several times on each generation's completions, so each generation should teach more
-        "mu2": ("bucketed_push", {"num_iterations": 2}, {}),
-        "mu4": ("bucketed_push", {"num_iterations": 4}, {}),
-        # a generation of 32 costs about what one of 8 does (results/gen_latency_1xh200.json), on-policy
-        "batch32_on_policy": ("bucketed_push", {"per_device_train_batch_size": 32}, {})}
+# Beside the chain, each on top of another configuration: what `colo-kit plan --recommend` writes for the model
+# (RECIPE, at the chain's batch of 8); two ways to sleep; less staleness than spg8; more training per generation.
+# Each entry: (the configuration it builds on, what it adds, GRPOConfig fields, the kit's own knobs).
+SIDE = {
+    "sleep_l2": ("bucketed_push", "TRL's level-2 sleep", {"vllm_enable_sleep_mode": True}, {}),
+    "sleep_kv": ("bucketed_push", "sleep that releases the KV cache only (colo_kit.colocate.kv_sleep)",
+                 {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True}),
+    # at batch 8 a step is mostly generation latency (0.6 s for 8 completions of 256 tokens), so sharing one
+    # generation between 2 or 4 steps cuts most of it; whether the policy still learns as fast is what these measure
+    "spg2": ("bucketed_push", "steps_per_generation=2", {"steps_per_generation": 2}, {}),
+    "spg4": ("bucketed_push", "steps_per_generation=4", {"steps_per_generation": 4}, {}),
+    # the reward moves per generation, not per optimizer step (generations_to_reward): num_iterations (GRPO's mu)
+    # trains several times on each generation's completions, asking whether a generation can teach more
+    "mu2": ("bucketed_push", "num_iterations=2", {"num_iterations": 2}, {}),
+    "mu4": ("bucketed_push", "num_iterations=4", {"num_iterations": 4}, {}),
+    # a generation of 32 costs about what one of 8 does (results/gen_latency_1xh200.json); still on-policy
+    "batch32_on_policy": ("bucketed_push", "per_device_train_batch_size=32",
+                          {"per_device_train_batch_size": 32}, {}),
+}
 RECIPE = "recipe"
+ADDS = {**{c[0]: c[1] for c in CHAIN}, **{k: f"{v[0]} + {v[1]}" for k, v in SIDE.items()},
+        RECIPE: "colo-kit plan --recommend"}
 RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
 
@@ -107,7 +115,7 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
         fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
         return fields, {"push_bucket_mb": 0}
     if name in SIDE:
-        base, extra_fields, extra_knobs = SIDE[name]
+        base, _, extra_fields, extra_knobs = SIDE[name]
         fields, knobs = config(base, model)
         return {**fields, **extra_fields}, {**knobs, **extra_knobs}
     if name not in NAMES:
@@ -285,185 +293,9 @@ def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["m
                         2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
 
 
-# --- the reward race ------------------------------------------------------------------------------------
-
-def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
-    """(t_s, running mean reward over the last >= WINDOW_COMPLETIONS completions) at every generation."""
-    gens = [(r["t_s"], r["reward"]) for r in rows if r.get("reward") is not None]
-    out = []
-    for i in range(len(gens)):
-        window, n = [], 0
-        for t, reward in reversed(gens[:i + 1]):
-            window.append(reward)
-            n += per_gen
-            if n >= WINDOW_COMPLETIONS:
-                break
-        if n >= WINDOW_COMPLETIONS:
-            out.append((gens[i][0], sum(window) / len(window)))
-    return out
-
-
-def threshold(defaults_record: dict) -> float | None:
-    """Half the way from where TRL's defaults (seed 0) start to the reward's best, 0 (exactly `target_length`
-    characters): the mean reward of their first generation, halved. Every configuration starts from the same
-    random model, whose completions all run to the length limit, so that start is the same for all of them;
-    the threshold does not depend on how far one run happened to get."""
-    first = next((r["reward"] for r in defaults_record["rows"] if r.get("reward") is not None), None)
-    return None if first is None else first * THRESHOLD_FRACTION
-
-
-def time_to_reward(record: dict, target: float) -> float | None:
-    for t, reward in running_reward(record["rows"], record["completions_per_generation"]):
-        if reward >= target:
-            return round(t, 2)
-    return None
-
-
-def generations_to_reward(record: dict, target: float) -> int | None:
-    """How many generations a run had made when it reached the threshold (TRL logs a generation's reward once, at
-    its first optimizer step). With `steps_per_generation=k` that is k times fewer than its optimizer steps: this
-    asks whether the reward moves per optimizer step or per generation."""
-    t = time_to_reward(record, target)
-    return None if t is None else sum(1 for r in record["rows"] if r.get("reward") is not None and r["t_s"] <= t)
-
-
-def race(record: dict) -> str:
-    """Which race a record ran in: its learning rate, its budget per seed and the commit it ran at. Ratios are
-    taken only inside one race, against the defaults run in it: runs of another day, budget or code are not
-    compared with each other."""
-    parts = [f"lr={record['grpo_config'].get('learning_rate')}"]
-    if record.get("budget_s"):
-        parts.append(f"{record['budget_s']:g} s")
-    if record.get("commit"):
-        parts.append(f"at {record['commit']}")
-    return ", ".join(parts)
-
-
-def summarize(records: list[dict]) -> dict:
-    """Per race (`race`), per configuration: tokens/s per seed and their ratio to TRL's defaults of the same race,
-    time to the threshold per seed and its ratio, the step split, the switch and the peaks."""
-    by_race: dict = {}
-    for r in records:
-        by_race.setdefault(race(r), []).append(r)
-    out = {}
-    for key, rs in by_race.items():
-        out[key] = _summarize_one(rs)
-        out[key]["race"] = {"learning_rate": rs[0]["grpo_config"].get("learning_rate"),
-                            "budget_s": rs[0].get("budget_s"), "commit": rs[0].get("commit")}
-    return out
-
-
-def first_race(result: dict, model: str, learning_rate: float) -> str:
-    """The key of `model`'s first race at `learning_rate` in a merged result's summary."""
-    return next(k for k, g in result["summary"][model].items() if g["race"]["learning_rate"] == learning_rate)
-
-
-def _planner_now(record: dict) -> float | None:
-    """The planner's peak for a record's configuration as the planner is now (the record keeps the one of its
-    day); the recorded one where the configuration is not the kit's."""
-    try:
-        return planner_peak_for(record["config"], record["model"])
-    except (KeyError, ValueError):
-        return record["planner_peak_gib"]
-
-
-def _mean_length(record: dict) -> float | None:
-    cycles = record["steady"]["per_cycle"][1:]
-    tokens = sum(c["tokens"] for c in cycles)
-    return round(tokens / (len(cycles) * record["completions_per_generation"]), 1) if cycles else None
-
-
-def _summarize_one(records: list[dict]) -> dict:
-    by: dict = {}
-    for r in records:
-        by.setdefault(r["config"], []).append(r)
-    base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
-    target = threshold(base[0]) if base else None
-    base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]
-    base_ttr = {r["seed"]: time_to_reward(r, target) for r in base} if target is not None else {}
-    # how long the defaults trained without reaching the threshold: a configuration that got there in t s is at
-    # least this / t times faster (a lower bound, not a ratio)
-    base_span = {r["seed"]: max((row["t_s"] for row in r["rows"]), default=None) for r in base}
-    out = {"threshold": {"rule": f"the mean reward of trl_defaults' (seed 0) first generation times "
-                                 f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
-                                 f"{WINDOW_COMPLETIONS} completions gets there",
-                         "reward": round(target, 2) if target is not None else None}, "configs": {}}
-    for name in [n for n in NAMES if n in by] + [n for n in by if n not in NAMES]:
-        runs = sorted(by[name], key=lambda r: r["seed"])
-        tps = [r["steady"]["completion_tokens_per_s"] for r in runs]
-        ttr = [time_to_reward(r, target) if target is not None else None for r in runs]
-        adds = {**{c[0]: c[1] for c in CHAIN}, "sleep_l2": "bucketed_push + TRL's level-2 sleep",
-                "spg2": "bucketed_push + steps_per_generation=2", "spg4": "bucketed_push + steps_per_generation=4",
-                "sleep_kv": "bucketed_push + sleep that releases the KV cache only", RECIPE: "colo-kit plan --recommend",
-                "mu2": "bucketed_push + num_iterations=2", "mu4": "bucketed_push + num_iterations=4",
-                "batch32_on_policy": "bucketed_push + per_device_train_batch_size=32"}
-        row = {"adds": adds.get(name), "seeds": [r["seed"] for r in runs],
-               "completion_tokens_per_s": tps, "mean_completion_length": [_mean_length(r) for r in runs],
-               "s_per_step": [r["steady"]["s_per_step"] for r in runs], "time_to_reward_s": ttr,
-               "generations_to_reward": [generations_to_reward(r, target) if target is not None else None for r in runs],
-               "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
-               "planner_peak_gib": _planner_now(runs[0]),
-               "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
-        if base_tps and all(base_tps) and all(tps):
-            row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
-        if base_ttr:
-            # seed by seed against the defaults' same seed; None where either never reached the threshold
-            row["time_to_reward_speedup_per_seed"] = [
-                round(base_ttr[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"]) else None
-                for r, t in zip(runs, ttr)]
-            row["time_to_reward_speedup_at_least_per_seed"] = [
-                round(base_span[r["seed"]] / t, 2) if t and base_ttr.get(r["seed"], 0) is None
-                and base_span.get(r["seed"]) else None for r, t in zip(runs, ttr)]
-            row["defaults_ran_seed"] = [r["seed"] in base_ttr for r in runs]  # no defaults of a seed: no ratio
-        peak, pred = runs[0]["nvml_peak_gib"], row["planner_peak_gib"]
-        if peak and pred:
-            row["planner_error_seed0"] = round(pred / peak - 1, 3)  # seed 0: the first trainer in its process
-        out["configs"][name] = row
-    return out
-
-
-# --- what notebook 04 shows -----------------------------------------------------------------------------
-
-def _speedups(c: dict) -> str:
-    """Per seed: the time ratio to the defaults; '≥ x' where only this configuration reached the threshold (the
-    defaults' training time over this one's time); 'not reached' where this one did not; 'no defaults run' where
-    the race has no defaults of that seed."""
-    at_least = c.get("time_to_reward_speedup_at_least_per_seed") or []
-    ran = c.get("defaults_ran_seed") or []
-    out = []
-    for i, ratio in enumerate(c.get("time_to_reward_speedup_per_seed") or []):
-        bound = at_least[i] if i < len(at_least) else None
-        if i < len(ran) and not ran[i]:
-            out.append("no defaults run")
-            continue
-        out.append(f"{ratio:.2f}" if ratio is not None else f"≥ {bound:.2f}" if bound is not None else "not reached")
-    return " / ".join(out)
-
-
-def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
-    """One row per race (learning rate, budget per seed, commit) and configuration of a merged
-    `speed_1xh200.json`: the numbers a learner compares, each per seed where there are seeds."""
-    def seeds(values, fmt):
-        return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
-
-    rows = []
-    for g in reversed(list(result["summary"].get(model, {}).values())):  # the newest race first: merges append
-        r = g["race"]
-        for name, c in g["configs"].items():
-            gen = c["phase_s_per_step"]
-            rows.append({
-                "learning rate": f"{r['learning_rate']:g}", "s per seed": f"{r['budget_s']:g}" if r["budget_s"] else "",
-                "ran at": r["commit"] or "", "configuration": name, "adds": c.get("adds") or "",
-                "seeds": ", ".join(map(str, c["seeds"])),
-                "completion tok/s": seeds(c["completion_tokens_per_s"], "{:,.0f}"),
-                "× defaults (tok/s)": (f"{c['tokens_per_s_vs_defaults']:.2f}" if c.get("tokens_per_s_vs_defaults")
-                                       is not None else "no defaults in this race"),
-                "s/step": seeds(c["s_per_step"], "{:.3f}"),
-                "generation · push · training s/step": f"{gen.get('generation', 0):.3f} · "
-                                                       f"{gen.get('weight_sync', 0):.3f} · {gen.get('training', 0):.3f}",
-                "time to threshold s": seeds(c["time_to_reward_s"], "{:.1f}"),
-                "generations to threshold": seeds(c.get("generations_to_reward") or [], "{:d}"),
-                "× defaults (time)": _speedups(c) or "no defaults in this race",
-                "NVML peak GiB": seeds(c["nvml_peak_gib"], "{:.1f}"), "planner GiB": c["planner_peak_gib"],
-            })
-    return rows
+def latency_table(result: dict) -> list[dict]:
+    """One row per variant and batch of `scripts/gpu/gen_latency.py`'s JSON: how long one generation takes alone."""
+    return [{"variant": name, "sequences": r["batch"],
+             "sampling": ", ".join(f"{k}={v}" for k, v in r["sampling"].items()) or "TRL's (logprobs=0, detokenize=False)",
+             "median s": r["median_s"], "ms per decoding step": r["ms_per_decoding_step"], "tokens/s": r["tok_per_s"]}
+            for name, v in result["variants"].items() for r in v.get("runs", [])]

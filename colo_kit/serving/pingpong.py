@@ -274,7 +274,7 @@ def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
     Two assumptions, named in `notes` and wherever the costs are shown: a server's generation costs what the
     colocated engine's did (it had 0.3 of the GPU, a server 0.9: more KV cache, which these batches do not need),
     and server mode's weight sync costs what the colocated push did."""
-    from colo_kit.memory.speed import first_race, race
+    from colo_kit.memory.race import first_race, race
 
     key = first_race(result, "qwen2.5-1.5b", learning_rate)
     configs = result["summary"]["qwen2.5-1.5b"][key]["configs"]

@@ -364,10 +364,10 @@ show()
 # %%
 import pandas as pd
 
-from colo_kit.memory import speed
+from colo_kit.memory import race, speed
 
 speed_result = json.loads((results_dir() / "speed_1xh200.json").read_text())
-pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed", "ran at", "configuration"])
+pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed", "ran at", "configuration"])
 
 # %% [markdown]
 # What the table says, and what it does not:
@@ -436,7 +436,7 @@ pd.DataFrame(speed.table(speed_result)).set_index(["learning rate", "s per seed"
 # 7B configuration trains in bfloat16 (`model_init_kwargs={"dtype": "bfloat16"}`), without ZeRO, 120 s per seed.
 
 # %%
-pd.DataFrame(speed.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
+pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
 
 # %% [markdown]
 # Measured (`results/speed_1xh200.json`; two races, at 0cfd418 and at baa0b71, each with TRL's defaults in it):
@@ -465,10 +465,7 @@ pd.DataFrame(speed.table(speed_result, model="qwen2.5-7b")).set_index(["learning
 
 # %%
 latency = json.loads((results_dir() / "gen_latency_1xh200.json").read_text())
-pd.DataFrame([{"variant": name, "sequences": r["batch"], "sampling": ", ".join(f"{k}={v}" for k, v in r["sampling"].items())
-               or "TRL's (logprobs=0, detokenize=False)", "median s": r["median_s"], "ms per decoding step":
-               r["ms_per_decoding_step"], "tokens/s": r["tok_per_s"]}
-              for name, v in latency["variants"].items() for r in v.get("runs", [])])
+pd.DataFrame(speed.latency_table(latency))
 
 # %% [markdown]
 # - **8, 16 or 32 sequences take the same time**: 0.68–0.77 s for 256 decoding steps, about 2.9 ms a step, far
