@@ -265,9 +265,9 @@ def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
     assert all(abs(e[-1]) <= 0.10 for e in errors), [e for e in errors if abs(e[-1]) > 0.10]
 
 
-@pytest.mark.xfail(strict=True, reason="owed: a GPU run of `batch32_on_policy` that records torch.cuda.memory_stats "
-                                       "per phase (generation, push, training) to find the 16 GiB the planner misses "
-                                       "there (PLANNER_MISSES), and the planner term it calls for")
+@pytest.mark.xfail(strict=True, reason="owed: `batch32_on_policy` and `batch32` run again on one H200 (records now "
+                                       "carry PyTorch's allocated and reserved peaks beside NVML's) to find the 16 GiB "
+                                       "the planner misses on-policy (PLANNER_MISSES), and the planner term it calls for")
 def test_the_planner_predicts_the_on_policy_batch_32_peak_within_10pct():
     errors = _planner_errors(set(PLANNER_MISSES))
     assert errors and all(abs(e[-1]) <= 0.10 for e in errors), errors

@@ -208,6 +208,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "switch": switch_parts(tl, skip_steps=cycle),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
         "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"]) if has_cuda() else None,
+        "torch_peak_gib": _torch_peaks() if has_cuda() else None,
     }
     del run
     gc.collect()
@@ -216,6 +217,16 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
 
         torch.cuda.empty_cache()
     return rec
+
+
+def _torch_peaks() -> dict:
+    """PyTorch's own peaks in this process: what tensors held at most, and what its caching allocator reserved at
+    most. vLLM without sleep mode allocates through the same allocator, so NVML's peak minus `reserved` is the CUDA
+    context, libraries' workspaces and anything outside PyTorch; `reserved` minus `allocated` is the cache's slack."""
+    import torch
+
+    return {"allocated": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "reserved": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def cycle_steps(settings: dict) -> int:

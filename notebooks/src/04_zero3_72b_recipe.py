@@ -530,6 +530,9 @@ print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {r
 # and this trainer together want more than the GPU has, and the run dies in vLLM's memory profiler or in the first
 # backward pass. The planner's share is the largest that keeps the predicted peak under its safety margin; the
 # recipe (`colo-kit plan --recommend`) goes further and keeps 0.3 when that already holds a generation's sequences.
+# Hold the on-policy row against it: that run peaked 16 GiB above the prediction, and 16 GiB more than the planner's
+# share predicts is more than the GPU has. Until the planner knows where those 16 GiB go, an on-policy batch of 32
+# stays at the 0.3 it was measured at.
 
 # %% [markdown]
 # ## Closing note
