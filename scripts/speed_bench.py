@@ -40,7 +40,7 @@ def run(args) -> int:
     colo_kit.setup()
     from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
     from colo_kit.env import describe
-    from colo_kit.memory.speed import run_seed
+    from colo_kit.memory.speed import STOP_PAST_FRACTION, run_seed
 
     reuse_engines()
     out = Path(args.out)
@@ -50,7 +50,8 @@ def run(args) -> int:
         for seed in args.seeds:
             t = time.time()
             rec = run_seed(args.config, model=args.model, seed=seed, budget_s=args.budget_s, learning_rate=args.learning_rate,
-                           max_completion_length=args.max_completion_length)
+                           max_completion_length=args.max_completion_length,
+                           stop_past=STOP_PAST_FRACTION if args.stop_past_threshold else None)
             part["records"].append(rec)
             s = rec["steady"]
             print(f"[speed] {args.config} seed {seed}: {rec['steps_done']} steps, "
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget-s", type=float, default=45.0)
     r.add_argument("--learning-rate", type=float, default=None, help="instead of the task's (colo_kit.memory.speed.TASK)")
     r.add_argument("--max-completion-length", type=int, default=None, help="instead of the task's")
+    r.add_argument("--stop-past-threshold", action="store_true",
+                   help="also stop a seed once its running mean reward is past the race's threshold "
+                        "(colo_kit.memory.speed.STOP_PAST_FRACTION of its first generation's)")
     r.add_argument("--out", required=True)
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="*", help="part JSONs; none with --into: summarize that file's records again")

@@ -123,6 +123,25 @@ def test_the_budget_stops_after_its_time_but_never_inside_the_second_cycle():
     assert not control.should_training_stop
 
 
+def test_the_budget_can_stop_a_seed_once_its_running_reward_is_past_the_threshold():
+    from types import SimpleNamespace
+
+    marks, control = {}, SimpleNamespace(should_training_stop=False)
+    # 32 completions per generation: the running mean is over the last 2 generations
+    cb = speed._Budget(3600.0, marks, min_steps=2, stop_past=0.45, per_gen=32)
+    cb.on_train_begin(None, None, control)
+    for step, reward in enumerate([-2000.0, -1500.0, -1000.0, -780.0], start=1):
+        cb.on_log(None, SimpleNamespace(global_step=step), control, logs={"reward": reward, "loss": 0.1})
+        cb.on_log(None, SimpleNamespace(global_step=step), control, logs={"loss": 0.1})  # a step that did not generate
+        if step < 4:  # one generation only, then -1750 and -1250: not yet at 0.45 x -2000 = -900
+            assert not control.should_training_stop, step
+    assert control.should_training_stop and marks["stopped_past_reward"] == 4  # (-1000 - 780) / 2 = -890
+    plain = speed._Budget(3600.0, {}, min_steps=2, per_gen=32)  # without stop_past the reward never stops it
+    control.should_training_stop = False
+    plain.on_log(None, SimpleNamespace(global_step=9), control, logs={"reward": -1.0})
+    assert not control.should_training_stop
+
+
 def test_threshold_is_half_the_defaults_first_generation():
     record = {"rows": [{"t_s": 1.0}, {"t_s": 2.0, "reward": -2800.0}, {"t_s": 3.0, "reward": -100.0}],
               "completions_per_generation": 8}

@@ -59,6 +59,8 @@ def race(record: dict) -> str:
     parts = [f"lr={record['grpo_config'].get('learning_rate')}"]
     if record.get("budget_s"):
         parts.append(f"{record['budget_s']:g} s")
+    if record.get("stop_past"):
+        parts.append("each seed stops past the threshold")
     if record.get("commit"):
         parts.append(f"at {record['commit']}")
     return ", ".join(parts)

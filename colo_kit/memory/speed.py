@@ -64,6 +64,7 @@ TASK = dict(reward="length", target_length=20, num_generations=8, max_completion
 TRAIN_DTYPE = {"qwen2.5-7b": "bfloat16"}
 WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
 THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
+STOP_PAST_FRACTION = 0.45  # `speed.sh --stop-past-threshold` stops a seed here, a little past the threshold
 
 # Each entry: (name, what it adds, GRPOConfig fields, the kit's own knobs). Each is the one before plus its knob.
 CHAIN = [
@@ -132,10 +133,19 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
 class _Budget:
     """A TrainerCallback that stops training `budget_s` after `trainer.train()` began, but not before `min_steps`
     optimizer steps (two whole generation cycles: the steady state leaves the first out, so it needs a second one;
-    a slow CPU had ended `steps_per_generation=8` inside its first cycle), and notes when training began."""
+    a slow CPU had ended `steps_per_generation=8` inside its first cycle), and notes when training began.
 
-    def __new__(cls, budget_s: float, marks: dict, min_steps: int = 0):
+    With `stop_past` (a fraction of the first generation's mean reward), it also stops once the running mean over
+    the last >= WINDOW_COMPLETIONS completions (`per_gen` per generation) has got that far: past the race's threshold
+    (THRESHOLD_FRACTION of the defaults' first generation; every run starts from the same model, so its own first
+    generation is within a fraction of a percent of theirs), the rest of a budget measures nothing the race reads."""
+
+    def __new__(cls, budget_s: float, marks: dict, min_steps: int = 0, stop_past: float | None = None,
+                per_gen: int = 1):
         from transformers import TrainerCallback
+
+        window = -(-WINDOW_COMPLETIONS // per_gen)  # generations in the running mean
+        rewards: list[float] = []
 
         class Budget(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
@@ -145,12 +155,23 @@ class _Budget:
                 if time.time() - marks["train_begin"] >= budget_s and state.global_step >= min_steps:
                     control.should_training_stop = True
 
+            def on_log(self, args, state, control, logs=None, **kw):
+                if stop_past is None or (logs or {}).get("reward") is None:
+                    return
+                rewards.append(logs["reward"])
+                if len(rewards) >= window and state.global_step >= min_steps \
+                        and sum(rewards[-window:]) / window >= stop_past * rewards[0]:
+                    marks["stopped_past_reward"] = state.global_step
+                    control.should_training_stop = True
+
         return Budget()
 
 
 def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
-             learning_rate: float | None = None, max_completion_length: int | None = None) -> dict:
-    """One configuration, one seed, in this process: train for `budget_s` seconds and return the record."""
+             learning_rate: float | None = None, max_completion_length: int | None = None,
+             stop_past: float | None = None) -> dict:
+    """One configuration, one seed, in this process: train for `budget_s` seconds (or, with `stop_past`, until the
+    running mean reward is that fraction of the first generation's, see `_Budget`) and return the record."""
     from colo_kit.env import has_cuda
     from colo_kit.grpo.timeline import Timeline, UtilSampler
     from colo_kit.grpo.train import run_grpo
@@ -172,7 +193,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     t_start = time.time()
     try:
         run = run_grpo(model, "colocate", seed=seed, num_prompts=num_prompts,
-                       callbacks=[_Budget(budget_s, marks, min_steps=2 * cycle_steps(settings))],
+                       callbacks=[_Budget(budget_s, marks, min_steps=2 * cycle_steps(settings), stop_past=stop_past,
+                                          per_gen=batch * (settings.get("steps_per_generation") or 1))],
                        on_trainer=on_trainer,
                        push_bucket_mb=knobs.get("push_bucket_mb"), kv_only_sleep=knobs.get("kv_only_sleep", False),
                        **settings)
@@ -196,6 +218,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     step_times = [round(b["end_s"] - a["end_s"], 4) for a, b in zip([{"end_s": t0}] + step_marks[:-1], step_marks)]
     rec = {
         "config": name, "seed": seed, "model": model, "budget_s": budget_s,
+        "stop_past": stop_past, "stopped_past_reward_at_step": marks.get("stopped_past_reward"),
         "grpo_config": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
         "bucketed_push_applied": run.settings.get("bucketed_push", False),

@@ -7,6 +7,7 @@
 #   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache COLO_KIT_COMMIT=<your tree's commit> bash scripts/gpu/speed.sh
 # (COLO_KIT_COMMIT is read on this machine and passed in: git on the GPU machine names an older commit)
 #   SPEED_CONFIGS="trl_defaults:0,1 recipe:0,1" SPEED_MODEL=qwen2.5-7b bash scripts/gpu/speed.sh   # bfloat16, no ZeRO
+#   SPEED_STOP_PAST=1 ...   # a seed also stops once past the reward threshold: the same race in less device time
 #
 # CPU check of the same code with the tiny model (writes results/runs/speed_smoke.json, not evidence):
 #   PY=.venv/bin/python bash scripts/gpu/speed.sh --smoke
@@ -40,7 +41,7 @@ for item in $CONFIGS; do
     if [ "$left" -lt "$need" ]; then echo "== $name seed $seed: skipped, ${left}s left of the call's budget" | tee -a "$LOG"; continue; fi
     echo "== $name seed $seed ($MODEL, ${BUDGET}s)" | tee -a "$LOG"
     timeout -k 10 "$left" $PY scripts/speed_bench.py run --config "$name" --model "$MODEL" --seeds "$seed" \
-      --budget-s "$BUDGET" ${SPEED_LR:+--learning-rate $SPEED_LR} ${SMOKE_ARGS:-} --out "$PARTS/$name.s$seed.json" > >(sed -u "s/^/[$name $seed] /" | tee -a "$LOG") 2>&1
+      --budget-s "$BUDGET" ${SPEED_LR:+--learning-rate $SPEED_LR} ${SPEED_STOP_PAST:+--stop-past-threshold} ${SMOKE_ARGS:-} --out "$PARTS/$name.s$seed.json" > >(sed -u "s/^/[$name $seed] /" | tee -a "$LOG") 2>&1
     echo "== $name seed $seed exit code $?" | tee -a "$LOG"
     [ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$LOG"
   done
