@@ -2,8 +2,9 @@
 
 At batch 8 a colocated step at 1.5B spends about 0.63 s of ~0.94 s in `vLLM.generate` (results/speed_1xh200.json):
 8 completions of 256 tokens, 2.4 ms per decoding step. Reading 3 GB of weights once takes ~0.65 ms on an H200
-(modelled from 4.8 TB/s), so most of a step is not the weights. This measures the same generation in a bare engine
-built with TRL 1.16's own `LLM(...)` arguments (`VLLMGeneration._init_vllm`), one process per variant:
+(modelled from 4.8 TB/s), so most of a step is not the weights. This measures the same generation in an engine
+that TRL 1.16's own `VLLMGeneration` constructor builds (`colo_kit.colocate.engine_build.build_trl_generation`: TRL's
+`_init_vllm` makes the `LLM(...)` call, the variant's arguments on top), one process per variant:
 
     trl          TRL's arguments: max_num_seqs = the per-device batch (8), vLLM's default CUDA graphs and scheduling
     no_async     the same with async_scheduling=False (vLLM turns it on by default for this executor)
@@ -12,7 +13,10 @@ built with TRL 1.16's own `LLM(...)` arguments (`VLLMGeneration._init_vllm`), on
 
 Each timing is `llm.generate` of B prompts (64 random token ids each) for 256 tokens each (`ignore_eos`, so every
 completion is full length), temperature 1, `logprobs=0` and `detokenize=False` as TRL asks, after two warm-ups.
-`trl` also times logprobs off and detokenization on. Writes results/gen_latency_1xh200.json.
+`trl` also times logprobs off and detokenization on. Writes results/gen_latency_1xh200.json. The committed one (at
+baa0b71) came from the version before, which listed TRL's arguments by hand: the same values TRL passes (its
+`llm_args`), which the constructor now supplies itself. On a CPU, `GEN_LATENCY_TOKENS=16 ... --model tiny` runs the
+same code in about three minutes.
 
     source .gpu/env.sh && COLO_KIT_CACHE=/root/cache python scripts/gpu/gen_latency.py [--model qwen2.5-1.5b]
 """
@@ -37,23 +41,25 @@ PROMPT_LEN, COMPLETION_LEN, REPS = 64, int(os.environ.get("GEN_LATENCY_TOKENS", 
 
 
 def one_variant(name: str, model: str) -> dict:
-    """Build the engine of variant `name` in this process and time its generations."""
+    """Build the engine of variant `name` in this process, by TRL's own `VLLMGeneration` constructor (so the
+    `LLM(...)` arguments are TRL's, with only the variant's on top), and time its generations."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    from colo_kit.colocate.engine_build import ColocateSettings, build_trl_generation
     from colo_kit.models import resolve_model
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    path = resolve_model(model)
-    # TRL 1.16, trl/generation/vllm_generation.py:347-364, colocate mode, one GPU, batch 8, no sleep
-    args = dict(model=path, tensor_parallel_size=1, gpu_memory_utilization=0.3, max_model_len=PROMPT_LEN + COMPLETION_LEN,
-                max_num_seqs=8, enable_sleep_mode=False, model_impl="auto", distributed_executor_backend="external_launcher",
-                seed=0, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs")
-    args.update(VARIANTS[name])
+    os.environ.setdefault("MASTER_PORT", "29517")
+    overrides = dict(VARIANTS[name])
+    # TRL sizes max_num_seqs from the per-device batch (x TP x steps_per_generation): batch 8, or 64 for seqs64
+    settings = ColocateSettings(per_device_train_batch_size=overrides.pop("max_num_seqs", 8), max_prompt_length=PROMPT_LEN,
+                                max_completion_length=COMPLETION_LEN, vllm_gpu_memory_utilization=0.3)
     t = time.perf_counter()
-    llm = LLM(**args)
+    gen, trl_args, built = build_trl_generation(resolve_model(model), settings, rank=0, local_rank=0, world_size=1,
+                                                **overrides)
     startup_s = time.perf_counter() - t
+    llm = gen.llm
+    args = {k: v for k, v in built.items() if k != "model"}
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # the CPU smoke run
@@ -83,7 +89,7 @@ def one_variant(name: str, model: str) -> dict:
         runs.append(timed(8))
     if name == "trl":
         runs += [timed(8, logprobs=None), timed(8, detokenize=True)]
-    return {"variant": name, "llm_args": {k: v for k, v in args.items() if k != "model"}, "startup_s": round(startup_s, 1),
+    return {"variant": name, "llm_args": args, "overrides": VARIANTS[name], "startup_s": round(startup_s, 1),
             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode), "runs": runs}
 
