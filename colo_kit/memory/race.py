@@ -9,23 +9,15 @@ from __future__ import annotations
 
 import statistics
 
-from colo_kit.memory.speed import ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_peak_for
+from colo_kit.memory.speed import ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_peak_for, window_mean
 
 
 def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
-    """(t_s, running mean reward over the last >= WINDOW_COMPLETIONS completions) at every generation."""
+    """(t_s, running mean reward, `speed.window_mean`) at every generation from the first whole window on."""
     gens = [(r["t_s"], r["reward"]) for r in rows if r.get("reward") is not None]
-    out = []
-    for i in range(len(gens)):
-        window, n = [], 0
-        for t, reward in reversed(gens[:i + 1]):
-            window.append(reward)
-            n += per_gen
-            if n >= WINDOW_COMPLETIONS:
-                break
-        if n >= WINDOW_COMPLETIONS:
-            out.append((gens[i][0], sum(window) / len(window)))
-    return out
+    rewards = [reward for _, reward in gens]
+    means = [(t, window_mean(rewards[:i + 1], per_gen)) for i, (t, _) in enumerate(gens)]
+    return [(t, m) for t, m in means if m is not None]
 
 
 def threshold(defaults_record: dict) -> float | None:

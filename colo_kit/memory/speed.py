@@ -63,6 +63,14 @@ TASK = dict(reward="length", target_length=20, num_generations=8, max_completion
 # 113 GiB in float32 and about 57 GiB in bfloat16 (modelled, `colo-kit plan --model qwen2.5-7b --gpus 1`).
 TRAIN_DTYPE = {"qwen2.5-7b": "bfloat16"}
 WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many completions
+
+
+def window_mean(rewards: list[float], per_gen: int) -> float | None:
+    """The running mean reward after the last of `rewards` (one mean per generation of `per_gen` completions):
+    the mean over the fewest last generations that hold >= WINDOW_COMPLETIONS completions; None before there are
+    that many. The race (`race.running_reward`) and the stop past the threshold (`_Budget`) both read it."""
+    window = -(-WINDOW_COMPLETIONS // per_gen)
+    return None if len(rewards) < window else sum(rewards[-window:]) / window
 THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
 STOP_PAST_FRACTION = 0.45  # `speed.sh --stop-past-threshold` stops a seed here, a little past the threshold
 
@@ -144,7 +152,6 @@ class _Budget:
                 per_gen: int = 1):
         from transformers import TrainerCallback
 
-        window = -(-WINDOW_COMPLETIONS // per_gen)  # generations in the running mean
         rewards: list[float] = []
 
         class Budget(TrainerCallback):
@@ -159,8 +166,8 @@ class _Budget:
                 if stop_past is None or (logs or {}).get("reward") is None:
                     return
                 rewards.append(logs["reward"])
-                if len(rewards) >= window and state.global_step >= min_steps \
-                        and sum(rewards[-window:]) / window >= stop_past * rewards[0]:
+                mean = window_mean(rewards, per_gen)
+                if mean is not None and state.global_step >= min_steps and mean >= stop_past * rewards[0]:
                     marks["stopped_past_reward"] = state.global_step
                     control.should_training_stop = True
 

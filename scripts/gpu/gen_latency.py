@@ -55,7 +55,7 @@ def one_variant(name: str, model: str) -> dict:
     settings = ColocateSettings(per_device_train_batch_size=overrides.pop("max_num_seqs", 8), max_prompt_length=PROMPT_LEN,
                                 max_completion_length=COMPLETION_LEN, vllm_gpu_memory_utilization=0.3)
     t = time.perf_counter()
-    gen, trl_args, built = build_trl_generation(resolve_model(model), settings, rank=0, local_rank=0, world_size=1,
+    gen, _trl_args, built = build_trl_generation(resolve_model(model), settings, rank=0, local_rank=0, world_size=1,
                                                 **overrides)
     startup_s = time.perf_counter() - t
     llm = gen.llm
