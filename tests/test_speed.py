@@ -260,8 +260,11 @@ def test_the_committed_summary_is_what_the_records_give_now():
 
 
 # Measured peaks the planner does not yet predict within 10%: the configuration, and what a run still owes.
-PLANNER_MISSES = {"batch32_on_policy": "at 05ffdbb NVML 120.9 GiB (seed 0) against 104.8 predicted, -13%; the same "
-                                       "batch with steps_per_generation=8 peaked at 105.2 (15a2adc)"}
+# Batch 32 misses by the PyTorch caching allocator's reserve, not by what tensors hold: at f024d00 PyTorch's
+# allocated peak was 98.2-98.5 GiB (the planner says 104.8) but its reserved peak 119.5-122.6, 21-24 GiB above
+# allocated, against 6.4 at batch 8 (recipe) and 2.9 for the defaults.
+PLANNER_MISSES = {"batch32_on_policy": "at f024d00 NVML 120.9 GiB (seed 0) against 104.8 predicted, -13%",
+                  "batch32": "at f024d00 NVML 124.2 GiB (seed 0) against 104.8 predicted, -16%"}
 
 
 def _planner_errors(configs) -> list[tuple]:
@@ -284,12 +287,29 @@ def test_committed_h200_peaks_are_within_10pct_of_the_planner_now():
     assert all(abs(e[-1]) <= 0.10 for e in errors), [e for e in errors if abs(e[-1]) > 0.10]
 
 
-@pytest.mark.xfail(strict=True, reason="owed: `batch32_on_policy` and `batch32` run again on one H200 (records now "
-                                       "carry PyTorch's allocated and reserved peaks beside NVML's) to find the 16 GiB "
-                                       "the planner misses on-policy (PLANNER_MISSES), and the planner term it calls for")
+@pytest.mark.xfail(strict=True, reason="owed: a planner term for the caching allocator's reserve above allocated "
+                                       "(21-24 GiB at batch 32, 6.4 at batch 8, measured at f024d00), fitted on some "
+                                       "runs and checked on others, or a run with an allocator setting that keeps the "
+                                       "reserve small, on one H200")
 def test_the_planner_predicts_the_on_policy_batch_32_peak_within_10pct():
     errors = _planner_errors(set(PLANNER_MISSES))
     assert errors and all(abs(e[-1]) <= 0.10 for e in errors), errors
+
+
+def test_the_batch_32_miss_is_the_allocators_reserve_not_the_tensors():
+    """Why the planner misses batch 32 (PLANNER_MISSES): within 10% of what PyTorch allocated, and the rest of
+    NVML's peak is what its caching allocator reserved above that, a gap batch 8 does not have."""
+    result = json.loads(RESULT.read_text())
+    recs = [r for r in result["records"] if r.get("torch_peak_gib") and r["model"] == "qwen2.5-1.5b"]
+    big = [r for r in recs if r["config"] in PLANNER_MISSES]
+    small = [r for r in recs if r["config"] not in PLANNER_MISSES]
+    assert big and small
+    for r in big:
+        pred, torch_peak = speed.planner_peak_for(r["config"], r["model"]), r["torch_peak_gib"]
+        assert abs(pred / torch_peak["allocated"] - 1) <= 0.10, (r["config"], pred, torch_peak)
+        assert r["nvml_peak_gib"] - torch_peak["reserved"] < 3, (r["config"], r["nvml_peak_gib"], torch_peak)
+    gap = {r["config"]: r["torch_peak_gib"]["reserved"] - r["torch_peak_gib"]["allocated"] for r in recs}
+    assert min(gap[c] for c in PLANNER_MISSES if c in gap) > 2 * max(gap[c] for c in gap if c not in PLANNER_MISSES)
 
 
 def test_committed_generation_latency_has_raw_times_hardware_and_versions():
@@ -319,7 +339,10 @@ def test_committed_chain_has_raw_step_times_hardware_and_versions():
 
 @pytest.mark.xfail(strict=True, reason="owed: a recipe that is >= 4x TRL's defaults in tokens/s and >= 2.5x faster to "
                                        "the threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
-                                       "one H200. Nearest in results/speed_1xh200.json: at 05ffdbb (80 s per seed) "
+                                       "one H200. Nearest in results/speed_1xh200.json: at f024d00 (80 s per seed, each "
+                                       "seed stopping past the threshold) batch32_on_policy 3.29x and 1.68x / 1.46x, "
+                                       "batch32 (steps_per_generation 4, seed 0) 5.27x and 1.13x in 9 generations, "
+                                       "spg8 2.91x and 1.24x, the recipe 1.23x and 1.43x / 1.16x; at 05ffdbb "
                                        "batch32_on_policy 3.69x in tokens/s and 1.02x / 1.50x in time, the recipe 1.53x "
                                        "and 1.11x / 1.40x, num_iterations=2 1.21x and 1.16x / 1.40x; num_iterations=4 "
                                        "needed 56-65 generations against the defaults' 31-50 (0.47x / 0.65x). The reward "
