@@ -341,7 +341,7 @@ def test_committed_chain_has_raw_step_times_hardware_and_versions():
                                        "the threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
                                        "one H200. Nearest in results/speed_1xh200.json: at f024d00 (80 s per seed, each "
                                        "seed stopping past the threshold) batch32_on_policy 3.29x and 1.68x / 1.46x, "
-                                       "batch32 (steps_per_generation 4, seed 0) 5.27x and 1.13x in 9 generations, "
+                                       "batch32 (steps_per_generation 8, seed 0) 5.27x and 1.13x in 9 generations, "
                                        "spg8 2.91x and 1.24x, the recipe 1.23x and 1.43x / 1.16x; at 05ffdbb "
                                        "batch32_on_policy 3.69x in tokens/s and 1.02x / 1.50x in time, the recipe 1.53x "
                                        "and 1.11x / 1.40x, num_iterations=2 1.21x and 1.16x / 1.40x; num_iterations=4 "

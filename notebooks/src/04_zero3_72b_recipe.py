@@ -374,9 +374,22 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **The newest race: can one generation teach more?** (two seeds each, 80 s per seed, learning rate 5e-4, at
+# - **The newest race: every knob at one commit** (80 s per seed, learning rate 5e-4, at f024d00, each seed stopped
+#   once its running mean passed the threshold; measured, `results/speed_1xh200.json`). The defaults reached the
+#   threshold in 55.3 and 45.0 s (58 and 48 generations) at 2,048–2,262 tokens/s.
+#   - **On-policy batch 32**: 3.29× the tokens/s and 1.68× and 1.46× sooner (28 and 27 generations): the best
+#     on-policy time of any race, and still short of 2.5×.
+#   - The recipe: 1.23× the tokens/s, 1.43× and 1.16× sooner (50 and 48 generations).
+#   - One knob at a time, seed 0: `steps_per_generation=2` 1.82× and 1.42× sooner; no activation recomputing
+#     1.06× and 1.41×; `steps_per_generation=8` 2.91× and 1.24× (17 generations); batch 32 with it 5.27× and 1.13×
+#     (9 generations of 256 completions). Token ids without text (1.12×) and the one-call push (1.14×) did not
+#     reach the threshold inside 80 s.
+#
+#   Here `steps_per_generation=8` needed 17 generations, not the 33–38 of earlier races: one seed, one race, so
+#   the next bullet's rule is a tendency, not a law.
+# - **The race before: can one generation teach more?** (two seeds each, 80 s per seed, learning rate 5e-4, at
 #   05ffdbb; measured, `results/speed_1xh200.json`). The defaults reached the threshold in 37.3 and 48.0 s
-#   (31 and 50 generations).
+#   (31 and 50 generations): the same seeds, 18 s and 3 s sooner than in the newest race.
 #   - `num_iterations=4` (GRPO's μ: four optimizer steps on each generation's completions) needed 56–65
 #     generations: 0.47× and 0.65× the defaults' speed to the reward. Training again on the same completions
 #     taught *less* per generation. `num_iterations=2`: 35 generations for both seeds, 1.16× and 1.40× sooner.
@@ -387,8 +400,8 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     defaults' own two seeds differ from each other.
 #   - The recipe: 1.53× the tokens/s (0.81–0.87 s per step against 0.60–1.16), 1.11× and 1.40× sooner.
 #
-#   No knob tried moved the reward 2.5× sooner, and the fastest in tokens/s learned no faster than the recipe. Read
-#   the defaults' seed 1 with care: it reached the threshold, then collapsed onto a long token (reward −3,052, 107
+#   In neither race did a knob move the reward 2.5× sooner. Read
+#   the defaults' seed 1 of the race before with care: it reached the threshold, then collapsed onto a long token (reward −3,052, 107
 #   tokens per completion), so its tokens/s fell with its completions.
 # - **An earlier race: the same step, a different clock** (defaults and recipe, two seeds each, 90 s per seed,
 #   learning rate 5e-4, at 0cfd418; measured, `results/speed_1xh200.json`). The recipe again ran 1.23× the
@@ -439,10 +452,12 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
 #   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is
 #   generation: 256 decode steps of 8 sequences take about 0.6 s whatever else changes.
-# - **The planner holds, but for one configuration:** every NVML peak (seed 0) is within 6% of the prediction
-#   except on-policy batch 32: 120.9 GiB against 104.8 predicted, 13% under. The same batch with
-#   `steps_per_generation=8` peaked at 105.2 GiB, as predicted; what the on-policy run holds on top is not yet
-#   known, so the planner does not recommend that batch. Read seed 0:
+# - **The planner holds, but for batch 32:** every NVML peak (seed 0) is within 6% of the prediction except
+#   batch 32's: at f024d00 120.9 GiB on-policy and 124.2 with `steps_per_generation=8`, against 104.8 predicted
+#   (13% and 16% under; at 15a2adc the latter had peaked at 105.2). PyTorch's own peaks say where the rest goes:
+#   its tensors held 98.2–98.5 GiB, under the prediction, but its caching allocator kept 21–24 GiB more reserved
+#   (2.9 GiB for the defaults, 6.4 for the recipe at batch 8). The planner counts tensors, not the allocator's
+#   reserve, so it does not recommend that batch. Read seed 0:
 #   up to 0cfd418 both seeds of a configuration ran in one process, and the second trainer's peak carries up to
 #   18 GiB the first left behind (87.7 against 69.7 GiB for the defaults). Each seed now runs in a process of its own.
 # - **A random model can cheat the length reward.** Many runs *collapse*: every completion becomes one short
@@ -505,9 +520,8 @@ pd.DataFrame(speed.latency_table(latency))
 #
 # `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Pick it by hand
 # for the fastest row above (batch 32, no checkpointing) and ask the planner; then ask it for its own share. The
-# prediction stands on measurements, one that agrees and one that does not: the same plan at 0.3 peaked where the
-# planner said it would with `steps_per_generation=8`, and 16 GiB higher on-policy. Change `u_by_hand` and run it
-# again.
+# prediction stands on measurements, and at batch 32 they disagree with it: the same plan at 0.3 peaked 16–19 GiB
+# higher, the caching allocator's reserve above what PyTorch's tensors held. Change `u_by_hand` and run it again.
 
 # %%
 from colo_kit.memory.planner import recommend
@@ -519,9 +533,13 @@ print(f"by hand, u = {u_by_hand}: peak {hand['peak_gib_per_gpu']:.1f} GiB per GP
       f"{'fits' if hand['fits'] else 'out of memory'} (modelled)")
 at_03 = estimate(**fast, vllm_gpu_memory_utilization=0.3)["peak_gib_per_gpu"]
 for config, how in [("batch32", "steps_per_generation=8"), ("batch32_on_policy", "on-policy")]:
-    anchor = next(r for r in speed_result["records"] if r["config"] == config and r["seed"] == 0)
-    print(f"the same plan at u = 0.3, {how}: NVML peak {anchor['nvml_peak_gib']:.1f} GiB (measured, "
-          f"results/speed_1xh200.json), planner {at_03:.1f} GiB (modelled)")
+    # the newest race's seed 0: merges append, and only records from f024d00 on carry PyTorch's own peaks
+    anchor = [r for r in speed_result["records"] if r["config"] == config and r["seed"] == 0][-1]
+    torch_peak = anchor.get("torch_peak_gib") or {}
+    print(f"the same plan at u = 0.3, {how}, at {anchor['commit']}: NVML peak {anchor['nvml_peak_gib']:.1f} GiB, "
+          f"PyTorch allocated {torch_peak.get('allocated', float('nan')):.1f} and reserved "
+          f"{torch_peak.get('reserved', float('nan')):.1f} (measured, results/speed_1xh200.json); "
+          f"planner {at_03:.1f} GiB (modelled)")
 rec = recommend(**fast)
 print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {rec['peak_gib_per_gpu']:.1f} GiB, "
       f"{SAFE:.0%} of the GPU at most (modelled)")
@@ -531,9 +549,9 @@ print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {r
 # and this trainer together want more than the GPU has, and the run dies in vLLM's memory profiler or in the first
 # backward pass. The planner's share is the largest that keeps the predicted peak under its safety margin; the
 # recipe (`colo-kit plan --recommend`) goes further and keeps 0.3 when that already holds a generation's sequences.
-# Hold the on-policy row against it: that run peaked 16 GiB above the prediction, and 16 GiB more than the planner's
-# share predicts is more than the GPU has. Until the planner knows where those 16 GiB go, an on-policy batch of 32
-# stays at the 0.3 it was measured at.
+# Hold the batch-32 rows against it: those runs peaked 16–19 GiB above the prediction, PyTorch's allocator reserve
+# that the planner does not count, and that much more than the planner's share predicts is more than the GPU has.
+# Until the planner counts that reserve, a batch of 32 stays at the 0.3 it was measured at.
 
 # %% [markdown]
 # ## Closing note
