@@ -361,6 +361,25 @@ def test_some_configuration_meets_both_speed_goals_for_both_seeds():
     assert met
 
 
+def test_the_7b_race_at_one_commit_stuck_every_on_policy_seed_and_not_steps_per_generation_2():
+    """What notebook 04 and the README say of the 7B race at 8518be0: all four on-policy seeds ended with no reward
+    spread left (eight identical completions) and never reached the threshold; both spg2 seeds did, at least 2.5x
+    sooner than defaults that trained the whole budget."""
+    result = json.loads(RESULT.read_text())
+    recs = [r for r in result["records"] if r["model"] == "qwen2.5-7b" and r["commit"] == "8518be0"]
+    assert sorted((r["config"], r["seed"]) for r in recs) == [("recipe", 0), ("recipe", 1), ("spg2", 0), ("spg2", 1),
+                                                                ("trl_defaults", 0), ("trl_defaults", 1)]
+    for r in recs:
+        if r["config"] != "spg2":
+            assert r["rows"][-1]["reward_std"] == 0 and r["rows"][-1]["step"] > 90, (r["config"], r["seed"])
+    (group,) = [g for g in result["summary"]["qwen2.5-7b"].values() if g["race"]["commit"] == "8518be0"]
+    configs = group["configs"]
+    assert configs["trl_defaults"]["time_to_reward_s"] == configs["recipe"]["time_to_reward_s"] == [None, None]
+    assert all(t is not None for t in configs["spg2"]["time_to_reward_s"])
+    assert all(s >= 2.5 for s in configs["spg2"]["time_to_reward_speedup_at_least_per_seed"])
+    assert 1.5 < configs["spg2"]["tokens_per_s_vs_defaults"] < 4
+
+
 @pytest.mark.slow
 def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
     out = tmp_path / "speed_smoke.json"
