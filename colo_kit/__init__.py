@@ -9,8 +9,9 @@ One subpackage per lesson, in the notebooks' order:
   answers     05  the Math500 answer checker and evaluation
   async_lora  06  async GRPO with LoRA adapters behind a routing proxy
   labs        all the exercises and break-it labs
-and the plumbing they share, at the top: env (runtime defaults, the machine), models (real architectures
-with random weights), data (the posts' datasets, offline stand-ins), procs, paths, notebook, cli.
+the plumbing they share, at the top: env (runtime defaults, the machine), models (real architectures
+with random weights), data (the posts' datasets, offline stand-ins), procs, paths, commands; and what drives
+them: notebook (headless execution, check records) and cli (`colo-kit`). Imports only go down these layers.
 """
 
 from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())

@@ -264,7 +264,7 @@ def write_offline_data() -> list[str]:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import ArgumentParser
+    from colo_kit.commands import ArgumentParser
 
     ArgumentParser(prog="colo-kit data", description="Regenerate data/*.jsonl from fixed seeds.").parse_args(argv)
     for path in write_offline_data():

@@ -274,7 +274,7 @@ def describe() -> dict:
 def cli_main(argv: list[str]) -> int:
     import json
 
-    from colo_kit.cli import ArgumentParser
+    from colo_kit.commands import ArgumentParser
 
     ArgumentParser(prog="colo-kit env", description="The tier, hardware and versions as JSON.").parse_args(argv)
     print(json.dumps(describe(), indent=1))

@@ -352,7 +352,7 @@ class BuildArgs:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, parse_dataclasses
+    from colo_kit.commands import UsageError, parse_dataclasses
     from colo_kit.paths import cache_dir
 
     # HfArgumentParser takes flags only: the preset, a leading word, is taken off first

@@ -59,10 +59,13 @@ def source_digest(src: Path) -> str:
     return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
 
 
+# The committed check runs: tier -> (the machine as a learner reads it, its file under results/)
+CHECKS = {"cpu": ("CPU laptop (2 cores)", "cpu_check.json"), "gpu": ("1×H200", "gpu_check.json")}
+
+
 def measured_runs() -> dict[str, dict[str, dict]]:
     """{notebook: {"cpu" | "gpu": its record}}: the committed check runs (results/cpu_check.json and
     results/gpu_check.json) of notebooks that executed every cell."""
-    from colo_kit.labs.lab import CHECKS
     from colo_kit.paths import results_dir
 
     out: dict[str, dict[str, dict]] = {}
@@ -80,8 +83,6 @@ def _minutes(rec: dict | None) -> str:
 
 def measured_times(stem: str) -> str:
     """What a notebook's header says about its Run All time on each kind of machine, and which run said so."""
-    from colo_kit.labs.lab import CHECKS
-
     runs = measured_runs().get(stem, {})
     times = [f"{label} {_minutes(runs[t])}" if t in runs else f"{label}: not measured"
              for t, (label, _) in CHECKS.items()]
@@ -305,7 +306,7 @@ class RunNotebooksArgs:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, parse_dataclasses, writable_dir
+    from colo_kit.commands import UsageError, parse_dataclasses, writable_dir
 
     # HfArgumentParser takes flags only: the notebooks, the words before the first flag, are taken off first
     n = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
@@ -342,7 +343,7 @@ class DemoArgs:
 
 def cli_demo(argv: list[str]) -> int:
     """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
-    from colo_kit.cli import parse_dataclasses, writable_dir
+    from colo_kit.commands import parse_dataclasses, writable_dir
 
     (args,) = parse_dataclasses((DemoArgs,), argv, prog="colo-kit demo", description=cli_demo.__doc__)
     r = execute(NOTEBOOKS / "00_quickstart.ipynb", writable_dir(args.out or runs_dir() / "demo", "--out"))

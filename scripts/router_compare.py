@@ -498,7 +498,7 @@ def merged_capabilities(out: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from colo_kit.cli import writable_file
+    from colo_kit.commands import writable_file
     from colo_kit.env import describe
     from colo_kit.paths import results_dir
 

@@ -11,7 +11,7 @@ from colo_kit.env import has_cuda
 
 
 def test_cli_rejects_bad_batches(capsys):
-    from colo_kit.cli import UsageError
+    from colo_kit.commands import UsageError
 
     with pytest.raises(UsageError, match="--batches '8,x'"):
         cli_main(["--batches", "8,x"])

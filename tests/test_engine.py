@@ -138,7 +138,7 @@ def test_peft_push_merges_the_adapter(engine, hf_model):
 
 
 def test_the_check_command_takes_trls_names_and_its_own_spellings(monkeypatch, capsys):
-    from colo_kit.cli import run
+    from colo_kit.commands import run
     from colo_kit.colocate import engine_check
 
     class Built(Exception):

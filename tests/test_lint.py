@@ -15,10 +15,11 @@ def test_ruff_finds_nothing():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
 
 
-def _module_level_kit_imports() -> dict[str, set[str]]:
+def _module_level_kit_imports(called_too: bool = False) -> dict[str, set[str]]:
     """Each colo_kit module -> the colo_kit modules that importing it imports: its top-level `import` and
     `from` statements (in `if`/`try` blocks too, not under `if TYPE_CHECKING:`), read with `ast`; imports
-    inside functions run when called and are left out. `import colo_kit.a.b` also imports `colo_kit.a`."""
+    inside functions run when called and are left out unless `called_too`. `import colo_kit.a.b` also
+    imports `colo_kit.a`."""
     import ast
 
     root = REPO_ROOT / "colo_kit"
@@ -50,7 +51,8 @@ def _module_level_kit_imports() -> dict[str, set[str]]:
                     for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
                         visit(block)
 
-        visit(ast.parse(path.read_text()).body)
+        tree = ast.parse(path.read_text())
+        visit(list(ast.walk(tree)) if called_too else tree.body)
         deps = set()
         for name in named:
             parts = name.split(".")
@@ -91,5 +93,40 @@ def test_no_kit_module_imports_itself_through_others():
     graph = _module_level_kit_imports()
     assert len(graph) > 40 and "colo_kit.env" in graph["colo_kit"]  # the reader sees the kit's imports
     assert "colo_kit.paths" in graph["colo_kit.notebook"]
+    cycle = _a_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+# Who may import whom: the plumbing every lesson shares, the lessons' subpackages (one per notebook), and on top
+# what drives them (the labs, notebook execution, the `colo-kit` entry point). A module imports its own layer or
+# a lower one, never a higher one, so a lesson's code reads without the exercises or the command line above it.
+LAYERS = [
+    {"colo_kit", "colo_kit.paths", "colo_kit.procs", "colo_kit.commands", "colo_kit.env", "colo_kit.gpu_free",
+     "colo_kit.models", "colo_kit.data"},
+    {"grpo", "serving", "colocate", "parallel", "memory", "answers", "async_lora"},
+    {"labs", "colo_kit.notebook", "colo_kit.cli", "colo_kit.__main__"},
+]
+
+
+def _layer(module: str) -> int:
+    for i, members in enumerate(LAYERS):
+        if module in members or module.split(".")[1:2] and module.split(".")[1] in members:
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_no_module_imports_a_higher_layer_even_inside_a_function():
+    graph = _module_level_kit_imports(called_too=True)
+    assert "colo_kit.commands" in graph["colo_kit.serving.bench_cli"]  # function-level imports are read too
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _layer(b) > _layer(a))
+    assert not upward, upward
+
+
+def test_no_import_circle_even_through_imports_inside_functions():
+    """What a function imports when called counts too: a circle there is the same knot, only later. The root
+    package is left out as a target: any kit import has run `colo_kit/__init__.py` (which imports only `env`)
+    before the module that asks, so `env -> commands` does not lead back through it."""
+    graph = {m: deps - {"colo_kit"} for m, deps in _module_level_kit_imports(called_too=True).items()}
+    assert "colo_kit.commands" in graph["colo_kit.env"]
     cycle = _a_cycle(graph)
     assert cycle is None, " -> ".join(cycle)

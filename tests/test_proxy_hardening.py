@@ -171,7 +171,7 @@ def test_bad_proxy_flags_are_one_line_and_exit_2(argv, words, capsys, monkeypatc
 
 def test_proxy_flags_come_from_proxy_config_and_the_tokens_are_not_flags():
     from colo_kit.async_lora.proxy_cli import parse
-    from colo_kit.cli import UsageError
+    from colo_kit.commands import UsageError
 
     cfg, cmd = parse(["--replica", "http://a:1", "--replica", "http://b:2", "--health-interval", "2",
                       "--log-level", "INFO"])

@@ -233,7 +233,7 @@ class EvalArgs:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, parse_dataclasses, writable_file
+    from colo_kit.commands import UsageError, parse_dataclasses, writable_file
     from colo_kit.models import resolve_model
     from colo_kit.paths import runs_dir
 

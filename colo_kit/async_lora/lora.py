@@ -294,7 +294,7 @@ class RecipeArgs:
 
 def cli_recipe(argv: list[str]) -> int:
     """Print the launch lines for N replicas (used by the README and scripts/gpu)."""
-    from colo_kit.cli import UsageError, parse_dataclasses
+    from colo_kit.commands import UsageError, parse_dataclasses
 
     # HfArgumentParser takes flags only: the model, a leading word, is taken off first
     model, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
@@ -310,6 +310,6 @@ def cli_recipe(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from colo_kit.cli import run
+    from colo_kit.commands import run
 
     raise SystemExit(run(cli_recipe, sys.argv[1:], PROG))

@@ -15,7 +15,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from colo_kit.cli import UsageError, parse_dataclasses
+from colo_kit.commands import UsageError, parse_dataclasses
 from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

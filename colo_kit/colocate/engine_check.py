@@ -36,7 +36,7 @@ class CheckArgs:
 def main(argv: list[str]) -> int:
     """Build an engine in every process, generate greedily, and print one JSON line per rank
     (rank, seed, TP group, token ids): the TP=2 test compares them across ranks."""
-    from colo_kit.cli import parse_dataclasses
+    from colo_kit.commands import parse_dataclasses
 
     (args,) = parse_dataclasses((CheckArgs,), argv, prog=PROG, description=__doc__)
     s = ColocateSettings(vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, per_device_train_batch_size=2,
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     import colo_kit
-    from colo_kit.cli import run
+    from colo_kit.commands import run
 
     colo_kit.setup()
     raise SystemExit(run(main, sys.argv[1:], PROG))

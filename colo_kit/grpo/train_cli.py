@@ -47,7 +47,7 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
     import yaml
     from trl import GRPOConfig, TrlParser
 
-    from colo_kit.cli import UsageError
+    from colo_kit.commands import UsageError
 
     args = _config_apart(list(argv))
     if "--config" in args and args.index("--config") == len(args) - 1:
@@ -104,7 +104,7 @@ def cli_main(argv: list[str]) -> int:
     import json
 
     from colo_kit.grpo import train  # looked up at call time: tests stand a recording run_grpo in for it
-    from colo_kit.cli import UsageError, writable_file
+    from colo_kit.commands import UsageError, writable_file
     from colo_kit.models import resolve_model
 
     grpo, kit, given = parse(argv)

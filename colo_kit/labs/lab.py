@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from colo_kit.notebook import CHECKS, measured_runs
+
 
 @dataclass(frozen=True)
 class Exercise:
@@ -241,14 +243,11 @@ def check(key: str, answer) -> None:
 # ---------------------------------------------------------------------------------------------
 
 FACT_KEY = "colo_kit_fact"  # display metadata scripts/check.py collects from executed notebooks
-CHECKS = {"cpu": ("CPU laptop (2 cores)", "cpu_check.json"), "gpu": ("1×H200", "gpu_check.json")}
 
 
 def measured_facts(key: str) -> dict[str, dict]:
     """{tier: {"values": {...}, "source": ...}} for `key`, from the committed check runs of notebooks that
     executed every cell (`colo_kit.notebook.measured_runs`)."""
-    from colo_kit.notebook import measured_runs
-
     out = {}
     for runs in measured_runs().values():
         for tier, rec in runs.items():

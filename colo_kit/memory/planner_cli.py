@@ -42,7 +42,7 @@ def _format(report: dict) -> str:
 def _write_recipe(plan: Plan, args) -> int:
     from pathlib import Path
 
-    from colo_kit.cli import UsageError, writable_file
+    from colo_kit.commands import UsageError, writable_file
     from colo_kit.paths import runs_dir
     from colo_kit.memory.recipe import recipe, to_yaml
 
@@ -83,13 +83,13 @@ class PlanCommand:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, parse_dataclasses
+    from colo_kit.commands import UsageError, parse_dataclasses
 
     # every field of the planner's Plan is a flag (--per-device-train-batch-size, --zero-stage, --tp, ...)
     plan, args = parse_dataclasses((Plan, PlanCommand), argv, prog="colo-kit plan", description=(
         "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."))
     if args.validate:
-        from colo_kit.cli import writable_file
+        from colo_kit.commands import writable_file
         from colo_kit.paths import runs_dir
 
         path = write_validation(writable_file(args.out or runs_dir() / "planner_validation.json", "--out"))

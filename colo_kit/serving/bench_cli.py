@@ -71,7 +71,7 @@ def _check_ranges(a: BenchArgs, error) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.cli import UsageError, parse_dataclasses, writable_file
+    from colo_kit.commands import UsageError, parse_dataclasses, writable_file
     from colo_kit.models import resolve_model
 
     (a,) = parse_dataclasses((BenchArgs,), argv, prog="colo-kit bench", description=sweep.__doc__)
@@ -136,6 +136,8 @@ if __name__ == "__main__":
         print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
         print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
         raise SystemExit(0)
-    from colo_kit.cli import main
+    import colo_kit
+    from colo_kit.commands import run
 
-    raise SystemExit(main(["bench", *sys.argv[1:]]))
+    colo_kit.setup()
+    raise SystemExit(run(cli_main, sys.argv[1:], "python -m colo_kit.serving.bench_cli"))
