@@ -490,9 +490,8 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 # - **The planner holds at 7B:** NVML 101.9 GiB against 103.3 predicted for the defaults, 113.2–114.7 against 119.8
 #   for the recipe and `steps_per_generation=2` (1–6% over, the safe side).
 #
-# Two seeds per configuration are few, but the two older races (at 0cfd418 and baa0b71, 120 s per seed) went the
-# same way, so read it as what these runs did, not yet as a rule:
-#
+# Two seeds per configuration are few, but the two older races (at 0cfd418 and baa0b71, 120 s per seed; measured,
+# the same file) went the same way, so read it as what these runs did, not yet as a rule:
 # - **The recipe buys less at 7B: 1.10× the tokens/s** (1.70 s per step against 1.87). Generation is 1.30–1.32 s
 #   of either step, and the recipe's knobs cut only the rest: training 0.36 → 0.27 s, the push 0.082 → 0.030 s.
 # - **On-policy runs got stuck at 7B.** Both seeds of the defaults and the recipe's seed 0 were making eight
