@@ -10,9 +10,11 @@ section 7), and the comments say which run each one rests on:
 - `vllm_gpu_memory_utilization: 0.3` when the plan fits with it (measured there), else the planner's share;
   a bigger KV cache does not generate faster once every sequence of a generation fits;
 - no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
-- `steps_per_generation` left at TRL's default (on-policy): 2 and 4 gave 1.8-2.4x the tokens/s but needed as
-  many generations to the reward threshold as on-policy runs, so got there no sooner (the reward moves per
-  generation, not per optimizer step);
+- `steps_per_generation` by model size: below 7B left at TRL's default (on-policy): at 1.5B, 2 and 4 gave
+  1.8-2.4x the tokens/s but needed as many generations to the reward threshold as on-policy runs, so got there no
+  sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B every on-policy seed
+  but one stopped learning within 13 steps (eight identical completions per prompt, so no advantage left),
+  while all four seeds with 2 reached the threshold (two races);
 - the per-device batch is the learner's: 32 gave 5.1x the tokens/s and took about 3x longer to the reward;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
@@ -29,6 +31,9 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, recommend
 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
+# From this many parameters the recipe shares each generation between two optimizer steps: measured at 7B (7.6B
+# parameters), where on-policy runs got stuck and steps_per_generation=2 did not; at 1.5B it bought no time.
+STALE_FROM_PARAMS = 7e9
 
 
 def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
@@ -61,6 +66,11 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
                         "peak_gib_per_gpu": None}
             chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
             ckpt_why = "without it the activations do not fit (modelled)"
+    from colo_kit.memory.planner import model_shape
+
+    big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
+    if big and fits(replace(chosen, steps_per_generation=2)):  # the engine then holds two steps' sequences
+        chosen = replace(chosen, steps_per_generation=2)
     est = estimate(chosen)
     u = chosen.vllm_gpu_memory_utilization
     fields += [
@@ -84,10 +94,15 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          "the trainer needs the engine's memory: TRL sleeps at level 2 and pushes the weights again on waking"),
         ("vllm_tensor_parallel_size", chosen.vllm_tensor_parallel_size,
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
+        ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B seven of eight on-policy seeds "
+         "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
+         "reached the reward threshold, while all four seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (two races, "
+         f"measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
-         "TRL's default, on-policy: sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at batch 8 "
-         "but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), each "
-         f"generation cycle longer, so it got there no sooner (4: in 82 s against the defaults' 37 s; measured, {MEASURED})"),
+         "TRL's default, on-policy: at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "
+         "batch 8 but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), "
+         "each generation cycle longer, so it got there no sooner (4: in 82 s against the defaults' 37 s; measured, "
+         f"{MEASURED}); from 7B up the recipe takes 2"),
         ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
         ("vllm_importance_sampling_correction", True,
          "TRL's default: corrects for vLLM sampling from a slightly different distribution than the trainer "
