@@ -15,7 +15,7 @@ section 7), and the comments say which run each one rests on:
   sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B every on-policy seed
   but one stopped learning within 13 steps (eight identical completions per prompt, so no advantage left),
   while all four seeds with 2 reached the threshold (two races);
-- the per-device batch is the learner's: 32 gave 5.1x the tokens/s and took about 3x longer to the reward;
+- the per-device batch is the learner's: 32 bought 3.3-5.3x the tokens/s but not reliably time to the reward;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
 
@@ -77,8 +77,9 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("use_vllm", True, "generation with vLLM"),
         ("vllm_mode", "colocate", "vLLM inside each training process: no GPU waits for another (notebook 01)"),
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
-         "yours: a bigger batch gave more tokens/s but not a faster reward (batch 32: 5.1x the tokens/s, about 3x "
-         f"longer to the threshold, measured, {MEASURED})"),
+         "yours: a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.3-3.7x the tokens/s, "
+         "1.02-1.68x sooner to the threshold; with steps_per_generation 8: 5.1-5.3x, from 3.2x longer to 1.13x "
+         f"sooner; measured, {MEASURED}), and batch 32 peaked 13-16% above the planner (its allocator's reserve)"),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
