@@ -489,8 +489,9 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 #   `steps_per_generation=2` is at least 5.3× and 4.1× sooner: past the 2.5× goal, as a lower bound.
 # - **The planner holds at 7B:** NVML 101.9 GiB against 103.3 predicted for the defaults, 113.2–114.7 against 119.8
 #   for the recipe and `steps_per_generation=2` (1–6% over, the safe side).
-# - **So the recipe changed at 7B.** The rows named `recipe` in these races ran the on-policy recipe, which seven
-#   of eight seeds over three races never got past the threshold with. `colo-kit plan --recommend` now writes
+# - **So the recipe changed at 7B.** The rows named `recipe` in these races ran the on-policy recipe; over the three
+#   races, seven of eight on-policy seeds (the defaults' and the recipe's) never got past the threshold, and all four
+#   `steps_per_generation=2` seeds did. `colo-kit plan --recommend` now writes
 #   `steps_per_generation: 2` from 7B up (its reason says why); at 1.5B it stays on-policy, where 2 bought tokens/s
 #   but no time. The 7B rows named `steps_per_generation=2` are what that recipe measures; a race run from here on
 #   runs it under the name `recipe`.
