@@ -109,8 +109,9 @@ LAYERS = [
 
 
 def _layer(module: str) -> int:
+    subpackage = module.split(".")[1] if "." in module else None
     for i, members in enumerate(LAYERS):
-        if module in members or module.split(".")[1:2] and module.split(".")[1] in members:
+        if module in members or subpackage in members:
             return i
     raise AssertionError(f"{module} is in no layer: add it to LAYERS")
 

@@ -12,9 +12,9 @@ section 7), and the comments say which run each one rests on:
 - no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
 - `steps_per_generation` by model size: below 7B left at TRL's default (on-policy): at 1.5B, 2 and 4 gave
   1.8-2.4x the tokens/s but needed as many generations to the reward threshold as on-policy runs, so got there no
-  sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B every on-policy seed
-  but one stopped learning within 13 steps (eight identical completions per prompt, so no advantage left),
-  while all four seeds with 2 reached the threshold (two races);
+  sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B seven of eight
+  on-policy seeds (three races) stopped learning within 13 steps (eight identical completions per prompt, so no
+  advantage left) and never reached the reward threshold, while all four seeds with 2 did (two races);
 - the per-device batch is the learner's: 32 bought 3.3-5.3x the tokens/s but not reliably time to the reward;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, recommend
+from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, recommend
 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
@@ -66,8 +66,6 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
                         "peak_gib_per_gpu": None}
             chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
             ckpt_why = "without it the activations do not fit (modelled)"
-    from colo_kit.memory.planner import model_shape
-
     big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
     if big and fits(replace(chosen, steps_per_generation=2)):  # the engine then holds two steps' sequences
         chosen = replace(chosen, steps_per_generation=2)
