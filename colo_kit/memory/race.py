@@ -97,13 +97,16 @@ def _summarize_one(records: list[dict]) -> dict:
     for r in records:
         by.setdefault(r["config"], []).append(r)
     base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
-    target = threshold(base[0]) if base else None
+    # a race without the defaults (a configuration run again alone) takes its threshold from the first seed of
+    # its own first configuration: every run starts from the same random model, so the start is the same
+    start = base[0] if base else min(records, key=lambda r: (r["seed"], r["config"]))
+    target = threshold(start)
     base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]
     base_ttr = {r["seed"]: time_to_reward(r, target) for r in base} if target is not None else {}
     # how long the defaults trained without reaching the threshold: a configuration that got there in t s is at
     # least this / t times faster (a lower bound, not a ratio)
     base_span = {r["seed"]: max((row["t_s"] for row in r["rows"]), default=None) for r in base}
-    out = {"threshold": {"rule": f"the mean reward of trl_defaults' (seed 0) first generation times "
+    out = {"threshold": {"rule": f"the mean reward of {start['config']}'s (seed {start['seed']}) first generation times "
                                  f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
                                  f"{WINDOW_COMPLETIONS} completions gets there",
                          "reward": round(target, 2) if target is not None else None}, "configs": {}}

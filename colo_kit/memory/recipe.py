@@ -14,7 +14,7 @@ section 7), and the comments say which run each one rests on:
   1.8-2.4x the tokens/s but needed as many generations to the reward threshold as on-policy runs, so got there no
   sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B seven of eight
   on-policy seeds (three races) stopped learning within 13 steps (eight identical completions per prompt, so no
-  advantage left) and never reached the reward threshold, while all four seeds with 2 did (two races);
+  advantage left) and never reached the reward threshold, while five of six seeds with 2 did (three races);
 - the per-device batch is the learner's: 32 bought 3.3-5.3x the tokens/s but not reliably time to the reward;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
@@ -32,7 +32,8 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
 # From this many parameters the recipe shares each generation between two optimizer steps: measured at 7B (7.6B
-# parameters), where on-policy runs got stuck and steps_per_generation=2 did not; at 1.5B it bought no time.
+# parameters), where seven of eight on-policy seeds got stuck and one of six with steps_per_generation=2 did; at
+# 1.5B it bought no time.
 STALE_FROM_PARAMS = 7e9
 
 
@@ -95,8 +96,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
         ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B seven of eight on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
-         "reached the reward threshold, while all four seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (two races, "
-         f"measured, {MEASURED})") if chosen.steps_per_generation == 2 else
+         "reached the reward threshold, while five of six seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (three "
+         f"races; the sixth got stuck the same way at step 6; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
          "TRL's default, on-policy: at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "
          "batch 8 but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), "
