@@ -86,7 +86,10 @@ def test_a_recipe_sized_for_bfloat16_tells_trl_to_load_bfloat16(tmp_path):
     assert _parse(tmp_path, to_yaml(bf16)).model_init_kwargs == {"dtype": "bfloat16"}
     fp32 = recipe(model="qwen2.5-7b")
     assert "model_init_kwargs" not in {k for k, _, _ in fp32["fields"]}
-    assert bf16["plan"].zero_stage == 0 and fp32["plan"].zero_stage == 3  # bfloat16 fits one H200 without ZeRO
+    # bfloat16 trains beside an awake engine on one H200; float32's training state needs the engine's memory while
+    # it trains (a plan at 92% of the GPU: modelled, not run)
+    assert bf16["plan"].zero_stage == 0 and bf16["plan"].sleep_level == 0
+    assert fp32["plan"].sleep_level == 2 or fp32["plan"].zero_stage == 3
 
 
 def test_server_mode_is_refused_with_the_fix():

@@ -54,7 +54,12 @@ FITTED = {
     "NCCL_GIB": 0.25,
     # fraction of the step's freed memory that empty_cache() cannot hand back before vLLM wakes up
     # (allocator segments pinned by tensors allocated among them, e.g. the optimizer states)
-    "KEPT_AFTER_EMPTY_CACHE": 0.25,
+    "KEPT_AFTER_EMPTY_CACHE": 0.2,
+    # what PyTorch's caching allocator reserves above its live tensors in a step, per byte of activations and
+    # logits: freed blocks of many sizes that later, differently sized requests cannot reuse. Set from PyTorch's
+    # own peaks (reserved minus allocated; median 0.60, range 0.44-0.63 where the activations are large), not
+    # fitted to NVML: `planner_validation.reserve_ratios`
+    "ALLOCATOR_RESERVE": 0.6,
 }
 
 
@@ -231,22 +236,28 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     asleep = VLLM_ASLEEP_GIB if (colocate and plan.sleep_level) else vllm_total
     if colocate and plan.kv_only_sleep:
         asleep += vllm_weights  # the weights stay mapped through training; only the KV cache is released
+    # The backward pass frees activations as it makes gradients, so PyTorch's tensors peak at the larger of the
+    # two, not at their sum; above that the allocator keeps a reserve that grows with the activations.
+    step = activations + logits
+    grads_at_peak = 0.0 if deepspeed else max(0.0, grads - step)
+    reserve = FITTED["ALLOCATOR_RESERVE"] * step
     training = {
         "cuda_context_nccl": ctx,
         "weights": g(weights),
-        "gradients": g(grads),
+        "gradients": g(grads) if deepspeed else g(grads_at_peak),
         "optimizer_states": g(optimizer),
         "ddp_buckets": g(ddp_buckets),
         "zero_buffers": g(zero3_gathered + zero_buckets),
         "activations": g(activations),
         "logits": g(logits),
+        "allocator_reserve": g(reserve),
         "vllm_asleep" if plan.sleep_level else "vllm": asleep,
         "weight_sync_buffers": 0.0 if colocate else WEIGHT_SYNC_BUFFERS_GIB,
     }
     # Between steps the trainer keeps its state; the step's transient memory stays reserved by PyTorch's
     # allocator unless empty_cache() runs (TRL calls it before waking a sleeping engine), and even then
     # segments pinned by live tensors stay.
-    transient = activations + logits + (0 if deepspeed else grads) + zero3_gathered
+    transient = step + grads_at_peak + reserve + zero3_gathered
     kept = 1.0 if plan.sleep_level == 0 else FITTED["KEPT_AFTER_EMPTY_CACHE"]
     generation = {
         "cuda_context_nccl": ctx,

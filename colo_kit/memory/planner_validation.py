@@ -65,6 +65,28 @@ def fit_constants(rows: list[dict] | None = None) -> dict:
     return {"max_abs_error": round(best[0], 4), "constants": best[1], "rows": [r["row"] for r in rows]}
 
 
+def reserve_ratios(results_dir: Path | None = None) -> list[dict]:
+    """How much PyTorch's caching allocator reserved above its live tensors, per GiB of the step's activations and
+    logits (the planner's), in every one-H200 race record that carries PyTorch's own peaks
+    (results/speed_1xh200.json). Their median sets FITTED["ALLOCATOR_RESERVE"]; the NVML peaks stay out of it."""
+    from colo_kit.memory.speed import config, planner_parts
+    from colo_kit.paths import results_dir as _rd
+
+    result = json.loads((Path(results_dir or _rd()) / "speed_1xh200.json").read_text())
+    out = []
+    for r in result["records"]:
+        torch_peak = r.get("torch_peak_gib")
+        if not torch_peak:
+            continue
+        config(r["config"], r["model"])  # a configuration the kit no longer has raises here
+        training = planner_parts(r["config"], r["model"])["training"]
+        step = training["activations"] + training["logits"]
+        out.append({"config": r["config"], "model": r["model"], "seed": r["seed"], "commit": r.get("commit"),
+                    "step_gib": step, "reserve_gib": round(torch_peak["reserved"] - torch_peak["allocated"], 2),
+                    "ratio": round((torch_peak["reserved"] - torch_peak["allocated"]) / step, 3)})
+    return out
+
+
 def validation_table(results_dir: Path | None = None) -> dict:
     rows = []
     for r in measured_rows(results_dir):
@@ -77,8 +99,12 @@ def validation_table(results_dir: Path | None = None) -> dict:
         "rows": rows,
         "max_abs_error": round(max(abs(r["error"]) for r in rows), 4),
         "constants": {
-            "fitted": {**FITTED, "fitted_to": "the 8 colocate rows measured on 2×H200 (minimax relative error over a "
-                                              "grid); the server row and the ZeRO-3 run were not used"},
+            "fitted": {**FITTED, "fitted_to": "CUDA_CONTEXT_GIB, NCCL_GIB and KEPT_AFTER_EMPTY_CACHE: the 8 colocate "
+                                              "rows measured on 2×H200 (minimax relative error over a grid; the server "
+                                              "row and the ZeRO-3 run were not used); ALLOCATOR_RESERVE: PyTorch's own "
+                                              "reserved minus allocated peak per GiB of activations and logits, the "
+                                              "median over the one-H200 races' records (results/speed_1xh200.json), "
+                                              "not their NVML peaks"},
             "set": {"H200_GIB": H200_GIB, "VLLM_ASLEEP_GIB": VLLM_ASLEEP_GIB, "VLLM_OVERHEAD_GIB": VLLM_OVERHEAD_GIB,
                     "WEIGHT_SYNC_BUFFERS_GIB": WEIGHT_SYNC_BUFFERS_GIB, "TOKEN_TILE": TOKEN_TILE, "VOCAB_TILE": VOCAB_TILE},
         },

@@ -78,7 +78,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
          "yours: a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.3-3.7x the tokens/s, "
          "1.02-1.68x sooner to the threshold; with steps_per_generation 8: 5.1-5.3x, from 3.2x longer to 1.13x "
-         f"sooner; measured, {MEASURED}), and batch 32 peaked 13-16% above the planner (its allocator's reserve)"),
+         f"sooner; measured, {MEASURED}); batch 32 without recomputing activations peaks near 121-124 GiB"),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),

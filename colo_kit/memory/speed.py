@@ -311,27 +311,35 @@ def switch_parts(tl, skip_steps: int) -> dict:
     return out
 
 
-def planner_peak(model: str, batch: int, gradient_checkpointing: bool,
-                 max_completion_length: int = TASK["max_completion_length"],
-                 vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
-                 kv_only_sleep: bool = False) -> float:
+def planner_estimate(model: str, batch: int, gradient_checkpointing: bool,
+                     max_completion_length: int = TASK["max_completion_length"],
+                     vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
+                     kv_only_sleep: bool = False) -> dict:
     from colo_kit.memory.planner import estimate
 
     return estimate(model=model, per_device_train_batch_size=batch, gradient_checkpointing=gradient_checkpointing,
                     max_completion_length=max_completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep,
-                    train_dtype=TRAIN_DTYPE.get(model, "float32"))["peak_gib_per_gpu"]
+                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"))
+
+
+def _planner_estimate_for(name: str, model: str, max_completion_length: int) -> dict:
+    fields, knobs = config(name, model)
+    sleeps = fields.get("vllm_enable_sleep_mode", False)
+    return planner_estimate(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
+                            max_completion_length,
+                            fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
+                            2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
 
 
 def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
     """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
     level 2, or the KV cache only)."""
-    fields, knobs = config(name, model)
-    sleeps = fields.get("vllm_enable_sleep_mode", False)
-    return planner_peak(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
-                        max_completion_length,
-                        fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
-                        2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
+    return _planner_estimate_for(name, model, max_completion_length)["peak_gib_per_gpu"]
+
+
+def planner_parts(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> dict:
+    """The planner's parts (GiB) of configuration `name`'s two phases."""
+    return _planner_estimate_for(name, model, max_completion_length)["parts"]
 
 
 def latency_table(result: dict) -> list[dict]:
