@@ -130,7 +130,7 @@ else:
         display(Markdown(
             "**Partial sweep** (measured, `results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a "
             "record. That run had gradient checkpointing turned off (the kit now keeps TRL's default on a GPU), and "
-            "colocate at batch 64 then needs ~149 GiB per GPU (modelled by the planner, notebook 04), more than an "
+            "colocate at batch 64 then needs ~148 GiB per GPU (modelled by the planner, notebook 04), more than an "
             "H200 has; its colocate batch-32 and -64 configurations failed before they could be recorded."))
     for mode in ("server", "colocate"):
         runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
