@@ -69,7 +69,13 @@ lab.check("04.bytes_per_param", answer)
 # | phase | the vLLM engine | the trainer |
 # |---|---|---|
 # | **generation** | awake: `u × GPU memory` (its weights, KV cache, activations) | weights, optimizer states, what the allocator still holds |
-# | **training** | asleep (≈ 0) — or, without sleep, still `u × GPU memory` | + gradients, activations, the LM head's log-prob tiles |
+# | **training** | asleep (≈ 0) — or, without sleep, still `u × GPU memory` | + gradients, activations, the LM head's log-prob tiles, the allocator's reserve |
+#
+# Two things in the training column are easy to miss. The backward pass frees activations as it makes gradients,
+# so the two peak together at the larger of them, not their sum: where the activations are larger, the chart
+# shows no separate gradients bar. And PyTorch's caching allocator keeps freed blocks reserved: the planner adds
+# 0.6 GiB per GiB of activations, the ratio PyTorch itself reported in the H200 runs (measured,
+# `results/speed_1xh200.json`; section 7).
 #
 # What TRL 1.16 really keeps, read in its source: a model given by path is loaded in **float32** (weights,
 # gradients and both AdamW moments in fp32: 16 bytes per parameter), `gradient_checkpointing` is on by
