@@ -147,7 +147,7 @@ def grpo_config(args, output_dir: str):
     else:
         kw.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=not args.no_sleep,
                   vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                  vllm_tensor_parallel_size=args.tp, bf16=True)
+                  vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, bf16=True)
     missing = [k for k in kw if k not in fields]
     if missing:
         raise SystemExit(f"this TRL's GRPOConfig lacks {missing}; the script is written for TRL 1.16")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--vllm-tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-sleep", action="store_true")
     ap.add_argument("--no-gradient-checkpointing", action="store_true")
     ap.add_argument("--no-offload", action="store_true",
@@ -214,7 +214,8 @@ def main(argv=None) -> int:
         planner_settings = dict(
             model=args.model, gpus=world, gpu_mem_gib=round(gib or 139.8, 2),
             zero_stage=0 if args.smoke else 3, offload_optimizer=not (args.smoke or args.no_offload),
-            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_tensor_parallel_size=args.tp,
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
             sleep_level=0 if (args.smoke or args.no_sleep) else 2, per_device_train_batch_size=args.per_device_train_batch_size,
             prompt_length=record.get("prompt_tokens", {}).get("max", 96),
             max_completion_length=args.max_completion_length,

@@ -83,10 +83,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, files, nothing_runs, caps
 
 
 @pytest.mark.parametrize("gpus, argv, words", [
-    (0, ["--tp", "8"], "--tp 8: the CPU tier runs the evaluation with TP 1"),
-    (0, ["--tp", "2"], "--tp 2: the CPU tier"),
-    (2, ["--tp", "8"], "--tp 8: only 2 GPU(s) visible; give --tp 2 or less"),
-    (8, ["--tp", "4", "--model", "qwen2.5-0.5b"], "qwen2.5-0.5b's 14 attention heads do not split evenly over 4"),
+    (0, ["--tensor-parallel-size", "8"], "--tensor-parallel-size 8: the CPU tier runs the evaluation with TP 1"),
+    (0, ["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: the CPU tier"),
+    (2, ["--tensor-parallel-size", "8"],
+     "--tensor-parallel-size 8: only 2 GPU(s) visible; give --tensor-parallel-size 2 or less"),
+    (8, ["--tensor-parallel-size", "4", "--model", "qwen2.5-0.5b"],
+     "qwen2.5-0.5b's 14 attention heads do not split evenly over 4"),
 ])
 def test_eval_math500_tp_fits_the_machine(gpus, argv, words, nothing_runs, monkeypatch, capsys):
     from colo_kit import env

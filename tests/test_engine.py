@@ -148,14 +148,15 @@ def test_the_check_command_takes_trls_names_and_its_own_spellings(monkeypatch, c
         raise Built(model, settings)
 
     monkeypatch.setattr(engine_check, "ColocatedEngine", engine)
-    for argv in (["--tp", "2", "--max-tokens", "6"], ["--vllm-tensor-parallel-size", "2", "--max_completion_length", "6"]):
-        with pytest.raises(Built) as built:
-            engine_check.main(["--model", "m", *argv, "--sampled", "--push", "--out-dir", "d"])
-        model, s = built.value.args
-        assert (model, s.vllm_tensor_parallel_size, s.max_completion_length) == ("m", 2, 6)
-    assert run(engine_check.main, ["--tp", "two"], engine_check.PROG) == 2
+    with pytest.raises(Built) as built:  # TRL's names only: the kit's old --tp and --max-tokens are gone
+        engine_check.main(["--model", "m", "--vllm-tensor-parallel-size", "2", "--max_completion_length", "6",
+                           "--sampled", "--push", "--out-dir", "d"])
+    model, s = built.value.args
+    assert (model, s.vllm_tensor_parallel_size, s.max_completion_length) == ("m", 2, 6)
+    assert run(engine_check.main, ["--vllm-tensor-parallel-size", "two"], engine_check.PROG) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith("--tp: invalid int value: 'two'"), err
+    assert len(err) == 1 and err[0].endswith("invalid int value: 'two'"), err
+    assert run(engine_check.main, ["--tp", "2"], engine_check.PROG) == 2
 
 
 @pytest.mark.slow
@@ -165,7 +166,8 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.colocate.engine_check", "--tp", "2", "--sampled", "--push", "--max-tokens", "6",
+           "-m", "colo_kit.colocate.engine_check", "--vllm-tensor-parallel-size", "2", "--sampled", "--push",
+           "--max-completion-length", "6",
            "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

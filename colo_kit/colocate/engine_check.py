@@ -1,5 +1,6 @@
 """The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
-colo_kit.colocate.engine_check --tp 2 [--sampled] [--push]`.
+colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled]
+[--push]`.
 
 Every process builds a `ColocatedEngine`, generates greedily (and, with `--sampled`, samples the
 whole TP group's prompts at temperature 1), and prints one JSON line per rank: rank, seed, TP
@@ -25,8 +26,8 @@ class CheckArgs:
     """The check's settings, in TRL's GRPOConfig names where TRL has the setting."""
 
     model: str = field(default="tiny", metadata={"help": "a preset, a model folder or a hub id"})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine", "aliases": ["--tp"]})
-    max_completion_length: int = field(default=8, metadata={"help": "tokens per completion", "aliases": ["--max-tokens"]})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
+    max_completion_length: int = field(default=8, metadata={"help": "tokens per completion"})
     sampled: bool = field(default=False, metadata={"help": "also sample at temperature 1 with the TP seed"})
     push: bool = field(default=False, metadata={"help": "also push the model's own weights, then perturbed ones"})
     out_dir: str | None = field(default=None, metadata={
