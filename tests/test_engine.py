@@ -137,7 +137,7 @@ def test_peft_push_merges_the_adapter(engine, hf_model):
     assert engine.probe()["token_ids"] == base["token_ids"]
 
 
-def test_the_check_command_takes_trls_names_and_its_own_spellings(monkeypatch, capsys):
+def test_the_check_command_takes_trls_names_only(monkeypatch, capsys):
     from colo_kit.commands import run
     from colo_kit.colocate import engine_check
 
