@@ -259,18 +259,6 @@ def test_the_committed_summary_is_what_the_records_give_now():
                                       "merge --into results/speed_1xh200.json --out results/speed_1xh200.json`")
 
 
-# Measured peaks the planner does not yet predict within 10%: the configuration, and what a run still owes.
-# Batch 32 misses by the PyTorch caching allocator's reserve, not by what tensors hold: at f024d00 PyTorch's
-# allocated peak was 98.2-98.5 GiB (the planner says 104.8) but its reserved peak 119.5-122.6, 21-24 GiB above
-# allocated, against 6.4 at batch 8 (recipe) and 2.9 for the defaults. At 8518be0 (7B, bfloat16) the reserve was
-# 2.3 GiB with checkpointing and 9.0-9.1 without. Against the planner's activations + logits the reserve is 0.60
-# (1.5B, batch 8), 0.58 (batch 32) and 0.57 (7B, checkpointing), but 0.44 at 7B without checkpointing, where the
-# planner adds 16.6 GiB of activations for turning checkpointing off and PyTorch's allocated peak grew 4.6-5.0 GiB
-# (3.3-3.6x less). A lead for the owed term (arithmetic on these records, not yet in the planner): counting the
-# step's transient as max(activations + logits, gradients) instead of their sum (gradients grow in backward as
-# activations are freed; TRL zeroes them to None) gives PyTorch's allocated peak within 3% for all five groups
-# (1.5B and 7B, checkpointing on and off, batch 8 and 32), and a reserve of 0.60 x (activations + logits), fitted on
-# the 1.5B recipe alone, then puts every group's NVML peak within 5%, batch 32 and both 7B groups out of sample.
 def _planner_errors() -> list[tuple]:
     """The newest seed-0 record of each configuration and model against the planner's peak for that configuration as
     the kit defines it now: an older record of the same name may have run an older definition (batch32 at 15a2adc

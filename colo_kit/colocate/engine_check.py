@@ -1,6 +1,5 @@
 """The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
-colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled]
-[--push]`.
+colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled] [--push]`.
 
 Every process builds a `ColocatedEngine`, generates greedily (and, with `--sampled`, samples the
 whole TP group's prompts at temperature 1), and prints one JSON line per rank: rank, seed, TP

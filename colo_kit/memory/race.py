@@ -97,8 +97,8 @@ def _summarize_one(records: list[dict]) -> dict:
     for r in records:
         by.setdefault(r["config"], []).append(r)
     base = sorted(by.get("trl_defaults", []), key=lambda r: r["seed"])
-    # a race without the defaults (a configuration run again alone) takes its threshold from the first seed of
-    # its own first configuration: every run starts from the same random model, so the start is the same
+    # a race without the defaults (a configuration run again alone) takes its threshold from its lowest seed
+    # (ties by name): every run starts from the same random model, so the start is the same
     start = base[0] if base else min(records, key=lambda r: (r["seed"], r["config"]))
     target = threshold(start)
     base_tps = [r["steady"]["completion_tokens_per_s"] for r in base]

@@ -78,7 +78,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
          "yours: a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.3-3.7x the tokens/s, "
          "1.02-1.68x sooner to the threshold; with steps_per_generation 8: 5.1-5.3x, from 3.2x longer to 1.13x "
-         f"sooner; measured, {MEASURED}); batch 32 without recomputing activations peaks near 121-124 GiB"),
+         f"sooner; batch 32 without recomputing activations peaked at 121-124 GiB; measured, {MEASURED})"),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
@@ -97,7 +97,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B seven of eight on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
          "reached the reward threshold, while five of six seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (three "
-         f"races; the sixth got stuck the same way at step 6; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
+         f"races; the sixth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
          "TRL's default, on-policy: at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "
          "batch 8 but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), "
