@@ -102,6 +102,13 @@ SIDE = {
     # a generation of 32 costs about what one of 8 does (results/gen_latency_1xh200.json); still on-policy
     "batch32_on_policy": ("bucketed_push", "per_device_train_batch_size=32",
                           {"per_device_train_batch_size": 32}, {}),
+    # steps on a stale generation learn little under DAPO's clip: a token whose ratio left [0.8, 1.2] in the
+    # direction of its advantage gives no gradient. CISPO (TRL's loss_type="cispo") clips the importance weight and
+    # keeps every token's gradient, so the 7 stale steps of each spg8 cycle might count as fresh ones do
+    "cispo_spg8": ("spg8", "loss_type='cispo', epsilon_high=5.0", {"loss_type": "cispo", "epsilon_high": 5.0}, {}),
+    "cispo_b16": ("spg8", "per_device_train_batch_size=16, loss_type='cispo', epsilon_high=5.0",
+                  {"per_device_train_batch_size": 16, "loss_type": "cispo", "epsilon_high": 5.0}, {}),
+    "cispo_b32": ("batch32", "loss_type='cispo', epsilon_high=5.0", {"loss_type": "cispo", "epsilon_high": 5.0}, {}),
 }
 RECIPE = "recipe"
 ADDS = {**{c[0]: c[1] for c in CHAIN}, **{k: f"{v[0]} + {v[1]}" for k, v in SIDE.items()},
