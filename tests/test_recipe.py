@@ -47,7 +47,12 @@ def test_trls_parser_loads_every_field_with_its_reason(settings, tmp_path):
 def test_speed_choices_follow_what_fits():
     roomy = dict(recipe(model="qwen2.5-1.5b")["fields"] and {k: v for k, v, _ in recipe(model="qwen2.5-1.5b")["fields"]})
     assert roomy["gradient_checkpointing"] is False and roomy["vllm_enable_sleep_mode"] is False
-    assert roomy["vllm_gpu_memory_utilization"] == 0.3 and roomy["steps_per_generation"] is None
+    assert roomy["vllm_gpu_memory_utilization"] == 0.3
+    # below 7B: one generation for 8 steps under CISPO, at a batch of at least 16 (cispo_b16 in the H200 race)
+    assert (roomy["steps_per_generation"], roomy["loss_type"], roomy["epsilon_high"]) == (8, "cispo", 5.0)
+    assert roomy["per_device_train_batch_size"] == 16
+    assert {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", per_device_train_batch_size=32)["fields"]}[
+        "per_device_train_batch_size"] == 32  # a bigger batch of the learner's own is kept
     # a 40 GiB GPU cannot hold 1.5B's fp32 training state, activations of batch 16 and a 0.3 engine at once
     tight = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=40.0, per_device_train_batch_size=16)["fields"]}
     assert tight["vllm_gpu_memory_utilization"] != 0.3 or tight["vllm_enable_sleep_mode"] \
@@ -55,15 +60,16 @@ def test_speed_choices_follow_what_fits():
 
 
 def test_the_recipe_shares_a_generation_between_two_steps_from_7b_up(tmp_path):
-    """On-policy below 7B, steps_per_generation=2 from 7B up, as TRL reads the YAML; and the 7B races in
+    """CISPO on 8 steps per generation below 7B, steps_per_generation=2 under TRL's loss from 7B up, as TRL reads
+    the YAML; and the 7B races in
     results/speed_1xh200.json say what the reason says: seven of eight on-policy seeds never reached the
     threshold, five of six seeds with 2 did. A seed is counted by the steps_per_generation it ran with, not by
     its configuration's name: the runs named `recipe` were on-policy until the recipe changed."""
     small = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b")["fields"]}
     big = recipe(model="qwen2.5-7b", train_dtype="bfloat16")
-    assert small["steps_per_generation"] is None
+    assert small["steps_per_generation"] == 8 and small["loss_type"] == "cispo"
     config = _parse(tmp_path, to_yaml(big))
-    assert config.steps_per_generation == 2
+    assert config.steps_per_generation == 2 and config.loss_type == "dapo"
     assert config.generation_batch_size == 2 * config.per_device_train_batch_size
     why = next(w for k, _, w in big["fields"] if k == "steps_per_generation")
     assert "seven of eight" in why and "five of six" in why
@@ -98,15 +104,20 @@ def test_server_mode_is_refused_with_the_fix():
 
 
 def test_recipe_peak_is_within_10pct_of_the_h200_run_of_its_settings():
-    """The recipe for 1.5B at batch 8 on one H200 is the speed chain's `bucketed_push` configuration
-    (no checkpointing, u 0.3, no sleep, one-call push): its NVML peak, measured, against the recipe's prediction."""
+    """The recipe for 1.5B on one H200 is the race's `cispo_b16` configuration (batch 16, 8 steps per generation,
+    CISPO, no checkpointing, u 0.3, no sleep, one-call push): its seed-0 NVML peak, measured, against the recipe's
+    prediction."""
+    from colo_kit.memory import speed
+
     r = recipe(model="qwen2.5-1.5b", per_device_train_batch_size=8, max_completion_length=256)
     chosen = {k: v for k, v, _ in r["fields"]}
+    race_fields = speed.config("cispo_b16")[0]
+    assert all(chosen[k] == v for k, v in race_fields.items()), race_fields
     assert (chosen["gradient_checkpointing"], chosen["vllm_gpu_memory_utilization"], chosen["vllm_enable_sleep_mode"]) \
         == (False, 0.3, False)
     result = json.loads((REPO_ROOT / "results" / "speed_1xh200.json").read_text())
     peaks = [rec["nvml_peak_gib"] for rec in result["records"]
-             if rec["config"] == "bucketed_push" and rec["seed"] == 0]
+             if rec["config"] == "cispo_b16" and rec["seed"] == 0]
     assert peaks
     for peak in peaks:
         assert abs(r["peak_gib_per_gpu"] / peak - 1) <= 0.10, (r["peak_gib_per_gpu"], peak)

@@ -69,7 +69,7 @@ def reserve_ratios(results_dir: Path | None = None) -> list[dict]:
     """How much PyTorch's caching allocator reserved above its live tensors, per GiB of the step's activations and
     logits (the planner's), in every one-H200 race record that carries PyTorch's own peaks
     (results/speed_1xh200.json). Their median sets FITTED["ALLOCATOR_RESERVE"]; the NVML peaks stay out of it."""
-    from colo_kit.memory.speed import planner_parts
+    from colo_kit.memory.speed import planner_estimate_for_record
     from colo_kit.paths import results_dir as _rd
 
     result = json.loads((Path(results_dir or _rd()) / "speed_1xh200.json").read_text())
@@ -78,7 +78,7 @@ def reserve_ratios(results_dir: Path | None = None) -> list[dict]:
         torch_peak = r.get("torch_peak_gib")
         if not torch_peak:
             continue
-        training = planner_parts(r["config"], r["model"])["training"]
+        training = planner_estimate_for_record(r)["parts"]["training"]
         step = training["activations"] + training["logits"]
         out.append({"config": r["config"], "model": r["model"], "seed": r["seed"], "commit": r.get("commit"),
                     "step_gib": step, "reserve_gib": round(torch_peak["reserved"] - torch_peak["allocated"], 2),

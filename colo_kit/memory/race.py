@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import statistics
 
-from colo_kit.memory.speed import ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_peak_for, window_mean
+from colo_kit.memory.speed import (ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
+                                    window_mean)
 
 
 def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
@@ -78,10 +79,10 @@ def first_race(result: dict, model: str, learning_rate: float) -> str:
 
 
 def _planner_now(record: dict) -> float | None:
-    """The planner's peak for a record's configuration as the planner is now (the record keeps the one of its
-    day); the recorded one where the configuration is not the kit's."""
+    """The planner's peak, as the planner is now, for the settings a record ran with (the record keeps the one of
+    its day); the recorded one where the model is not the kit's."""
     try:
-        return planner_peak_for(record["config"], record["model"])
+        return planner_estimate_for_record(record)["peak_gib_per_gpu"]
     except (KeyError, ValueError):
         return record["planner_peak_gib"]
 

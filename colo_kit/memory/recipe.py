@@ -10,12 +10,14 @@ section 7), and the comments say which run each one rests on:
 - `vllm_gpu_memory_utilization: 0.3` when the plan fits with it (measured there), else the planner's share;
   a bigger KV cache does not generate faster once every sequence of a generation fits;
 - no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
-- `steps_per_generation` by model size: below 7B left at TRL's default (on-policy): at 1.5B, 2 and 4 gave
-  1.8-2.4x the tokens/s but needed as many generations to the reward threshold as on-policy runs, so got there no
-  sooner (the reward moves per generation, not per optimizer step); from 7B up, 2: at 7B seven of eight
-  on-policy seeds (three races) stopped learning within 13 steps (eight identical completions per prompt, so no
-  advantage left) and never reached the reward threshold, while five of six seeds with 2 did (three races);
-- the per-device batch is the learner's: 32 bought 3.3-5.3x the tokens/s but not reliably time to the reward;
+- below 7B, one generation for 8 optimizer steps under CISPO (`loss_type: cispo`, `epsilon_high: 5.0`) at a
+  per-device batch of at least 16: under TRL's default loss the stale steps taught little (the reward moved per
+  generation: 2, 4 and 8 steps per generation needed as many generations as on-policy runs), while CISPO keeps
+  every token's gradient and clips only its importance weight, and at 1.5B all four seeds reached the reward
+  threshold in 5-6 generations at 5x the tokens/s (at batch 8 one of two seeds got stuck);
+- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B seven of eight on-policy seeds (three
+  races) stopped learning within 13 steps (eight identical completions per prompt, so no advantage left) and never
+  reached the reward threshold, while five of six seeds with 2 did (three races); CISPO has not run at 7B;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
 
@@ -31,10 +33,11 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, 
 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
-# From this many parameters the recipe shares each generation between two optimizer steps: measured at 7B (7.6B
-# parameters), where seven of eight on-policy seeds got stuck and one of six with steps_per_generation=2 did; at
-# 1.5B it bought no time.
+# From this many parameters the recipe shares each generation between two optimizer steps under TRL's default loss:
+# measured at 7B (7.6B parameters), where seven of eight on-policy seeds got stuck and one of six with
+# steps_per_generation=2 did. Below it, CISPO on one generation for 8 steps (measured at 1.5B only).
 STALE_FROM_PARAMS = 7e9
+CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
 
 
 def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
@@ -68,17 +71,27 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
             chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
             ckpt_why = "without it the activations do not fit (modelled)"
     big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
-    if big and fits(replace(chosen, steps_per_generation=2)):  # the engine then holds two steps' sequences
-        chosen = replace(chosen, steps_per_generation=2)
+    asked_batch = chosen.per_device_train_batch_size
+    # the engine then holds every sequence of the steps that share one generation
+    stale = replace(chosen, steps_per_generation=2) if big else \
+        replace(chosen, steps_per_generation=CISPO_STEPS, per_device_train_batch_size=max(asked_batch, CISPO_MIN_BATCH))
+    cispo = False
+    if fits(stale):
+        chosen, cispo = stale, not big
     est = estimate(chosen)
     u = chosen.vllm_gpu_memory_utilization
     fields += [
         ("use_vllm", True, "generation with vLLM"),
         ("vllm_mode", "colocate", "vLLM inside each training process: no GPU waits for another (notebook 01)"),
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
-         "yours: a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.3-3.7x the tokens/s, "
-         "1.02-1.68x sooner to the threshold; with steps_per_generation 8: 5.1-5.3x, from 3.2x longer to 1.13x "
-         f"sooner; batch 32 without recomputing activations peaked at 121-124 GiB; measured, {MEASURED})"),
+         (f"raised from {asked_batch}: " if chosen.per_device_train_batch_size
+          != asked_batch else "yours: ") +
+         ("under CISPO with 8 steps per generation, batch 16 gave 4.97x the tokens/s at 1.5B and all four seeds "
+          "reached the threshold; batch 8 gave 3.12x and one of two seeds got stuck; batch 32 gave 5.70x, but its "
+          f"steps took twice as long, so the threshold came 1.1-1.7x sooner (measured, {MEASURED})" if cispo else
+          "a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.0-3.7x the tokens/s, "
+          "1.02-1.68x sooner to the threshold; batch 32 without recomputing activations peaked at 121-124 GiB; "
+          f"measured, {MEASURED})")),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
@@ -94,15 +107,29 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          "the trainer needs the engine's memory: TRL sleeps at level 2 and pushes the weights again on waking"),
         ("vllm_tensor_parallel_size", chosen.vllm_tensor_parallel_size,
          "the smallest TP whose share of the vLLM weights fits (TP slows small models down: notebook 03)"),
+        ("steps_per_generation", CISPO_STEPS,
+         "one generation for 8 optimizer steps: under TRL's default loss 2, 4 and 8 steps per generation needed as "
+         "many generations to the threshold as on-policy runs at 1.5B, since a token whose importance ratio left "
+         "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 5-6 "
+         "generations on four of four seeds, 17.9-25.2 s against TRL's defaults' 30.7-54.3 s in the same race "
+         f"(1.4-2.4x sooner per seed; measured, {MEASURED})") if cispo else
         ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B seven of eight on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
          "reached the reward threshold, while five of six seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (three "
          f"races; the sixth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
-         "TRL's default, on-policy: at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "
+         f"TRL's default, on-policy, since 8 steps per generation at batch {CISPO_MIN_BATCH} or more do not fit "
+         "(modelled): at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "
          "batch 8 but needed as many generations to the reward threshold (2: 33-38, 4: 33-36, on-policy runs 26-63), "
          "each generation cycle longer, so it got there no sooner (4: in 82 s against the defaults' 37 s; measured, "
          f"{MEASURED}); from 7B up the recipe takes 2"),
+        ("loss_type", "cispo", "CISPO (MiniMax-M1): clips each token's importance weight (at epsilon_high) and keeps "
+         "its gradient, so the 7 steps on a stale generation still teach; TRL's default ('dapo') drops the "
+         "gradient of tokens whose ratio left its clip range") if cispo else
+        ("loss_type", "dapo", "TRL's default" + ("; CISPO, which the recipe takes below 7B, has not run at this size"
+                                                 if big else "")),
+        *([("epsilon_high", 5.0, "CISPO's cap on the importance weight, TRL's recommended value for it")]
+          if cispo else []),
         ("generation_kwargs", {"detokenize": False}, "TRL reads vLLM's token ids and decodes them itself"),
         ("vllm_importance_sampling_correction", True,
          "TRL's default: corrects for vLLM sampling from a slightly different distribution than the trainer "

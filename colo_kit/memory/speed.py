@@ -338,6 +338,17 @@ def _planner_estimate_for(name: str, model: str, max_completion_length: int) -> 
                             2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
 
 
+def planner_estimate_for_record(rec: dict) -> dict:
+    """The planner's estimate for the settings a race record ran with (its own `grpo_config`, not what its
+    configuration's name means now: the runs named `recipe` ran each recipe of their day)."""
+    g = rec["grpo_config"]
+    sleeps = bool(g.get("vllm_enable_sleep_mode") or g.get("sleep"))  # `sleep`: the kit's name before 40e0da9
+    return planner_estimate(rec["model"], g["per_device_train_batch_size"], g.get("gradient_checkpointing", True),
+                            g.get("max_completion_length", TASK["max_completion_length"]),
+                            g.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
+                            2 if sleeps else 0, bool(sleeps and (rec.get("kit_knobs") or {}).get("kv_only_sleep")))
+
+
 def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
     """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
     level 2, or the KV cache only)."""
