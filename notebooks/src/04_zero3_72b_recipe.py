@@ -359,7 +359,8 @@ show()
 # TRL's colocate defaults, then `gradient_checkpointing=False`, `generation_kwargs={"detokenize": False}`, the weight
 # push in one `load_weights` call (`colo_kit.colocate.bucketed_push`), `steps_per_generation=8`, per-device batch 32.
 # Beside the chain, each on top of the one-call push (`speed.SIDE`): the recipe `colo-kit plan --recommend` writes,
-# `steps_per_generation` 2 and 4, `num_iterations` 2 and 4, an on-policy batch of 32, and two ways to sleep.
+# `steps_per_generation` 2 and 4, `num_iterations` 2 and 4, an on-policy batch of 32, two ways to sleep, and CISPO
+# (`loss_type="cispo"`) on `steps_per_generation=8` at batch 8, 16 and 32.
 # Two numbers per configuration, because a faster token is not a faster lesson:
 #
 # - **completion tokens/s**, steady state: whole generation cycles, the first left out;
@@ -382,7 +383,28 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **The newest race: the recipe as `colo-kit plan --recommend` writes it** (80 s per seed, learning rate 5e-4,
+# - **The newest race: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
+#   seeds of the defaults, each seed stopped once its running mean passed the threshold; measured,
+#   `results/speed_1xh200.json`). Under TRL's default loss a step on a stale generation teaches little: a token
+#   whose importance ratio has left [0.8, 1.2] in the direction of its advantage gives no gradient, so the
+#   races below needed as many generations with 2, 4 or 8 steps per generation as on-policy. CISPO
+#   (`loss_type="cispo"`, `epsilon_high=5.0`) clips the importance weight instead and keeps every token's gradient.
+#   The defaults ran at 1,692–1,877 tokens/s and reached the threshold in 44.2, 54.3, 33.2 and 30.7 s (39, 44, 27
+#   and 24 generations).
+#   - CISPO, 8 steps per generation, batch 16 (`cispo_b16`, what the recipe now writes below 7B): 4.97× the
+#     tokens/s; all four seeds reached the threshold in 5 or 6 generations, in 18.6, 25.2, 23.5 and 17.9 s:
+#     2.38×, 2.16×, 1.41× and 1.71× sooner than the defaults' same seed. A step took 0.43–0.51 s: a generation of
+#     128 completions (1.7 s) shared by 8 steps, 0.18 s of training and one push per 8 steps.
+#   - Batch 32 (`cispo_b32`): 5.70× the tokens/s, but a step took 0.80–0.83 s, so 1.14× and 1.74× sooner.
+#   - Batch 8 (`cispo_spg8`): 3.12× the tokens/s; seed 1 got there in 15.2 s (3.57× sooner), seed 0 got stuck at
+#     −2,540 from step 49 and never did.
+#
+#   So the recipe's configuration meets 4× the tokens/s and misses 2.5× sooner: by 1.05× on seed 0 and 1.16× on
+#   seed 1, more on seeds 2 and 3, where the defaults learned faster. The time is now steps × step time: about as
+#   many optimizer steps as on-policy (40–48), each 2.3× shorter. Its NVML peaks, 84.7–94.2 GiB, sit beside the
+#   planner's 92.1; batch 32's, 105.2 and 105.6 GiB, sit 17% under the planner's 122.7, the planner's one miss over
+#   10% (PyTorch's allocator reserved 5 GiB above the tensors there, where batch 32 under TRL's loss reserved 21–24).
+# - **The race before: the on-policy recipe** (80 s per seed, learning rate 5e-4,
 #   at 33d43ba, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). The defaults ran at 2,157–2,210 tokens/s. Their seed 1 reached the threshold in
 #   44.3 s (45 generations); their seed 0 got stuck at step 23 (eight identical completions per prompt, reward
@@ -396,7 +418,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #   So the recipe falls short of 4× the tokens/s at 1.5B by a factor of 3.7 and of 2.5× sooner by 1.9 on the seed
 #   where the defaults learned; batch 32 by 1.3 and 1.9. Generation is 0.60–0.69 s of the recipe's 0.81–0.93 s
 #   step, and at batch 8 no knob of the recipe makes one generation shorter.
-# - **The race before: every knob at one commit** (80 s per seed, learning rate 5e-4, at f024d00, each seed
+# - **Two races before: every knob at one commit** (80 s per seed, learning rate 5e-4, at f024d00, each seed
 #   stopped once its running mean passed the threshold; measured, `results/speed_1xh200.json`). The defaults
 #   reached the threshold in 55.3 and 45.0 s (58 and 48 generations) at 2,048–2,262 tokens/s.
 #   - **On-policy batch 32**: 3.29× the tokens/s and 1.68× and 1.46× sooner (28 and 27 generations): the best
@@ -474,8 +496,9 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
 #   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is
 #   generation: 256 decode steps of 8 sequences take about 0.6 s whatever else changes.
-# - **The planner holds, batch 32 included:** the newest seed-0 NVML peak of every configuration (17 at 1.5B and
-#   7B) is within 4.2% of the prediction (measured against modelled). It took one more part. PyTorch's own peaks
+# - **The planner holds, batch 32 included:** the newest seed-0 NVML peak of every configuration run before the
+#   CISPO race (17 at 1.5B and 7B) is within 4.2% of the prediction (measured against modelled); with it, all but
+#   CISPO at batch 32 within 8.6%. It took one more part. PyTorch's own peaks
 #   showed batch 32's tensors at 98.2–98.5 GiB and its caching allocator keeping 21–24 GiB more reserved above
 #   them (2.9 GiB for the defaults, 6.4 for the recipe at batch 8), which the planner did not count: it had
 #   predicted 104.8 GiB against 120.9 and 124.2. It now adds 0.6 GiB of reserve per GiB of activations and logits
@@ -530,8 +553,8 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 # - **So the recipe changed at 7B.** The rows named `recipe` in this race and the ones before ran the on-policy
 #   recipe; over those three races, seven of eight on-policy seeds (the defaults' and the recipe's) never got past
 #   the threshold, and all four `steps_per_generation=2` seeds did. `colo-kit plan --recommend` now writes
-#   `steps_per_generation: 2` from 7B up (its reason says why); at 1.5B it stays on-policy, where 2 bought tokens/s
-#   but no time. The newest race ran that recipe under the name `recipe`: with its two seeds, five of six
+#   `steps_per_generation: 2` from 7B up (its reason says why); below 7B it now takes CISPO on 8 steps per
+#   generation (the newest 1.5B race, above), which has not run at 7B. The newest race ran that recipe under the name `recipe`: with its two seeds, five of six
 #   `steps_per_generation=2` seeds have reached the threshold. Less stuck, not never stuck.
 #
 # Two seeds per configuration are few, but the two older races (at 0cfd418 and baa0b71, 120 s per seed; measured,
@@ -571,7 +594,8 @@ pd.DataFrame(speed.latency_table(latency))
 # - **So on-policy has a floor.** One cycle is at least one generation (~0.65 s), one push (0.03 s) and one training
 #   step (0.12 s without recomputing activations): about 0.8 s against the defaults' 0.89–1.30 s per step in the
 #   races, at most about 1.1–1.6× sooner if every run needs as many generations (modelled from these measured
-#   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one.
+#   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one: CISPO's 5–6 generations of
+#   8 steps each (the newest race) are that.
 
 # ### Break it · pick the memory share by hand
 #
