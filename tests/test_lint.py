@@ -131,3 +131,10 @@ def test_no_import_circle_even_through_imports_inside_functions():
     assert "colo_kit.commands" in graph["colo_kit.env"]
     cycle = _a_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_kit_module_is_over_450_lines():
+    """One idea per module: a module past 450 lines is two ideas waiting to be split."""
+    long = {str(p.relative_to(REPO_ROOT)): n for p in (REPO_ROOT / "colo_kit").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long

@@ -1,17 +1,17 @@
 """Memory planner: will this GRPO run fit on these GPUs, and with which settings?
 
-The question behind TRL's colocate OOM reports (#2688, #3128): a colocated vLLM engine and the trainer
-share each GPU, so `vllm_gpu_memory_utilization`, the sleep level, vLLM's tensor parallelism, the ZeRO
-stage and CPU offload decide together whether a step runs out of memory. This module estimates the
-per-GPU memory of a TRL `GRPOTrainer` step, part by part, in its two phases:
+The question behind TRL's colocate OOM reports (#2688, #3128): a colocated vLLM engine and the trainer share each GPU,
+so `vllm_gpu_memory_utilization`, the sleep level, vLLM's tensor parallelism, the ZeRO stage and CPU offload decide
+together whether a step runs out of memory. This module estimates the per-GPU memory of a TRL `GRPOTrainer` step, part
+by part, in its two phases:
 
 - generation: the vLLM engine awake (`u × GPU memory`: weights, KV cache, its own activations) beside
   what the trainer keeps between steps (weights, optimizer states, what the allocator cannot return);
 - training: forward + backward + optimizer step, with the engine asleep (sleep level 1 or 2) or still
   holding `u × GPU memory` (no sleep).
 
-It then says whether the peak fits and recommends settings: the smallest TP, the sleep level, the highest
-safe `vllm_gpu_memory_utilization`, ZeRO-3 and optimizer offload when the training state alone is too big.
+It then says whether the peak fits and recommends settings: the smallest TP, the sleep level, the highest safe
+`vllm_gpu_memory_utilization`, ZeRO-3 and optimizer offload when the training state alone is too big.
 
 What TRL 1.16 really keeps (read in its source, not assumed):
 - A model given by path is loaded in **float32** unless `model_init_kwargs={"dtype": ...}` says otherwise;
@@ -22,8 +22,8 @@ What TRL 1.16 really keeps (read in its source, not assumed):
   gradient of the LM head weight.
 - With sleep mode TRL sleeps at level 2 and calls `torch.cuda.empty_cache()` before each wake-up.
 
-Each constant below is either set from a physical fact or fitted; `results/planner_validation.json`
-says which, against which measured rows, and the error on every row.
+Each constant below is either set from a physical fact or fitted; `results/planner_validation.json` says which,
+against which measured rows, and the error on every row.
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ FITTED = {
     # fraction of the step's freed memory that empty_cache() cannot hand back before vLLM wakes up
     # (allocator segments pinned by tensors allocated among them, e.g. the optimizer states)
     "KEPT_AFTER_EMPTY_CACHE": 0.2,
-    # what PyTorch's caching allocator reserves above its live tensors in a step, per byte of activations and
-    # logits: freed blocks of many sizes that later, differently sized requests cannot reuse. Set from PyTorch's
-    # own peaks (reserved minus allocated; median 0.60, range 0.44-0.63 where the activations are large), not
-    # fitted to NVML: `planner_validation.reserve_ratios`
+    # PyTorch's caching allocator's reserve above its live tensors in a step, per byte of activations and logits
+    # (freed blocks later requests cannot reuse): the median of its own peaks, `planner_validation.reserve_ratios`,
+    # not fitted to NVML; 0.44-0.63 where activations are large, but 0.13-0.14 in 5 of 6 CISPO runs at batch >= 16
     "ALLOCATOR_RESERVE": 0.6,
 }
 
