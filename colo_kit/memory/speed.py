@@ -334,11 +334,8 @@ def planner_estimate(model: str, batch: int, gradient_checkpointing: bool,
 
 def _planner_estimate_for(name: str, model: str, max_completion_length: int) -> dict:
     fields, knobs = config(name, model)
-    sleeps = fields.get("vllm_enable_sleep_mode", False)
-    return planner_estimate(model, fields["per_device_train_batch_size"], fields.get("gradient_checkpointing", True),
-                            max_completion_length,
-                            fields.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
-                            2 if sleeps else 0, bool(sleeps and knobs.get("kv_only_sleep", False)))
+    return planner_estimate_for_record({"model": model, "kit_knobs": knobs,
+                                        "grpo_config": {**fields, "max_completion_length": max_completion_length}})
 
 
 def planner_estimate_for_record(rec: dict) -> dict:
