@@ -306,16 +306,22 @@ def test_the_planner_misses_are_within_10pct():
 def test_the_planners_tensors_and_reserve_each_match_pytorchs_own_peaks():
     """The two halves of the planner's training peak, each against what PyTorch itself reported in the same run:
     its tensors (everything but the allocator's reserve) against `max_memory_allocated`, within 10%; the reserve
-    against `max_memory_reserved` minus that, within 6 GiB of the range the configuration's seeds reserved in one
-    race (one configuration's seeds reserved from 2.9 to 12.2 GiB), where batch 32 reserved 21-24 GiB and batch 8 3-6.
-    PLANNER_MISSES are left to their strict xfail."""
+    against `max_memory_reserved` minus that, within 6 GiB of the range reserved by every seed the planner cannot
+    tell apart from it (the same model and training estimate, any race or name): the reserve is not a function of
+    the settings alone, since CISPO at batch 16 reserved 2.7-3.1 GiB in seven seeds and 12.2 in one, where batch 32
+    under TRL's loss reserved 21-24 GiB and batch 8 3-6. PLANNER_MISSES are left to their strict xfail."""
     result = json.loads(RESULT.read_text())
     recs = [r for r in result["records"] if r.get("torch_peak_gib")]
     assert len({(r["config"], r["model"]) for r in recs}) >= 8
     seen: dict = {}
+
+    def alike(r):
+        training = speed.planner_estimate_for_record(r)["parts"]["training"]
+        return r["model"], tuple(sorted((k, round(v, 3)) for k, v in training.items()))
+
     for r in recs:
-        seen.setdefault((r["config"], r["model"], r["commit"]), []).append(
-            r["torch_peak_gib"]["reserved"] - r["torch_peak_gib"]["allocated"])
+        seen.setdefault(alike(r), []).append(r["torch_peak_gib"]["reserved"] - r["torch_peak_gib"]["allocated"])
+    assert max(len(v) for v in seen.values()) >= 8  # the recipe's records and cispo_b16's are one group
     for r in recs:
         training = speed.planner_estimate_for_record(r)["parts"]["training"]
         reserve = training["allocator_reserve"]
@@ -326,7 +332,7 @@ def test_the_planners_tensors_and_reserve_each_match_pytorchs_own_peaks():
             (r["config"], r["model"], tensors, allocated)
         if (r["config"], r["model"]) in PLANNER_MISSES:
             continue
-        spread = seen[(r["config"], r["model"], r["commit"])]
+        spread = seen[alike(r)]
         assert min(spread) - 6 <= reserve <= max(spread) + 6, (r["config"], r["model"], reserve, spread)
 
 
@@ -365,23 +371,13 @@ def test_committed_chain_has_raw_step_times_hardware_and_versions():
         assert part["env"]["versions"]["trl"] == "1.16.0"
 
 
-@pytest.mark.xfail(strict=True, reason="owed: a recipe that is >= 4x TRL's defaults in tokens/s and >= 2.5x faster to "
-                                       "the threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
-                                       "one H200. At e271166, the newest race, CISPO on 8 steps per generation at batch "
-                                       "16 (what the recipe now writes below 7B) 4.97x in tokens/s and 2.38x / 2.16x "
-                                       "sooner (1.41x / 1.71x on seeds 2 and 3): short by 1.05x and 1.16x; batch 32 "
-                                       "5.70x and 1.14x / 1.74x. At 33d43ba the on-policy recipe 1.08x and 1.32x / >= 2.35x "
-                                       "and batch32_on_policy 3.01x and 1.34x / >= 2.32x (the defaults' seed 0 stuck). "
-                                       "Nearest in results/speed_1xh200.json: at f024d00 (80 s per seed, each "
-                                       "seed stopping past the threshold) batch32_on_policy 3.29x and 1.68x / 1.46x, "
-                                       "batch32 (steps_per_generation 8, seed 0) 5.27x and 1.13x in 9 generations, "
-                                       "spg8 2.91x and 1.24x, the recipe 1.23x and 1.43x / 1.16x; at 05ffdbb "
-                                       "batch32_on_policy 3.69x in tokens/s and 1.02x / 1.50x in time, the recipe 1.53x "
-                                       "and 1.11x / 1.40x, num_iterations=2 1.21x and 1.16x / 1.40x; num_iterations=4 "
-                                       "needed 56-65 generations against the defaults' 31-50 (0.47x / 0.65x). The reward "
-                                       "moves per freshly sampled generation (on-policy 26-63 generations, "
-                                       "steps_per_generation 2 and 4 33-38) and one generation takes 0.65-0.77 s alone "
-                                       "(results/gen_latency_1xh200.json), so on-policy tops out near 1.6x (modelled)")
+@pytest.mark.xfail(strict=True, reason="owed: a recipe >= 4x TRL's defaults in tokens/s and >= 2.5x sooner to the "
+                                       "threshold for both seeds at 1.5B, from one `bash scripts/gpu/speed.sh` run on one "
+                                       "H200. The newest race (32f45d7): the recipe (CISPO, 8 steps per generation, batch "
+                                       "16) 4.90x and 2.00x / 2.48x, short by 1.25x and 1.01x; 16 steps per generation "
+                                       "5.25x and 1.43x / 1.94x. The same settings at e271166: 4.97x and 2.38x / 2.16x "
+                                       "(1.41x / 1.71x on seeds 2 and 3). Under TRL's default loss no configuration came "
+                                       "near: the reward moved per freshly sampled generation (notebook 04, section 7)")
 def test_some_configuration_meets_both_speed_goals_for_both_seeds():
     result = json.loads(RESULT.read_text())
     met = []

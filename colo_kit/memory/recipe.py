@@ -13,11 +13,12 @@ section 7), and the comments say which run each one rests on:
 - below 7B, one generation for 8 optimizer steps under CISPO (`loss_type: cispo`, `epsilon_high: 5.0`) at a
   per-device batch of at least 16: under TRL's default loss the stale steps taught little (the reward moved per
   generation: 2, 4 and 8 steps per generation needed as many generations as on-policy runs), while CISPO keeps
-  every token's gradient and clips only its importance weight, and at 1.5B all four seeds reached the reward
-  threshold in 5-6 generations at 5x the tokens/s (at batch 8 one of two seeds got stuck);
-- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B seven of eight on-policy seeds (three
+  every token's gradient and clips only its importance weight, and at 1.5B all six seeds of two races reached the
+  reward threshold in 5-6 generations at 4.9-5.0x the tokens/s, 1.41-2.48x sooner than the defaults' same seed (at
+  batch 8 one of two seeds got stuck; 16 steps per generation needed more steps and got there later);
+- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B eight of ten on-policy seeds (four
   races) stopped learning within 13 steps (eight identical completions per prompt, so no advantage left) and never
-  reached the reward threshold, while five of six seeds with 2 did (three races); CISPO has not run at 7B;
+  reached the reward threshold, while seven of eight seeds with 2 did (four races); CISPO has not run at 7B;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
 
@@ -34,7 +35,7 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
 # From this many parameters the recipe shares each generation between two optimizer steps under TRL's default loss:
-# measured at 7B (7.6B parameters), where seven of eight on-policy seeds got stuck and one of six with
+# measured at 7B (7.6B parameters), where eight of ten on-policy seeds got stuck and one of eight with
 # steps_per_generation=2 did. Below it, CISPO on one generation for 8 steps (measured at 1.5B only).
 STALE_FROM_PARAMS = 7e9
 CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
@@ -111,12 +112,13 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          "one generation for 8 optimizer steps: under TRL's default loss 2, 4 and 8 steps per generation needed as "
          "many generations to the threshold as on-policy runs at 1.5B, since a token whose importance ratio left "
          "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 5-6 "
-         "generations on four of four seeds, 17.9-25.2 s against TRL's defaults' 30.7-54.3 s in the same race "
-         f"(1.4-2.4x sooner per seed; measured, {MEASURED})") if cispo else
-        ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B seven of eight on-policy seeds "
+         "generations on six of six seeds in two races, 17.9-26.2 s against TRL's defaults' 30.7-64.9 s in the same "
+         "races (1.41-2.48x sooner per seed); 16 steps per generation took 4-5 generations but 62-72 steps, 28-33 s "
+         f"(measured, {MEASURED})") if cispo else
+        ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B eight of ten on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
-         "reached the reward threshold, while five of six seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (three "
-         f"races; the sixth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
+         "reached the reward threshold, while seven of eight seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (four "
+         f"races; the eighth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
          f"TRL's default, on-policy, since 8 steps per generation at batch {CISPO_MIN_BATCH} or more do not fit "
          "(modelled): at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "

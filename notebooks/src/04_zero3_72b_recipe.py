@@ -383,7 +383,22 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **The newest race: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
+# - **The newest race: the recipe as `colo-kit plan --recommend` now writes it** (80 s per seed, learning rate
+#   5e-4, at 32f45d7, each seed stopped once its running mean passed the threshold; measured,
+#   `results/speed_1xh200.json`). The defaults ran at 1,632–1,777 tokens/s and reached the threshold in 40.2 and
+#   64.9 s (30 and 49 generations); their seed 2 got stuck at −2,540 from step 37.
+#   - The recipe (CISPO on 8 steps per generation at batch 16, the settings `cispo_b16` ran in the race below):
+#     4.90× the tokens/s, the threshold in 20.2 and 26.2 s (5 and 6 generations): 2.00× and 2.48× sooner. A step
+#     took 0.49–0.50 s: 0.265 s of generation, 0.187 s of training and 0.005 s of push per step.
+#   - 16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
+#     completions per generation are the same completions per step, so only vLLM's bigger batch saved time
+#     (0.220 s of generation per step), and the staler steps needed 62–72 optimizer steps against 41–53.
+#
+#   So over two races and six seeds the recipe's settings met 4× the tokens/s (4.90× and 4.97×) and reached the
+#   threshold 1.41–2.48× sooner: 2.5× on none of them, short by 1.01× at best and 1.25× on this race's seed 0.
+#   The time is optimizer steps × step time. CISPO needs about as many steps as the defaults need generations,
+#   and its step is 2.4× shorter; generation is still over half of it.
+# - **The race before: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
 #   seeds of the defaults, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). Under TRL's default loss a step on a stale generation teaches little: a token
 #   whose importance ratio has left [0.8, 1.2] in the direction of its advantage gives no gradient, so the
@@ -518,14 +533,25 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #
 # Qwen2.5-7B's float32 training state (weights, gradients, AdamW) does not fit one H200 beside vLLM, so every
 # 7B configuration trains in bfloat16 (`model_init_kwargs={"dtype": "bfloat16"}`), without ZeRO: 120 s per seed in
-# the two older races, 180 s in the two newest (each seed there stops once past the threshold).
+# the two oldest races, 180 s in the next two and 80 s in the newest (each seed of the last three stops once past
+# the threshold).
 
 # %%
 pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
 
 # %% [markdown]
-# Measured (`results/speed_1xh200.json`). Read the newest race first: the recipe as it now is
-# (`steps_per_generation: 2` from 7B up), alone, two seeds, 180 s per seed, at 33d43ba. With no defaults in that
+# Measured (`results/speed_1xh200.json`). Read the newest race first: the defaults and the recipe as it now is
+# (`steps_per_generation: 2` from 7B up), two seeds each, 80 s per seed, each seed stopped once past the
+# threshold, at 32f45d7.
+#
+# - **Tokens/s: the recipe 1.69×** (1,884–1,926 against the defaults' 1,127–1,129).
+# - **Both recipe seeds reached the threshold, in 34.3 s** (15 and 16 generations). The defaults' seed 1 got there
+#   sooner, in 29.9 s (0.87×); their seed 0 was stuck from step 7 (−2,796, eight identical completions) and never
+#   did, so the recipe's seed 0 is at least 2.35× sooner, a bound.
+# - **The planner holds:** NVML 114.2 and 114.7 GiB against 118.1 predicted; the defaults 101.4 and 101.9 against
+#   101.6.
+#
+# The race before: the recipe alone, two seeds, 180 s per seed, at 33d43ba. With no defaults in that
 # race its threshold (−1,428) comes from the recipe's own seed 0 first generation, and its "× defaults" columns
 # are empty.
 #
@@ -554,8 +580,9 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 #   recipe; over those three races, seven of eight on-policy seeds (the defaults' and the recipe's) never got past
 #   the threshold, and all four `steps_per_generation=2` seeds did. `colo-kit plan --recommend` now writes
 #   `steps_per_generation: 2` from 7B up (its reason says why); below 7B it now takes CISPO on 8 steps per
-#   generation (the newest 1.5B race, above), which has not run at 7B. The newest race ran that recipe under the name `recipe`: with its two seeds, five of six
-#   `steps_per_generation=2` seeds have reached the threshold. Less stuck, not never stuck.
+#   generation (the newest 1.5B race, above), which has not run at 7B. The two newest races ran that recipe under
+#   the name `recipe`: with their four seeds, seven of eight `steps_per_generation=2` seeds have reached the
+#   threshold. Less stuck, not never stuck.
 #
 # Two seeds per configuration are few, but the two older races (at 0cfd418 and baa0b71, 120 s per seed; measured,
 # the same file) went the same way, so read it as what these runs did, not yet as a rule:
@@ -595,7 +622,7 @@ pd.DataFrame(speed.latency_table(latency))
 #   step (0.12 s without recomputing activations): about 0.8 s against the defaults' 0.89–1.30 s per step in the
 #   races, at most about 1.1–1.6× sooner if every run needs as many generations (modelled from these measured
 #   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one: CISPO's 5–6 generations of
-#   8 steps each (the newest race) are that.
+#   8 steps each (the two newest races) are that.
 
 # ### Break it · pick the memory share by hand
 #
