@@ -388,7 +388,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #   `results/speed_1xh200.json`). The defaults ran at 1,632–1,777 tokens/s and reached the threshold in 40.2 and
 #   64.9 s (30 and 49 generations); their seed 2 got stuck at −2,540 from step 37.
 #   - The recipe (CISPO on 8 steps per generation at batch 16, the settings `cispo_b16` ran in the race below):
-#     4.90× the tokens/s, the threshold in 20.2 and 26.2 s (5 and 6 generations): 2.00× and 2.48× sooner. A step
+#     4.90× the tokens/s, the threshold in 20.1 and 26.2 s (5 and 6 generations): 2.00× and 2.48× sooner. A step
 #     took 0.49–0.50 s: 0.265 s of generation, 0.187 s of training and 0.005 s of push per step.
 #   - 16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
 #     completions per generation are the same completions per step, so only vLLM's bigger batch saved time
