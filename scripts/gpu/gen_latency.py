@@ -10,6 +10,9 @@ that TRL 1.16's own `VLLMGeneration` constructor builds (`colo_kit.colocate.engi
     no_async     the same with async_scheduling=False (vLLM turns it on by default for this executor)
     eager        the same with enforce_eager=True: no CUDA graphs
     seqs64       max_num_seqs=64: batches of 8, 16, 32 and 64 in one engine (how the time grows with the batch)
+    seqs128      max_num_seqs=128, what TRL sizes for the recipe below 7B (batch 16 x 8 steps per generation):
+                 batches of 64 and 128, and 128 without logprobs (inside the trainer one generation of 128 took
+                 2.1 s, 0.265 s per step: is that vLLM's, or the trainer's around it?)
 
 Each timing is `llm.generate` of B prompts (64 random token ids each) for 256 tokens each (`ignore_eos`, so every
 completion is full length), temperature 1, `logprobs=0` and `detokenize=False` as TRL asks, after two warm-ups.
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"trl": {}, "no_async": {"async_scheduling": False}, "eager": {"enforce_eager": True},
-            "seqs64": {"max_num_seqs": 64}}
+            "seqs64": {"max_num_seqs": 64}, "seqs128": {"max_num_seqs": 128}}
 PROMPT_LEN, COMPLETION_LEN, REPS = 64, int(os.environ.get("GEN_LATENCY_TOKENS", 256)), 5
 
 
@@ -51,7 +54,7 @@ def one_variant(name: str, model: str) -> dict:
 
     os.environ.setdefault("MASTER_PORT", "29517")
     overrides = dict(VARIANTS[name])
-    # TRL sizes max_num_seqs from the per-device batch (x TP x steps_per_generation): batch 8, or 64 for seqs64
+    # TRL sizes max_num_seqs from the per-device batch (x TP x steps_per_generation): batch 8, or the variant's
     settings = ColocateSettings(per_device_train_batch_size=overrides.pop("max_num_seqs", 8), max_prompt_length=PROMPT_LEN,
                                 max_completion_length=COMPLETION_LEN, vllm_gpu_memory_utilization=0.3)
     t = time.perf_counter()
@@ -85,6 +88,8 @@ def one_variant(name: str, model: str) -> dict:
     runs = []
     if name == "seqs64":
         runs += [timed(b) for b in (8, 16, 32, 64)]
+    elif name == "seqs128":
+        runs += [timed(64), timed(128), timed(128, logprobs=None)]
     else:
         runs.append(timed(8))
     if name == "trl":
