@@ -313,17 +313,13 @@ def test_the_planners_tensors_and_reserve_each_match_pytorchs_own_peaks():
     result = json.loads(RESULT.read_text())
     recs = [r for r in result["records"] if r.get("torch_peak_gib")]
     assert len({(r["config"], r["model"]) for r in recs}) >= 8
+    trainings = [speed.planner_estimate_for_record(r)["parts"]["training"] for r in recs]
+    alike = [(r["model"], tuple(sorted((k, round(v, 3)) for k, v in t.items()))) for r, t in zip(recs, trainings)]
     seen: dict = {}
-
-    def alike(r):
-        training = speed.planner_estimate_for_record(r)["parts"]["training"]
-        return r["model"], tuple(sorted((k, round(v, 3)) for k, v in training.items()))
-
-    for r in recs:
-        seen.setdefault(alike(r), []).append(r["torch_peak_gib"]["reserved"] - r["torch_peak_gib"]["allocated"])
+    for r, key in zip(recs, alike):
+        seen.setdefault(key, []).append(r["torch_peak_gib"]["reserved"] - r["torch_peak_gib"]["allocated"])
     assert max(len(v) for v in seen.values()) >= 8  # the recipe's records and cispo_b16's are one group
-    for r in recs:
-        training = speed.planner_estimate_for_record(r)["parts"]["training"]
+    for r, training, key in zip(recs, trainings, alike):
         reserve = training["allocator_reserve"]
         tensors = sum(v for k, v in training.items() if k not in ("allocator_reserve", "vllm"))
         allocated = r["torch_peak_gib"]["allocated"]
@@ -332,7 +328,7 @@ def test_the_planners_tensors_and_reserve_each_match_pytorchs_own_peaks():
             (r["config"], r["model"], tensors, allocated)
         if (r["config"], r["model"]) in PLANNER_MISSES:
             continue
-        spread = seen[alike(r)]
+        spread = seen[key]
         assert min(spread) - 6 <= reserve <= max(spread) + 6, (r["config"], r["model"], reserve, spread)
 
 

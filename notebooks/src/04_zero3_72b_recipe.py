@@ -394,8 +394,9 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     completions per generation are the same completions per step, so only vLLM's bigger batch saved time
 #     (0.220 s of generation per step), and the staler steps needed 62–72 optimizer steps against 41–53.
 #
-#   So over two races and six seeds the recipe's settings met 4× the tokens/s (4.90× and 4.97×) and reached the
-#   threshold 1.41–2.48× sooner: 2.5× on none of them, short by 1.01× at best and 1.25× on this race's seed 0.
+#   So over two races and six seeds (measured, the same file) the recipe's settings met 4× the tokens/s (4.90×
+#   and 4.97×) and reached the threshold 1.41–2.48× sooner: 2.5× on none of them, short by 1.01× at best and
+#   1.25× on this race's seed 0.
 #   The time is optimizer steps × step time. CISPO needs about as many steps as the defaults need generations,
 #   and its step is 2.4× shorter; generation is still over half of it.
 # - **The race before: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
