@@ -362,7 +362,7 @@ def planner_parts(name: str, model: str, max_completion_length: int = TASK["max_
 
 def latency_table(result: dict) -> list[dict]:
     """One row per variant and batch of `scripts/gpu/gen_latency.py`'s JSON: how long one generation takes alone."""
-    return [{"variant": name, "sequences": r["batch"],
+    return [{"variant": name, "commit": v.get("commit", result.get("commit")), "sequences": r["batch"],
              "sampling": ", ".join(f"{k}={v}" for k, v in r["sampling"].items()) or "TRL's (logprobs=0, detokenize=False)",
              "median s": r["median_s"], "ms per decoding step": r["ms_per_decoding_step"], "tokens/s": r["tok_per_s"]}
             for name, v in result["variants"].items() for r in v.get("runs", [])]

@@ -13,12 +13,15 @@ that TRL 1.16's own `VLLMGeneration` constructor builds (`colo_kit.colocate.engi
     seqs128      max_num_seqs=128, what TRL sizes for the recipe below 7B (batch 16 x 8 steps per generation):
                  batches of 64 and 128, and 128 without logprobs (inside the trainer one generation of 128 took
                  2.1 s, 0.265 s per step: is that vLLM's, or the trainer's around it?)
+    seqs256      max_num_seqs=256: batches of 128 and 256 (does a decoding step grow with the batch, so that a
+                 bigger generation buys nothing per completion?)
 
 Each timing is `llm.generate` of B prompts (64 random token ids each) for 256 tokens each (`ignore_eos`, so every
 completion is full length), temperature 1, `logprobs=0` and `detokenize=False` as TRL asks, after two warm-ups.
-`trl` also times logprobs off and detokenization on. Writes results/gen_latency_1xh200.json. The committed one (at
-baa0b71) came from the version before, which listed TRL's arguments by hand: the same values TRL passes (its
-`llm_args`), which the constructor now supplies itself. On a CPU, `GEN_LATENCY_TOKENS=16 ... --model tiny` runs the
+`trl` also times logprobs off and detokenization on. Writes results/gen_latency_1xh200.json; `--variants` re-runs
+only those, keeping the file's other variants, and each variant records the commit it ran at (the first four ran at
+baa0b71, in the version before, which listed TRL's arguments by hand: the same values TRL passes, its `llm_args`,
+which the constructor now supplies itself). On a CPU, `GEN_LATENCY_TOKENS=16 ... --model tiny` runs the
 same code in about three minutes.
 
     source .gpu/env.sh && COLO_KIT_CACHE=/root/cache python scripts/gpu/gen_latency.py [--model qwen2.5-1.5b]
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"trl": {}, "no_async": {"async_scheduling": False}, "eager": {"enforce_eager": True},
-            "seqs64": {"max_num_seqs": 64}, "seqs128": {"max_num_seqs": 128}}
+            "seqs64": {"max_num_seqs": 64}, "seqs128": {"max_num_seqs": 128}, "seqs256": {"max_num_seqs": 256}}
 PROMPT_LEN, COMPLETION_LEN, REPS = 64, int(os.environ.get("GEN_LATENCY_TOKENS", 256)), 5
 
 
@@ -90,14 +93,21 @@ def one_variant(name: str, model: str) -> dict:
         runs += [timed(b) for b in (8, 16, 32, 64)]
     elif name == "seqs128":
         runs += [timed(64), timed(128), timed(128, logprobs=None)]
+    elif name == "seqs256":
+        runs += [timed(128), timed(256)]
     else:
         runs.append(timed(8))
     if name == "trl":
         runs += [timed(8, logprobs=None), timed(8, detokenize=True)]
-    return {"variant": name, "llm_args": args, "overrides": VARIANTS[name], "startup_s": round(startup_s, 1),
+    return {"variant": name, "commit": _commit(), "llm_args": args, "overrides": VARIANTS[name], "startup_s": round(startup_s, 1),
             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode), "runs": runs}
 
+
+
+def _commit() -> str:
+    return os.environ.get("COLO_KIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                               capture_output=True, text=True).stdout.strip()
 
 
 def main() -> int:
@@ -117,11 +127,15 @@ def main() -> int:
     from colo_kit.models import resolve_model
 
     resolve_model(a.model)  # build once, before the children time anything
-    commit = os.environ.get("COLO_KIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                                 capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "vLLM generation latency with TRL 1.16's colocate LLM arguments", "model": a.model,
-              "prompt_len": PROMPT_LEN, "completion_len": COMPLETION_LEN, "reps": REPS, "commit": commit,
-              "env": describe(), "variants": {}}
+              "prompt_len": PROMPT_LEN, "completion_len": COMPLETION_LEN, "reps": REPS, "env": describe(),
+              "variants": {}}
+    out = Path(a.out)
+    if out.exists():  # keep the variants not re-run, each with the commit it ran at
+        old = json.loads(out.read_text())
+        if (old.get("model"), old.get("completion_len")) == (a.model, COMPLETION_LEN):
+            for name, v in old.get("variants", {}).items():
+                result["variants"][name] = {"commit": old.get("commit"), **v}
     for name in a.variants.split(","):
         p = subprocess.run([sys.executable, __file__, "--one", name, "--model", a.model], capture_output=True, text=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -130,7 +144,7 @@ def main() -> int:
         print(name, {k: v[k] for k in ("startup_s", "async_scheduling", "cudagraph_mode") if k in v},
               [(r["batch"], r["sampling"], r["median_s"], r["ms_per_decoding_step"]) for r in v.get("runs", [])]
               or v.get("error"), flush=True)
-        Path(a.out).write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
     return 0
 
 
