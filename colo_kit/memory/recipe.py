@@ -95,6 +95,10 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
           f"measured, {MEASURED})")),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
+        ("vllm_max_model_length", chosen.prompt_length + chosen.max_completion_length,
+         f"the longest prompt ({chosen.prompt_length} tokens, the planner's `prompt_length`) plus the completion: "
+         "TRL's default leaves vLLM the model's own limit (32,768 tokens for Qwen2.5), and sizes the engine for "
+         "sequences it never sees; a longer prompt stops with vLLM's error naming both lengths"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
         ("vllm_gpu_memory_utilization", u,
          "TRL's default, measured with this plan; a bigger KV cache does not generate faster once a generation's "

@@ -13,6 +13,8 @@ that TRL 1.16's own `VLLMGeneration` constructor builds (`colo_kit.colocate.engi
     seqs128      max_num_seqs=128, what TRL sizes for the recipe below 7B (batch 16 x 8 steps per generation):
                  batches of 64 and 128, and 128 without logprobs (inside the trainer one generation of 128 took
                  2.1 s, 0.265 s per step: is that vLLM's, or the trainer's around it?)
+    seqs128_len32k  seqs128 with max_model_len=32768, what the trainer's engine gets from TRL when
+                 `vllm_max_model_length` is left at None (Qwen2.5's own limit); the others are sized for 64 + 256
     seqs256      max_num_seqs=256: batches of 128 and 256 (does a decoding step grow with the batch, so that a
                  bigger generation buys nothing per completion?)
 
@@ -42,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"trl": {}, "no_async": {"async_scheduling": False}, "eager": {"enforce_eager": True},
-            "seqs64": {"max_num_seqs": 64}, "seqs128": {"max_num_seqs": 128}, "seqs256": {"max_num_seqs": 256}}
+            "seqs64": {"max_num_seqs": 64}, "seqs128": {"max_num_seqs": 128}, "seqs256": {"max_num_seqs": 256},
+            "seqs128_len32k": {"max_num_seqs": 128, "max_model_len": 32768}}
 PROMPT_LEN, COMPLETION_LEN, REPS = 64, int(os.environ.get("GEN_LATENCY_TOKENS", 256)), 5
 
 
@@ -91,7 +94,7 @@ def one_variant(name: str, model: str) -> dict:
     runs = []
     if name == "seqs64":
         runs += [timed(b) for b in (8, 16, 32, 64)]
-    elif name == "seqs128":
+    elif name.startswith("seqs128"):
         runs += [timed(64), timed(128), timed(128, logprobs=None)]
     elif name == "seqs256":
         runs += [timed(128), timed(256)]
