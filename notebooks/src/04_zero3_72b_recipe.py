@@ -384,21 +384,35 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # What the table says, and what it does not:
 #
 # - **The newest race: the recipe as `colo-kit plan --recommend` now writes it** (80 s per seed, learning rate
-#   5e-4, at 32f45d7, each seed stopped once its running mean passed the threshold; measured,
-#   `results/speed_1xh200.json`). The defaults ran at 1,632–1,777 tokens/s and reached the threshold in 40.2 and
-#   64.9 s (30 and 49 generations); their seed 2 got stuck at −2,540 from step 37.
-#   - The recipe (CISPO on 8 steps per generation at batch 16, the settings `cispo_b16` ran in the race below):
-#     4.90× the tokens/s, the threshold in 20.1 and 26.2 s (5 and 6 generations): 2.00× and 2.48× sooner. A step
-#     took 0.49–0.50 s: 0.265 s of generation, 0.187 s of training and 0.005 s of push per step.
-#   - 16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
-#     completions per generation are the same completions per step, so only vLLM's bigger batch saved time
-#     (0.220 s of generation per step), and the staler steps needed 62–72 optimizer steps against 41–53.
+#   5e-4, at 9e1f313, four seeds each, each seed stopped once its running mean passed the threshold; measured,
+#   `results/speed_1xh200.json`). The defaults ran at 1,867–2,322 tokens/s and reached the threshold in 38.6,
+#   25.1, 33.5 and 39.2 s (35, 24, 36 and 34 generations).
+#   - The recipe (CISPO on 8 steps per generation at batch 16, and vLLM sized for the longest prompt plus the
+#     completion, `vllm_max_model_length: 352`): 4.79× the tokens/s; all four seeds reached the threshold in 5 or 6
+#     generations, in 15.7, 22.5, 18.0 and 16.1 s: 2.46×, 1.11×, 1.86× and 2.43× sooner than the defaults' same
+#     seed. A step took 0.39–0.44 s: 0.182 s of generation, 0.181 s of training and 0.004 s of push per step.
+#   - Sizing vLLM for the task is not shown to be faster. The recipe's generation fell from 0.265 s per step in the
+#     race before to 0.182 s, but the defaults, whose engine kept TRL's default size, also ran faster here (0.88–1.10
+#     s per step against 1.15–1.25 s), and the tokens/s ratio did not grow (4.79× against 4.90×).
+#   - Where a generation's time goes (`scripts/gpu/gen_in_trainer.py`, the recipe inside TRL's trainer; measured,
+#     `results/gen_in_trainer_1xh200.json`): one generation of 128 completions took 1.2–1.8 s, of which Python's
+#     garbage collector paused 0.02–0.04 s; with the collector off it took 1.0–1.7 s, so the collector is not the
+#     cause. Profiled, most of it is vLLM's own scheduler and output handling, in Python, once per token of every
+#     sequence (32,753 calls for 128 × 256 tokens). TRL runs the engine inside the training process
+#     (`external_launcher`), so that work cannot overlap with anything. Alone, the same engine made 128 × 256
+#     tokens in 1.09 s, 0.79 s without the log-probabilities TRL asks for (`gen_latency.py`, below).
 #
-#   So over two races and six seeds (measured, the same file) the recipe's settings met 4× the tokens/s (4.90×
-#   and 4.97×) and reached the threshold 1.41–2.48× sooner: 2.5× on none of them, short by 1.01× at best and
-#   1.25× on this race's seed 0.
-#   The time is optimizer steps × step time. CISPO needs about as many steps as the defaults need generations,
-#   and its step is 2.4× shorter; generation is still over half of it.
+#   So over three races and ten seeds the recipe's settings met 4× the tokens/s (4.79–4.97×) and reached the
+#   threshold 1.11–2.48× sooner: 2.5× on none of them. The time is generations × steps per generation × step
+#   time: 5–6 generations of 8 steps at 0.39–0.50 s, against the defaults' 24–49 generations of one step at
+#   0.88–1.25 s. The defaults' own seeds spread from 25 to 65 s, so the seed where they learned fastest (seed 1
+#   here, 25.1 s) sets a bar that the recipe's 16–26 s does not clear.
+# - **The race before** (at 32f45d7; the defaults' seeds 0–2 reached the threshold in 40.2 and 64.9 s, and seed 2
+#   got stuck at −2,540 from step 37): the recipe without the engine sizing, 4.90× the tokens/s, 20.1 and 26.2 s
+#   (2.00× and 2.48× sooner), a step of 0.49–0.50 s (0.265 s of generation, 0.187 s of training per step).
+#   16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
+#   completions per generation are the same completions per step, so only vLLM's bigger batch saved time (0.220 s
+#   of generation per step), and the staler steps needed 62–72 optimizer steps against 41–53.
 # - **The race before: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
 #   seeds of the defaults, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). Under TRL's default loss a step on a stale generation teaches little: a token
@@ -623,7 +637,12 @@ pd.DataFrame(speed.latency_table(latency))
 #   step (0.12 s without recomputing activations): about 0.8 s against the defaults' 0.89–1.30 s per step in the
 #   races, at most about 1.1–1.6× sooner if every run needs as many generations (modelled from these measured
 #   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one: CISPO's 5–6 generations of
-#   8 steps each (the two newest races) are that.
+#   8 steps each (the three newest races) are that.
+# - **From 128 sequences on, a step grows with the batch** (`seqs128` and `seqs256`, one machine, at ee58631): 128
+#   sequences in 1.09–1.13 s (4.3–4.4 ms a step), 256 in 1.88 s (7.3 ms), and 128 without log-probabilities in
+#   0.79 s. The engine's Python work per token of every sequence now sets the pace, so sharing one generation
+#   between 16 steps instead of 8 buys little (`cispo_b16_spg16`, above). The `commit` column says when each row
+#   ran; compare rows of one commit (the 64-sequence rows, 1.45 s and 0.85 s, ran on different machines and days).
 
 # ### Break it · pick the memory share by hand
 #
