@@ -355,11 +355,6 @@ def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["m
     return _planner_estimate_for(name, model, max_completion_length)["peak_gib_per_gpu"]
 
 
-def planner_parts(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> dict:
-    """The planner's parts (GiB) of configuration `name`'s two phases."""
-    return _planner_estimate_for(name, model, max_completion_length)["parts"]
-
-
 def latency_table(result: dict) -> list[dict]:
     """One row per variant and batch of `scripts/gpu/gen_latency.py`'s JSON: how long one generation takes alone."""
     return [{"variant": name, "commit": v.get("commit", result.get("commit")), "sequences": r["batch"],
