@@ -508,6 +508,24 @@ def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
     assert all(r["rows"] and r["rows"][0]["reward"] < 0 for r in recs.values())
 
 
+@pytest.mark.slow
+def test_gen_in_trainer_runs_on_cpu_and_switches_the_collector_off(tmp_path):
+    """`scripts/gpu/gen_in_trainer.py`'s CPU path (tiny model, the recipe, 16-token completions): it wraps
+    `vllm.LLM.generate` inside TRL's trainer; with the collector off only explicit `gc.collect()` calls (one per
+    generation here, none on the H200) run inside a generation, against a dozen or more automatic ones with it on."""
+    out = tmp_path / "gen_in_trainer.json"
+    proc = subprocess.run([sys.executable, "scripts/gpu/gen_in_trainer.py", "--model", "tiny", "--config", "recipe",
+                           "--budget-s", "6", "--max-completion-length", "16", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    modes = json.loads(out.read_text())["modes"]
+    on, off = modes["on"].get("calls"), modes["off"].get("calls")
+    assert on and off, (modes["on"].get("error"), modes["off"].get("error"))
+    assert all(c["prompts"] == 128 and 0 < c["tokens"] <= 128 * 16 for c in on + off)
+    collections = [sum(c["gc_collections"].values()) for c in on], [sum(c["gc_collections"].values()) for c in off]
+    assert max(collections[1]) <= 2 < min(collections[0]), collections
+
+
 # -- the speed knobs inside TRL's trainer, on a GPU (and the bucketed push on a CPU, where its load is vLLM's layer-wise reload)
 
 def _short_run(tmp_path, **kw):

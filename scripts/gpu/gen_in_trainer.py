@@ -8,8 +8,9 @@ completion tokens it made, and the pauses of Python's garbage collector inside i
 third) also runs under cProfile. One child process per garbage-collector mode:
 
     on    as the trainer runs today
-    off   the collector switched off for the length of each generation and on again after (nothing is lost: the
-          garbage made meanwhile is collected at the next collection after it)
+    off   the collector's automatic runs switched off for the length of each generation and on again after
+          (nothing is lost: the garbage made meanwhile goes at the next collection; an explicit `gc.collect()`
+          still runs, one per generation on the CPU, none seen on the H200)
 
 Writes results/gen_in_trainer_1xh200.json. On a CPU, `--model tiny --max-completion-length 16` runs the same code.
 
