@@ -399,8 +399,9 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     garbage collector paused 0.02–0.04 s; with the collector off it took 1.0–1.7 s, so the collector is not the
 #     cause. Profiled, most of it is vLLM's own scheduler and output handling, in Python, once per token of every
 #     sequence (32,753 calls for 128 × 256 tokens). TRL runs the engine inside the training process
-#     (`external_launcher`), so that work cannot overlap with anything. Alone, the same engine made 128 × 256
-#     tokens in 1.09 s, 0.79 s without the log-probabilities TRL asks for (`gen_latency.py`, below).
+#     (`external_launcher`), so that work cannot overlap with anything. Alone, an engine built by TRL's
+#     constructor and sized alike made 128 × 256 tokens in 1.09 s, 0.79 s without the log-probabilities TRL asks
+#     for (`gen_latency.py`, below).
 #
 #   So over three races and ten seeds the recipe's settings met 4× the tokens/s (4.79–4.97×) and reached the
 #   threshold 1.11–2.48× sooner: 2.5× on none of them. The time is generations × steps per generation × step

@@ -2,7 +2,9 @@
 
 `gen_latency.py` times vLLM alone: 128 completions of 256 tokens in 1.09 s on an H200 (`seqs128`). Inside the
 trainer the recipe's generation of 128 took 2.1 s (TRL's `vLLM.generate` timer, `results/speed_1xh200.json` at
-32f45d7), the same `LLM(...)` arguments and sampling settings. This trains one configuration of
+32f45d7), with the same sampling settings; that engine kept TRL's default length, the model's own 32,768 tokens,
+where `gen_latency.py` sizes its engine for 64 + 256 (the recipe now sizes it for the longest prompt plus the
+completion, `vllm_max_model_length`). This trains one configuration of
 `colo_kit.memory.speed` for a short budget with `vllm.LLM.generate` wrapped: each call's wall time, the
 completion tokens it made, and the pauses of Python's garbage collector inside it (`gc.callbacks`); one call (the
 third) also runs under cProfile. One child process per garbage-collector mode:
