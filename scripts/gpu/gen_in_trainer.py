@@ -26,7 +26,6 @@ import cProfile
 import gc
 import io
 import json
-import os
 import pstats
 import subprocess
 import sys
@@ -113,12 +112,10 @@ def main() -> int:
     if a.one:
         print("RESULT " + json.dumps(one_mode(a.one, a)), flush=True)
         return 0
-    from colo_kit.env import describe
+    from colo_kit.env import commit, describe
 
-    commit = os.environ.get("COLO_KIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                                 capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "vLLM.generate inside TRL's GRPO trainer, with and without the garbage collector",
-              "model": a.model, "config": a.config, "budget_s": a.budget_s, "commit": commit, "env": describe(),
+              "model": a.model, "config": a.config, "budget_s": a.budget_s, "commit": commit(), "env": describe(),
               "modes": {}}
     for mode in a.modes.split(","):
         cmd = [sys.executable, __file__, "--one", mode, "--config", a.config, "--model", a.model,

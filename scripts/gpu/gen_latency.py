@@ -102,15 +102,13 @@ def one_variant(name: str, model: str) -> dict:
         runs.append(timed(8))
     if name == "trl":
         runs += [timed(8, logprobs=None), timed(8, detokenize=True)]
-    return {"variant": name, "commit": _commit(), "llm_args": args, "overrides": VARIANTS[name], "startup_s": round(startup_s, 1),
+    from colo_kit.env import commit, describe
+
+    return {"variant": name, "commit": commit(), "env": describe(), "llm_args": args, "overrides": VARIANTS[name],
+            "startup_s": round(startup_s, 1),
             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode), "runs": runs}
 
-
-
-def _commit() -> str:
-    return os.environ.get("COLO_KIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                               capture_output=True, text=True).stdout.strip()
 
 
 def main() -> int:
@@ -126,19 +124,17 @@ def main() -> int:
     if a.one:
         print("RESULT " + json.dumps(one_variant(a.one, a.model)), flush=True)
         return 0
-    from colo_kit.env import describe
     from colo_kit.models import resolve_model
 
     resolve_model(a.model)  # build once, before the children time anything
     result = {"benchmark": "vLLM generation latency with TRL 1.16's colocate LLM arguments", "model": a.model,
-              "prompt_len": PROMPT_LEN, "completion_len": COMPLETION_LEN, "reps": REPS, "env": describe(),
-              "variants": {}}
+              "prompt_len": PROMPT_LEN, "completion_len": COMPLETION_LEN, "reps": REPS, "variants": {}}
     out = Path(a.out)
-    if out.exists():  # keep the variants not re-run, each with the commit it ran at
+    if out.exists():  # keep the variants not re-run, each with the commit and the machine it ran on
         old = json.loads(out.read_text())
         if (old.get("model"), old.get("completion_len")) == (a.model, COMPLETION_LEN):
-            for name, v in old.get("variants", {}).items():
-                result["variants"][name] = {"commit": old.get("commit"), **v}
+            result["note"] = old.get("note")
+            result["variants"].update(old.get("variants", {}))
     for name in a.variants.split(","):
         p = subprocess.run([sys.executable, __file__, "--one", name, "--model", a.model], capture_output=True, text=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
