@@ -202,6 +202,7 @@ def test_level2_needs_the_trainers_weights_and_a_wrong_push_is_caught(cpu_engine
 
 # -- the KV cache only (colo_kit.colocate.kv_sleep) --------------------------------------------------------------------
 
+@cpu_only
 def test_kv_only_sleep_on_cpu_is_refused_naming_the_platform(monkeypatch):
     from types import SimpleNamespace
 
