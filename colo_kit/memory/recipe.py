@@ -13,8 +13,8 @@ section 7), and the comments say which run each one rests on:
 - below 7B, one generation for 8 optimizer steps under CISPO (`loss_type: cispo`, `epsilon_high: 5.0`) at a
   per-device batch of at least 16: under TRL's default loss the stale steps taught little (the reward moved per
   generation: 2, 4 and 8 steps per generation needed as many generations as on-policy runs), while CISPO keeps
-  every token's gradient and clips only its importance weight, and at 1.5B all ten seeds of three races reached
-  the reward threshold in 5-6 generations at 4.8-5.0x the tokens/s, 1.11-2.48x sooner than the defaults' same seed
+  every token's gradient and clips only its importance weight, and at 1.5B all fourteen seeds of four races reached
+  the reward threshold in 5-7 generations at 4.8-5.0x the tokens/s, 1.04-3.04x sooner than the defaults' same seed
   (at batch 8 one of two seeds got stuck; 16 steps per generation needed more steps and got there later);
 - `vllm_max_model_length`: the longest prompt plus the completion, so the engine is sized for the sequences it
   gets rather than for the model's own limit (TRL's default);
@@ -89,8 +89,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
          (f"raised from {asked_batch}: " if chosen.per_device_train_batch_size
           != asked_batch else "yours: ") +
-         ("under CISPO with 8 steps per generation, batch 16 gave 4.79-4.97x the tokens/s at 1.5B over three "
-          "races and all ten seeds reached the threshold; batch 8 gave 3.12x and one of two seeds got stuck; "
+         ("under CISPO with 8 steps per generation, batch 16 gave 4.79-5.02x the tokens/s at 1.5B over four "
+          "races and all fourteen seeds reached the threshold; batch 8 gave 3.12x and one of two seeds got stuck; "
           "batch 32 gave 5.70x, but its steps took twice as long, so the threshold came 1.1-1.7x sooner "
           f"(measured, {MEASURED})" if cispo else
           "a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.0-3.7x the tokens/s, "
@@ -118,9 +118,10 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("steps_per_generation", CISPO_STEPS,
          "one generation for 8 optimizer steps: under TRL's default loss 2, 4 and 8 steps per generation needed as "
          "many generations to the threshold as on-policy runs at 1.5B, since a token whose importance ratio left "
-         "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 5-6 "
-         "generations on ten of ten seeds in three races, 15.7-26.2 s against TRL's defaults' 25.1-64.9 s in the "
-         "same races (1.11-2.48x sooner per seed); 16 steps per generation took 4-5 generations but 62-72 steps, 28-33 s "
+         "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 5-7 "
+         "generations on fourteen of fourteen seeds in four races, 15.7-26.2 s against TRL's defaults' 25.1-68.4 s in "
+         "the same races (1.04-3.04x sooner per seed, 2.5x on two); 16 steps per generation took 4-5 generations "
+         "but 62-72 steps, 28-33 s "
          f"(measured, {MEASURED})") if cispo else
         ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B eight of ten on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "

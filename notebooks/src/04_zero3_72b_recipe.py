@@ -383,16 +383,34 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **The newest race: the recipe as `colo-kit plan --recommend` now writes it** (80 s per seed, learning rate
-#   5e-4, at 9e1f313, four seeds each, each seed stopped once its running mean passed the threshold; measured,
+# - **The newest race: the recipe on seeds it was not chosen on** (80 s per seed, learning rate 5e-4, at bda5752,
+#   seeds 4–7, which no earlier race used; each seed stopped once its running mean passed the threshold; measured,
+#   `results/speed_1xh200.json`). This machine ran slower than the one before: the defaults stepped in 1.08–1.40 s,
+#   ran at 1,457–1,901 tokens/s and reached the threshold in 68.4, 38.8, 49.2 and 26.6 s (47, 32, 43 and 24
+#   generations).
+#   - The recipe: 5.02× the tokens/s; all four seeds reached the threshold, in 5, 5, 5 and 7 generations, in 22.8,
+#     21.5, 16.2 and 25.6 s: 3.00×, 1.80×, 3.04× and 1.04× sooner than the defaults' same seed. A step took
+#     0.43–0.52 s: 0.294 s of generation, 0.194 s of training and 0.005 s of push per step. NVML peaked at
+#     94.0–94.3 GiB against the planner's 92.1.
+# - **Across the four races of these settings** (this one, and 9e1f313, 32f45d7 and e271166 below): fourteen
+#   seeds, 4× the tokens/s in every race (4.79–5.02×), the threshold reached on every seed, 1.04–3.04× sooner
+#   than the defaults' same seed: 2.5× on two of fourteen. Pooled, the recipe's median time was 20.8 s against the
+#   defaults' 39.0 s, and its fourteen times add up to half of theirs (2.02×). Why not 2.5× on every seed: the
+#   time is generations × steps per generation × step time. A recipe step (0.39–0.52 s) is about 2.4× shorter
+#   than a defaults step (0.88–1.40 s), but the recipe saw the threshold at its 5th to 7th generation, after 32–48
+#   optimizer steps, where the defaults saw it after 23–48 (24–49 generations of one step). On the seeds where the
+#   defaults learned fastest (24 generations: 25.1, 26.6 and 30.7 s) the recipe was 1.11×, 1.04× and 1.71×
+#   sooner: there its stale steps would have had to teach as much as on-policy ones.
+# - **At 9e1f313: the recipe as `colo-kit plan --recommend` now writes it** (80 s per seed, learning rate
+#   5e-4, four seeds each, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). The defaults ran at 1,867–2,322 tokens/s and reached the threshold in 38.6,
 #   25.1, 33.5 and 39.2 s (35, 24, 36 and 34 generations).
 #   - The recipe (CISPO on 8 steps per generation at batch 16, and vLLM sized for the longest prompt plus the
 #     completion, `vllm_max_model_length: 352`): 4.79× the tokens/s; all four seeds reached the threshold in 5 or 6
 #     generations, in 15.7, 22.5, 18.0 and 16.1 s: 2.46×, 1.11×, 1.86× and 2.43× sooner than the defaults' same
 #     seed. A step took 0.39–0.44 s: 0.182 s of generation, 0.181 s of training and 0.004 s of push per step.
-#   - Sizing vLLM for the task is not shown to be faster. The recipe's generation fell from 0.265 s per step in the
-#     race before to 0.182 s, but the defaults, whose engine kept TRL's default size, also ran faster here (0.88–1.10
+#   - Sizing vLLM for the task is not shown to be faster. The recipe's generation fell from 0.265 s per step at
+#     32f45d7 to 0.182 s, but the defaults, whose engine kept TRL's default size, also ran faster here (0.88–1.10
 #     s per step against 1.15–1.25 s), and the tokens/s ratio did not grow (4.79× against 4.90×).
 #   - Where a generation's time goes (`scripts/gpu/gen_in_trainer.py`, the recipe inside TRL's trainer; measured,
 #     `results/gen_in_trainer_1xh200.json`): one generation of 128 completions took 1.2–1.8 s, of which Python's
@@ -402,19 +420,14 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     (`external_launcher`), so that work cannot overlap with anything. Alone, an engine built by TRL's
 #     constructor and sized alike made 128 × 256 tokens in 1.09 s, 0.79 s without the log-probabilities TRL asks
 #     for (`gen_latency.py`, below).
-#
-#   So over three races and ten seeds the recipe's settings met 4× the tokens/s (4.79–4.97×) and reached the
-#   threshold 1.11–2.48× sooner: 2.5× on none of them. The time is generations × steps per generation × step
-#   time: 5–6 generations of 8 steps at 0.39–0.50 s, against the defaults' 24–49 generations of one step at
-#   0.88–1.25 s. The defaults' own seeds spread from 25 to 65 s, so the seed where they learned fastest (seed 1
-#   here, 25.1 s) sets a bar that the recipe's 16–26 s does not clear.
-# - **The race before** (at 32f45d7; the defaults' seeds 0–2 reached the threshold in 40.2 and 64.9 s, and seed 2
+
+# - **At 32f45d7** (the the defaults' seeds 0–2 reached the threshold in 40.2 and 64.9 s, and seed 2
 #   got stuck at −2,540 from step 37): the recipe without the engine sizing, 4.90× the tokens/s, 20.1 and 26.2 s
 #   (2.00× and 2.48× sooner), a step of 0.49–0.50 s (0.265 s of generation, 0.187 s of training per step).
 #   16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
 #   completions per generation are the same completions per step, so only vLLM's bigger batch saved time (0.220 s
 #   of generation per step), and the staler steps needed 62–72 optimizer steps against 41–53.
-# - **The race before: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, at e271166, four
+# - **At e271166: CISPO makes the stale steps teach** (80 s per seed, learning rate 5e-4, four
 #   seeds of the defaults, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). Under TRL's default loss a step on a stale generation teaches little: a token
 #   whose importance ratio has left [0.8, 1.2] in the direction of its advantage gives no gradient, so the
@@ -435,8 +448,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #   many optimizer steps as on-policy (40–48), each 2.3× shorter. Its NVML peaks, 84.7–94.2 GiB, sit beside the
 #   planner's 92.1; batch 32's, 105.2 and 105.6 GiB, sit 17% under the planner's 122.7, the planner's one miss over
 #   10% (PyTorch's allocator reserved 5 GiB above the tensors there, where batch 32 under TRL's loss reserved 21–24).
-# - **The race before: the on-policy recipe** (80 s per seed, learning rate 5e-4,
-#   at 33d43ba, each seed stopped once its running mean passed the threshold; measured,
+# - **At 33d43ba: the on-policy recipe** (80 s per seed, learning rate 5e-4, each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). The defaults ran at 2,157–2,210 tokens/s. Their seed 1 reached the threshold in
 #   44.3 s (45 generations); their seed 0 got stuck at step 23 (eight identical completions per prompt, reward
 #   −2,540) and trained the whole 80 s without reaching it.
@@ -449,7 +461,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #   So the recipe falls short of 4× the tokens/s at 1.5B by a factor of 3.7 and of 2.5× sooner by 1.9 on the seed
 #   where the defaults learned; batch 32 by 1.3 and 1.9. Generation is 0.60–0.69 s of the recipe's 0.81–0.93 s
 #   step, and at batch 8 no knob of the recipe makes one generation shorter.
-# - **Two races before: every knob at one commit** (80 s per seed, learning rate 5e-4, at f024d00, each seed
+# - **At f024d00: every knob at one commit** (80 s per seed, learning rate 5e-4, each seed
 #   stopped once its running mean passed the threshold; measured, `results/speed_1xh200.json`). The defaults
 #   reached the threshold in 55.3 and 45.0 s (58 and 48 generations) at 2,048–2,262 tokens/s.
 #   - **On-policy batch 32**: 3.29× the tokens/s and 1.68× and 1.46× sooner (28 and 27 generations): the best
@@ -637,13 +649,17 @@ pd.DataFrame(speed.latency_table(latency))
 # - **So on-policy has a floor.** One cycle is at least one generation (~0.65 s), one push (0.03 s) and one training
 #   step (0.12 s without recomputing activations): about 0.8 s against the defaults' 0.89–1.30 s per step in the
 #   races, at most about 1.1–1.6× sooner if every run needs as many generations (modelled from these measured
-#   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one: CISPO's 5–6 generations of
-#   8 steps each (the three newest races) are that.
+#   costs). Reaching the reward 2.5× sooner needs fewer generations, not a shorter one: CISPO's 5–7 generations of
+#   8 steps each (the four newest races) are that.
 # - **From 128 sequences on, a step grows with the batch** (`seqs128` and `seqs256`, one machine, at ee58631): 128
 #   sequences in 1.09–1.13 s (4.3–4.4 ms a step), 256 in 1.88 s (7.3 ms), and 128 without log-probabilities in
 #   0.79 s. The engine's Python work per token of every sequence now sets the pace, so sharing one generation
 #   between 16 steps instead of 8 buys little (`cispo_b16_spg16`, above). The `commit` column says when each row
 #   ran; compare rows of one commit (the 64-sequence rows, 1.45 s and 0.85 s, ran on different machines and days).
+# - **An engine sized for the model's own limit** (`seqs128_len32k`: `max_model_len` 32,768, what TRL leaves when
+#   `vllm_max_model_length` is unset; at bda5752): 128 sequences in 1.67 s, 64 in 0.91 s, 128 without
+#   log-probabilities in 1.03 s. It ran on the bda5752 race's machine, which stepped slower, not beside `seqs128`:
+#   so it is no ratio, and whether sizing the engine for the task makes a generation shorter stays unmeasured.
 
 # ### Break it · pick the memory share by hand
 #
