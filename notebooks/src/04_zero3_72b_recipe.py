@@ -421,7 +421,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     constructor and sized alike made 128 × 256 tokens in 1.09 s, 0.79 s without the log-probabilities TRL asks
 #     for (`gen_latency.py`, below).
 
-# - **At 32f45d7** (the the defaults' seeds 0–2 reached the threshold in 40.2 and 64.9 s, and seed 2
+# - **At 32f45d7** (the defaults' seeds 0–2 reached the threshold in 40.2 and 64.9 s, and seed 2
 #   got stuck at −2,540 from step 37): the recipe without the engine sizing, 4.90× the tokens/s, 20.1 and 26.2 s
 #   (2.00× and 2.48× sooner), a step of 0.49–0.50 s (0.265 s of generation, 0.187 s of training per step).
 #   16 steps per generation (`cispo_b16_spg16`): 5.25× the tokens/s, but 1.43× and 1.94× sooner. Twice the
