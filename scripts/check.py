@@ -1,7 +1,7 @@
 """What a node can run: the whole test suite and every notebook as JupyterLab's Run All runs it, on
 this machine, recorded with hardware, versions and commit.
 
-    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [-- <pytest args>]
+    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -120,21 +121,49 @@ def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
         peaks["peak_gpu_gib"] = round(gpu / 2**30, 2)
 
 
-def run_tests(pytest_args: list[str], budget_s: float) -> dict:
-    """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail."""
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}.jsonl"
-    log.unlink(missing_ok=True)
-    env = dict(os.environ, COLO_KIT_CHECK_LOG=str(log),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
-    t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args]
-    rc, _, _ = _run(cmd, budget_s, env=env)
-    tests = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dict:
+    """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail.
+
+    `parallel` > 1 runs the suite as that many pytest processes at once: one for the `slow` tier (the tests that
+    start vLLM engines or train, one after another, so two engines never profile one GPU's memory at the same
+    time) and the others for the rest, split by test file. A 16-core GPU node then checks the fast tier beside
+    the slow one instead of after it. Each record says which process ("lane") ran it."""
+    import threading
+
+    if parallel < 2:
+        lanes = [[]]
+    else:
+        named = [a for a in pytest_args if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
+        files = sorted({a.split("::")[0] for a in named}) or sorted(str(f.relative_to(REPO))
+                                                                 for f in (REPO / "tests").glob("test_*.py"))
+        pytest_args = [a for a in pytest_args if a not in named]
+        fast = [files[i::parallel - 1] for i in range(parallel - 1)]  # round robin by name: small and big mix
+        lanes = [["-m", "slow", *files]] + [["-m", "not slow", *chunk] for chunk in fast if chunk]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
+    t0, tests, rcs, commands = time.time(), [], [], []
+
+    def run_lane(i: int, lane: list[str]) -> None:
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}-{i}.jsonl"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args, *lane]
+        commands.append(shlex.join(cmd[2:]))
+        rc, _, _ = _run(cmd, budget_s, env=dict(env, COLO_KIT_CHECK_LOG=str(log)))
+        rcs.append(0 if rc == 5 and len(lanes) > 1 else rc)  # 5: a lane that selected no test
+        if log.exists():
+            tests.extend({**json.loads(line), **({"lane": i} if len(lanes) > 1 else {})}
+                         for line in log.read_text().splitlines())
+
+    threads = [threading.Thread(target=run_lane, args=(i, lane)) for i, lane in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    return {"returncode": rc, "seconds": round(time.time() - t0, 1), "counts": counts, "tests": tests,
-            "command": " ".join(cmd[2:])}
+    returncode = "timeout" if "timeout" in rcs else next((rc for rc in rcs if rc), 0)
+    return {"returncode": returncode, "seconds": round(time.time() - t0, 1), "counts": counts, "tests": tests,
+            "command": " & ".join(commands)}
 
 
 def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float) -> dict:
@@ -242,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notebooks", default="", help="numbers in order, e.g. 00,03 (default: all); '+' separates "
                     "lanes that run at the same time, e.g. 01,03+05,00")
     ap.add_argument("--budget-s", type=float, default=3600.0)
+    ap.add_argument("--parallel", type=int, default=1, help="tests: pytest processes at once, one for the slow tier "
+                    "and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
     if a.budget_s != a.budget_s or a.budget_s <= 0:
         ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")
+    if a.parallel < 1:
+        ap.error(f"--parallel {a.parallel}: give 1 (one pytest process) or more")
     from colo_kit.paths import runs_dir
 
     path = Path(a.json) if a.json else runs_dir() / "check.json"
@@ -255,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(probe, os.W_OK):
         ap.error(f"--json {path}: {probe} is not writable; pick a writable path")
     if a.part == "tests":
-        result = run_tests(extra, a.budget_s)
+        result = run_tests(extra, a.budget_s, a.parallel)
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
         result = run_notebooks([lane for lane in lanes if lane] or None, path.with_suffix(""), a.budget_s)

@@ -60,3 +60,42 @@ def test_peak_memory_sums_the_whole_process_tree(tmp_path):
         proc.wait(timeout=60)
     assert own > 0.28  # the parent alone: its 300 MB
     assert peaks["peak_rss_gib"] >= own + 0.18  # and its child's 200 MB on top
+
+
+FAST_AND_SLOW = """
+import pytest
+
+
+def test_fast_{n}():
+    assert True
+
+
+@pytest.mark.slow
+def test_slow_{n}():
+    assert True
+"""
+
+
+def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file(tmp_path):
+    """`check.py tests --parallel 3`: one pytest process for the slow tier (engines never start side by side),
+    the other tests split by file over the other two, every test recorded once with its lane."""
+    files = []
+    for n in ("a", "b"):
+        f = tmp_path / f"test_lane_{n}.py"
+        f.write_text(FAST_AND_SLOW.replace("{n}", n))
+        files.append(str(f))
+    record = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--parallel", "3",
+                           "--", "-p", "no:cacheprovider", *files], cwd=load_script("scripts/check.py").REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    tests = json.loads(record.read_text())["tests"]["tests"]
+    lanes = {t["nodeid"].rsplit("/", 1)[-1]: t["lane"] for t in tests}
+    assert len(tests) == len(lanes) == 4 and all(t["outcome"] == "passed" for t in tests)
+    assert lanes["test_lane_a.py::test_slow_a"] == lanes["test_lane_b.py::test_slow_b"] == 0
+    assert {lanes["test_lane_a.py::test_fast_a"], lanes["test_lane_b.py::test_fast_b"]} == {1, 2}
+    bad = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--parallel", "0"],
+                         cwd=load_script("scripts/check.py").REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--parallel 0: give 1" in bad.stderr

@@ -68,3 +68,17 @@ def test_vllm_eager_follows_the_variable_then_the_callers_default(monkeypatch):
     assert env.vllm_eager(False) is True
     monkeypatch.setenv("COLO_KIT_VLLM_EAGER", "0")
     assert env.vllm_eager(True) is False
+
+
+def test_commit_is_the_given_one_else_gits(monkeypatch):
+    """Results name the commit they ran at: the one the GPU machine is told (its copy of .git is older than the
+    tree), else git's own."""
+    import subprocess
+
+    monkeypatch.setenv("COLO_KIT_COMMIT", "0123456789abcdef")
+    assert env.commit() == "0123456"
+    monkeypatch.delenv("COLO_KIT_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    assert env.commit() == head.stdout.strip()
