@@ -121,6 +121,17 @@ def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
         peaks["peak_gpu_gib"] = round(gpu / 2**30, 2)
 
 
+def _side_by_side(run_lane, lanes: list) -> None:
+    """`run_lane(i, lane)` for every lane at once, each in its own thread; back when all are done."""
+    import threading
+
+    threads = [threading.Thread(target=run_lane, args=(i, lane)) for i, lane in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dict:
     """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail.
 
@@ -128,8 +139,6 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dic
     start vLLM engines or train, one after another, so two engines never profile one GPU's memory at the same
     time) and the others for the rest, split by test file. A 16-core GPU node then checks the fast tier beside
     the slow one instead of after it. Each record says which process ("lane") ran it."""
-    import threading
-
     if parallel < 2:
         lanes = [[]]
     else:
@@ -153,11 +162,7 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dic
             tests.extend({**json.loads(line), **({"lane": i} if len(lanes) > 1 else {})}
                          for line in log.read_text().splitlines())
 
-    threads = [threading.Thread(target=run_lane, args=(i, lane)) for i, lane in enumerate(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _side_by_side(run_lane, lanes)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
@@ -171,8 +176,6 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     `lanes`: lists of notebook numbers; the lanes run at the same time, each one notebook after
     another (a GPU with room for two notebooks' engines checks them in half the time; each record
     says which lane it ran in and beside how many others)."""
-    import threading
-
     from colo_kit.notebook import NOTEBOOKS, SOURCES, source_digest
 
     by_number = {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
@@ -209,11 +212,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
             out.append(rec)
             print(f"[check] {p.stem}: {rec['status']} in {rec['seconds']} s (lane {i})", flush=True)
 
-    threads = [threading.Thread(target=run_lane, args=(i, lane)) for i, lane in enumerate(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _side_by_side(run_lane, lanes)
     return {"seconds": round(time.time() - t0, 1), "notebooks": out}
 
 
@@ -280,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")
     if a.parallel < 1:
         ap.error(f"--parallel {a.parallel}: give 1 (one pytest process) or more")
+    if a.parallel > 1 and any(x == "-m" or x.startswith("-m") and not x.startswith("--") for x in extra):
+        ap.error(f"--parallel {a.parallel} picks each process's -m itself (the slow tier in one, the rest in the "
+                 "others); drop -m after --, or run with --parallel 1")
     from colo_kit.paths import runs_dir
 
     path = Path(a.json) if a.json else runs_dir() / "check.json"

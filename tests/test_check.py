@@ -99,3 +99,9 @@ def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file
     bad = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--parallel", "0"],
                          cwd=load_script("scripts/check.py").REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--parallel 0: give 1" in bad.stderr
+    before = record.read_text()
+    marked = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--parallel", "2",
+                             "--", "-m", "gpu", *files], cwd=load_script("scripts/check.py").REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert marked.returncode == 2 and "drop -m after --" in marked.stderr
+    assert record.read_text() == before  # a refused run writes nothing
