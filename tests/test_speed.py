@@ -311,7 +311,10 @@ def test_the_planners_tensors_and_reserve_each_match_pytorchs_own_peaks():
     the settings alone, since CISPO at batch 16 reserved 2.7-3.1 GiB in seven seeds and 12.2 in one, where batch 32
     under TRL's loss reserved 21-24 GiB and batch 8 3-6. PLANNER_MISSES are left to their strict xfail."""
     result = json.loads(RESULT.read_text())
-    recs = [r for r in result["records"] if r.get("torch_peak_gib")]
+    # a sleeping engine's memory comes from vLLM's own pool, which PyTorch's counters see while it is awake (sleep_l2
+    # at 2f0b343: 70.8 GiB "allocated" against 60.9 NVML): its training half cannot be read from them, so sleep runs
+    # are judged by NVML alone (planner_error_seed0)
+    recs = [r for r in result["records"] if r.get("torch_peak_gib") and not r["grpo_config"].get("vllm_enable_sleep_mode")]
     assert len({(r["config"], r["model"]) for r in recs}) >= 8
     trainings = [speed.planner_estimate_for_record(r)["parts"]["training"] for r in recs]
     alike = [(r["model"], tuple(sorted((k, round(v, 3)) for k, v in t.items()))) for r, t in zip(recs, trainings)]
@@ -371,14 +374,15 @@ def test_committed_chain_has_raw_step_times_hardware_and_versions():
         assert part["env"]["versions"]["trl"] == "1.16.0"
 
 
-@pytest.mark.xfail(strict=True, reason="owed: a recipe >= 4x TRL's defaults in tokens/s and >= 2.5x sooner to the "
-                                       "threshold for every seed at 1.5B, from one `bash scripts/gpu/speed.sh` run on one "
-                                       "H200. The newest race (bda5752, seeds 4-7): the recipe (CISPO, 8 steps per "
-                                       "generation, batch 16, vLLM sized for the task) 5.02x and 3.00x / 1.80x / 3.04x / "
-                                       "1.04x; at 9e1f313 4.79x and 2.46x / 1.11x / 1.86x / 2.43x; at 32f45d7 4.90x and "
-                                       "2.00x / 2.48x; at e271166 4.97x and 2.38x / 2.16x / 1.41x / 1.71x. Fourteen seeds, "
-                                       "two at 2.5x: a recipe step is 0.39-0.52 s against the defaults' 0.88-1.40 s, but "
-                                       "it sees the threshold after 32-48 optimizer steps where the defaults did after "
+@pytest.mark.xfail(strict=True, reason="goal not met: a recipe >= 4x TRL's defaults in tokens/s and >= 2.5x sooner to "
+                                       "the threshold for every seed at 1.5B, from one `bash scripts/gpu/speed.sh` run on "
+                                       "one H200. The whole chain at one commit (2f0b343, seeds 0 and 1): the recipe "
+                                       "(CISPO, 8 steps per generation, batch 16, vLLM sized for the task) 4.39x and "
+                                       "1.82x / >= 3.66x (the defaults' seed 1 never got there); at bda5752 5.02x and "
+                                       "3.00x / 1.80x / 3.04x / 1.04x; at 9e1f313 4.79x and 2.46x / 1.11x / 1.86x / 2.43x; "
+                                       "at 32f45d7 4.90x and 2.00x / 2.48x; at e271166 4.97x and 2.38x / 2.16x / 1.41x / "
+                                       "1.71x. A recipe step is 0.39-0.52 s against the defaults' 0.85-1.40 s, but it "
+                                       "sees the threshold after 24-48 optimizer steps where the defaults did after "
                                        "23-48 (notebook 04, section 7)")
 def test_some_configuration_meets_both_speed_goals_for_both_seeds():
     result = json.loads(RESULT.read_text())
@@ -451,6 +455,50 @@ def test_notebook_04_reads_the_9e1f313_race_from_the_json_and_the_recipe_is_what
     ran = [r for r in result["records"] if r["commit"] == "9e1f313" and r["config"] == "recipe"]
     fields, _ = speed.config("recipe")
     for r in ran:
+        assert {k: r["grpo_config"][k] for k in fields if k != "generation_kwargs"} == \
+            {k: v for k, v in fields.items() if k != "generation_kwargs"}
+
+
+def test_a_switch_counts_each_part_as_often_as_it_comes_per_push():
+    """TRL wakes a level-2 engine twice per switch (weights, then KV cache): its wake-up median counts twice."""
+    parts = {"weight_sync": {"n": 10, "median_s": 0.06}, "sleep": {"n": 10, "median_s": 0.03},
+             "wake_up": {"n": 20, "median_s": 0.02}}
+    assert speed.switch_total(parts) == pytest.approx(0.06 + 0.03 + 2 * 0.02)
+    assert speed.switch_total({"weight_sync": {"n": 5, "median_s": 0.02}}) == pytest.approx(0.02)
+    assert speed.switch_total({"sleep": {"n": 3, "median_s": 0.01}, "wake_up": {"n": 6, "median_s": 0.02}}) == \
+        pytest.approx(0.03)  # no push to count by: each part once
+
+
+def test_notebook_04_reads_the_2f0b343_race_at_one_commit_from_the_json():
+    """The whole race at one commit (2f0b343): every knob of the chain, TRL's level-2 sleep and the recipe at 1.5B,
+    and the defaults and the recipe at 7B. What notebook 04 prints is the committed summary's, the recipe that
+    ran is the one `plan --recommend` writes now, and every peak is within 10% of the planner's."""
+    result = json.loads(RESULT.read_text())
+    source = (REPO_ROOT / "notebooks" / "src" / "04_zero3_72b_recipe.py").read_text().splitlines()
+    text = " ".join(line.lstrip("#").strip() for line in source)
+    small = {g["race"]["commit"]: g["configs"] for g in result["summary"]["qwen2.5-1.5b"].values()}["2f0b343"]
+    big = {g["race"]["commit"]: g["configs"] for g in result["summary"]["qwen2.5-7b"].values()}["2f0b343"]
+    assert set(speed.NAMES) | {"recipe", "sleep_l2"} <= set(small) and set(big) == {"trl_defaults", "recipe"}
+    rec = small["recipe"]
+    assert rec["seeds"] == small["trl_defaults"]["seeds"] == [0, 1]
+    assert f"{rec['tokens_per_s_vs_defaults']:.2f}× the tokens/s" in text and rec["tokens_per_s_vs_defaults"] >= 4
+    first, _ = rec["time_to_reward_speedup_per_seed"]
+    _, bound = rec["time_to_reward_speedup_at_least_per_seed"]
+    assert f"{first:.2f}× sooner on seed 0, and at least {bound:.2f}× on seed 1" in text and first < 2.5
+    assert "in {:.1f} and {:.1f} s".format(*rec["time_to_reward_s"]) in text
+    for name in ("no_grad_ckpt", "no_detokenize", "bucketed_push", "spg8", "batch32"):
+        c = small[name]
+        assert f"{c['tokens_per_s_vs_defaults']:.2f}× and {c['time_to_reward_speedup_per_seed'][0]:.2f}×" in text, name
+    assert f"a switch of {small['sleep_l2']['switch']['switch_median_s']:.3f} s per" in text
+    for configs in (small, big):
+        assert all(abs(c["planner_error_seed0"]) <= 0.10 for c in configs.values())
+    b = big["recipe"]
+    assert f"the recipe {b['tokens_per_s_vs_defaults']:.2f}×" in text
+    assert f"({b['time_to_reward_speedup_per_seed'][1]:.2f}×)" in text
+    assert f"at least {b['time_to_reward_speedup_at_least_per_seed'][0]:.2f}× sooner" in text
+    fields, _ = speed.config("recipe")
+    for r in (r for r in result["records"] if r["commit"] == "2f0b343" and r["config"] == "recipe"
+              and r["model"] == "qwen2.5-1.5b"):
         assert {k: r["grpo_config"][k] for k in fields if k != "generation_kwargs"} == \
             {k: v for k, v in fields.items() if k != "generation_kwargs"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from colo_kit.memory.speed import (ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
-                                    window_mean)
+                                    switch_total, window_mean)
 
 
 def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
@@ -121,7 +121,10 @@ def _summarize_one(records: list[dict]) -> dict:
                "generations_to_reward": [generations_to_reward(r, target) if target is not None else None for r in runs],
                "nvml_peak_gib": [round(r["nvml_peak_gib"], 1) if r["nvml_peak_gib"] else None for r in runs],
                "planner_peak_gib": _planner_now(runs[0]),
-               "phase_s_per_step": runs[0]["phase_s_per_step"], "switch": runs[0]["switch"]}
+               "phase_s_per_step": runs[0]["phase_s_per_step"],
+               # records before switch_total counted a wake-up once where TRL wakes twice: summed again here
+               "switch": {**runs[0]["switch"], "switch_median_s": switch_total(runs[0]["switch"])}
+               if runs[0]["switch"] else runs[0]["switch"]}
         if base_tps and all(base_tps) and all(tps):
             row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
         if base_ttr:

@@ -13,14 +13,15 @@ section 7), and the comments say which run each one rests on:
 - below 7B, one generation for 8 optimizer steps under CISPO (`loss_type: cispo`, `epsilon_high: 5.0`) at a
   per-device batch of at least 16: under TRL's default loss the stale steps taught little (the reward moved per
   generation: 2, 4 and 8 steps per generation needed as many generations as on-policy runs), while CISPO keeps
-  every token's gradient and clips only its importance weight, and at 1.5B all fourteen seeds of four races reached
-  the reward threshold in 5-7 generations at 4.8-5.0x the tokens/s, 1.04-3.04x sooner than the defaults' same seed
-  (at batch 8 one of two seeds got stuck; 16 steps per generation needed more steps and got there later);
+  every token's gradient and clips only its importance weight, and at 1.5B all sixteen seeds of five races reached
+  the reward threshold in 4-7 generations at 4.4-5.0x the tokens/s, 1.04-3.04x sooner than the defaults' same seed
+  (at least 3.66x on the one whose defaults never got there; at batch 8 one of two seeds got stuck; 16 steps per
+  generation needed more steps and got there later);
 - `vllm_max_model_length`: the longest prompt plus the completion, so the engine is sized for the sequences it
   gets rather than for the model's own limit (TRL's default);
-- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B eight of ten on-policy seeds (four
+- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B nine of twelve on-policy seeds (five
   races) stopped learning within 13 steps (eight identical completions per prompt, so no advantage left) and never
-  reached the reward threshold, while seven of eight seeds with 2 did (four races); CISPO has not run at 7B;
+  reached the reward threshold, while nine of ten seeds with 2 did (five races); CISPO has not run at 7B;
 - `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
 - TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
 
@@ -37,7 +38,7 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
 # From this many parameters the recipe shares each generation between two optimizer steps under TRL's default loss:
-# measured at 7B (7.6B parameters), where eight of ten on-policy seeds got stuck and one of eight with
+# measured at 7B (7.6B parameters), where nine of twelve on-policy seeds got stuck and one of ten with
 # steps_per_generation=2 did. Below it, CISPO on one generation for 8 steps (measured at 1.5B only).
 STALE_FROM_PARAMS = 7e9
 CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
@@ -89,8 +90,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("per_device_train_batch_size", chosen.per_device_train_batch_size,
          (f"raised from {asked_batch}: " if chosen.per_device_train_batch_size
           != asked_batch else "yours: ") +
-         ("under CISPO with 8 steps per generation, batch 16 gave 4.79-5.02x the tokens/s at 1.5B over four "
-          "races and all fourteen seeds reached the threshold; batch 8 gave 3.12x and one of two seeds got stuck; "
+         ("under CISPO with 8 steps per generation, batch 16 gave 4.39-5.02x the tokens/s at 1.5B over five "
+          "races and all sixteen seeds reached the threshold; batch 8 gave 3.12x and one of two seeds got stuck; "
           "batch 32 gave 5.70x, but its steps took twice as long, so the threshold came 1.1-1.7x sooner "
           f"(measured, {MEASURED})" if cispo else
           "a bigger batch bought tokens/s, not reliably time (on-policy batch 32: 3.0-3.7x the tokens/s, "
@@ -118,15 +119,16 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         ("steps_per_generation", CISPO_STEPS,
          "one generation for 8 optimizer steps: under TRL's default loss 2, 4 and 8 steps per generation needed as "
          "many generations to the threshold as on-policy runs at 1.5B, since a token whose importance ratio left "
-         "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 5-7 "
-         "generations on fourteen of fourteen seeds in four races, 15.7-26.2 s against TRL's defaults' 25.1-68.4 s in "
-         "the same races (1.04-3.04x sooner per seed, 2.5x on two); 16 steps per generation took 4-5 generations "
+         "[0.8, 1.2] gives no gradient; under CISPO (below) 8 steps per generation at batch 16 reached it in 4-7 "
+         "generations on sixteen of sixteen seeds in five races, 15.7-26.2 s against TRL's defaults' 25.1-68.4 s in "
+         "the same races (1.04-3.04x sooner per seed, 2.5x on two of fifteen; the sixteenth's defaults never got "
+         "there); 16 steps per generation took 4-5 generations "
          "but 62-72 steps, 28-33 s "
          f"(measured, {MEASURED})") if cispo else
-        ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B eight of ten on-policy seeds "
+        ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B nine of twelve on-policy seeds "
          "stopped learning within 13 steps (eight identical completions per prompt: no advantage left) and never "
-         "reached the reward threshold, while seven of eight seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (four "
-         f"races; the eighth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
+         "reached the reward threshold, while nine of ten seeds with 2 did, in 32-56 s, at 1.7x the tokens/s (five "
+         f"races; the tenth got stuck the same way by step 15; measured, {MEASURED})") if chosen.steps_per_generation == 2 else
         ("steps_per_generation", None,
          f"TRL's default, on-policy, since 8 steps per generation at batch {CISPO_MIN_BATCH} or more do not fit "
          "(modelled): at 1.5B sharing a generation between 2 or 4 steps gave 1.8-2.4x the tokens/s at "

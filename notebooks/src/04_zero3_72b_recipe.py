@@ -383,7 +383,28 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # %% [markdown]
 # What the table says, and what it does not:
 #
-# - **The newest race: the recipe on seeds it was not chosen on** (80 s per seed, learning rate 5e-4, at bda5752,
+# - **The newest race: the whole chain at one version of the kit** (80 s per seed, learning rate 5e-4, at 2f0b343,
+#   each seed stopped once its running mean passed the threshold, one process per seed; measured,
+#   `results/speed_1xh200.json`). The defaults ran at 2,029 and 2,383 tokens/s; seed 0 reached the threshold in
+#   34.5 s (33 generations), seed 1 trained the whole 80 s (94 steps) without reaching it.
+#   - The recipe: 4.39× the tokens/s; both seeds reached the threshold, in 4 and 6 generations, in 19.0 and
+#     22.1 s: 1.82× sooner on seed 0, and at least 3.66× on seed 1, a bound against defaults that never got
+#     there. A step took 0.39–0.46 s: 0.242 s of generation, 0.183 s of training and 0.005 s of push per step
+#     (one push of 0.032 s per 8 steps). NVML peaked at 84.8 and 84.9 GiB against the planner's 92.1 (9% over,
+#     the safe side).
+#   - One knob at a time, seed 0, tokens/s and time to the threshold against the defaults:
+#     `gradient_checkpointing=False` 1.22× and 1.43× sooner (24.1 s); `detokenize: False` 1.14× and 1.16×; the
+#     push in one `load_weights` call 1.24× and 0.86× (0.019 s a push against 0.037–0.063 s for TRL's
+#     per-tensor loop in this race); `steps_per_generation=8` 3.54× and 0.97× (17 generations); batch 32 on top
+#     5.06× and 0.71× (8 generations of 0.72 s steps). Each knob buys tokens/s; alone, only the first also got
+#     there sooner on this seed, and the stale ones got there later: the recipe's CISPO is what lets the stale
+#     steps of a shared generation teach.
+#   - TRL's level-2 sleep (`vllm_enable_sleep_mode=True`, on top of the one-call push): a switch of 0.133 s per
+#     step (medians: sleep 0.035 s, two wake-ups of 0.018 s, the push 0.062 s), the cheapest level-2 switch of
+#     any race and still over the 0.12 s aimed for; NVML 60.9 GiB against the planner's 63.1, 18 GiB under the
+#     same settings awake (78.8), at 0.96× the defaults' tokens/s where awake ran at 1.24×.
+#   - Every peak of this race sits within 10% of the planner's (−4% to +9%).
+# - **At bda5752: the recipe on seeds it was not chosen on** (80 s per seed, learning rate 5e-4, at bda5752,
 #   seeds 4–7, which no earlier race used; each seed stopped once its running mean passed the threshold; measured,
 #   `results/speed_1xh200.json`). This machine ran slower than the one before: the defaults stepped in 1.08–1.40 s,
 #   ran at 1,457–1,901 tokens/s and reached the threshold in 68.4, 38.8, 49.2 and 26.6 s (47, 32, 43 and 24
@@ -392,7 +413,7 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     21.5, 16.2 and 25.6 s: 3.00×, 1.80×, 3.04× and 1.04× sooner than the defaults' same seed. A step took
 #     0.43–0.52 s: 0.294 s of generation, 0.194 s of training and 0.005 s of push per step. NVML peaked at
 #     94.0–94.3 GiB against the planner's 92.1.
-# - **Across the four races of these settings** (this one, and 9e1f313, 32f45d7 and e271166 below): fourteen
+# - **Across the four races before it** (bda5752, 9e1f313, 32f45d7 and e271166): fourteen
 #   seeds, 4× the tokens/s in every race (4.79–5.02×), the threshold reached on every seed, 1.04–3.04× sooner
 #   than the defaults' same seed: 2.5× on two of fourteen. Pooled, the recipe's median time was 20.8 s against the
 #   defaults' 39.0 s, and its fourteen times add up to half of theirs (2.02×). Why not 2.5× on every seed: the
@@ -531,10 +552,10 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #   configuration's time). The longer race settles it: with 150 s per seed the defaults got there in 37 s and
 #   `steps_per_generation=4` in 82 s — 1.9× the tokens/s, 0.45× the speed to the reward: 36 generations, as
 #   many as an on-policy run needs, each of them four steps long.
-# - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.15 s per step (sleep 0.05 s, two
+# - **Sleep costs tokens here.** TRL's level-2 sleep at 1.5B switches in 0.17 s per step (sleep 0.05 s, two
 #   wake-ups of 0.02 s, the push 0.08 s; the 90 s race) and ran at 0.8–0.99× the defaults' tokens/s; it buys
 #   18 GiB of peak, which a 1.5B model on an H200 does not need. Releasing only the KV cache (`sleep_kv`,
-#   `colo_kit.colocate.kv_sleep`) keeps the weights mapped: 0.14 s per switch (sleep 0.045 s, two wake-ups of 0.011 s, the same push) and a peak of
+#   `colo_kit.colocate.kv_sleep`) keeps the weights mapped: 0.15 s per switch (sleep 0.045 s, two wake-ups of 0.011 s, the same push) and a peak of
 #   60.9 GiB. At 1.5B the push, not the re-mapping, is most of the switch, so keeping the weights saves little.
 # - **The switch got cheap.** One `load_weights` call instead of one per tensor: 0.031 s per push instead
 #   of 0.048 s (medians), and under 0.004 s per step with one push every 8 steps. At batch 8 most of a step is
@@ -561,8 +582,8 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #
 # Qwen2.5-7B's float32 training state (weights, gradients, AdamW) does not fit one H200 beside vLLM, so every
 # 7B configuration trains in bfloat16 (`model_init_kwargs={"dtype": "bfloat16"}`), without ZeRO: 120 s per seed in
-# the two oldest races, 180 s in the next two and 80 s in the newest (each seed of the last three stops once past
-# the threshold).
+# the two oldest races, 180 s in the next two and 80 s in the two newest (each seed of the last four stops once
+# past the threshold).
 
 # %%
 pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
@@ -570,7 +591,18 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 # %% [markdown]
 # Measured (`results/speed_1xh200.json`). Read the newest race first: the defaults and the recipe as it now is
 # (`steps_per_generation: 2` from 7B up), two seeds each, 80 s per seed, each seed stopped once past the
-# threshold, at 32f45d7.
+# threshold, at 2f0b343, in the same run as the 1.5B chain above.
+#
+# - **Tokens/s: the recipe 1.69×** (1,914 and 1,949 against the defaults' 1,146 and 1,147).
+# - **Both recipe seeds reached the threshold**, in 40.2 and 43.6 s (17 and 19 generations). The defaults' seed 1
+#   got there sooner, in 25.7 s (0.59×); their seed 0 was stuck from step 13 (−2,796, eight identical completions,
+#   spread 0) and never did, so the recipe's seed 0 is at least 2.01× sooner, a bound. So at 7B the recipe is
+#   less stuck, not faster: over the five races, nine of twelve on-policy seeds never reached the threshold and
+#   nine of ten `steps_per_generation=2` seeds did.
+# - **The planner holds:** NVML 114.2 and 114.7 GiB against 118.1 predicted; the defaults 101.4 and 101.9 against
+#   101.6.
+#
+# The race before, at 32f45d7, the same settings:
 #
 # - **Tokens/s: the recipe 1.69×** (1,884–1,926 against the defaults' 1,127–1,129).
 # - **Both recipe seeds reached the threshold, in 34.3 s** (15 and 16 generations). The defaults' seed 1 got there
