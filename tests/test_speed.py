@@ -243,7 +243,11 @@ def test_a_seed_the_defaults_did_not_run_gets_no_time_ratio():
     records = [_record("trl_defaults", 0, 1000.0, [(1, -2000), (30, -1500)]),  # never reaches -1000
                _record("recipe", 0, 1100.0, [(1, -2000), (30, -1600)]),
                _record("recipe", 1, 1100.0, [(1, -2000), (12, -700)])]
-    rows = {r["configuration"]: r for r in race.table({"summary": {"qwen2.5-1.5b": race.summarize(records)}})}
+    table = race.table({"summary": {"qwen2.5-1.5b": race.summarize(records + [
+        _record("spg8", 0, 1500.0, [(1, -2000), (20, -1900)])])}})
+    # the defaults, then the recipe, then the chain's knobs: pandas hides a long race's middle rows, never these two
+    assert [r["configuration"] for r in table] == ["trl_defaults", "recipe", "spg8"]
+    rows = {r["configuration"]: r for r in table}
     assert rows["recipe"]["× defaults (time)"] == "not reached / no defaults run"
     assert rows["recipe"]["time to threshold s"] == "not reached / 12.0"
 

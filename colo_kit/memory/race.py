@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from colo_kit.memory.speed import (ADDS, NAMES, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
+from colo_kit.memory.speed import (ADDS, NAMES, RECIPE, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
                                     switch_total, window_mean)
 
 
@@ -170,7 +170,8 @@ def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
     rows = []
     for g in reversed(list(result["summary"].get(model, {}).values())):  # the newest race first: merges append
         r = g["race"]
-        for name, c in g["configs"].items():
+        # the defaults, then what the kit recommends, then each knob: the two rows a learner compares come first
+        for name, c in sorted(g["configs"].items(), key=lambda kv: {"trl_defaults": 0, RECIPE: 1}.get(kv[0], 2)):
             gen = c["phase_s_per_step"]
             rows.append({
                 "learning rate": f"{r['learning_rate']:g}", "s per seed": f"{r['budget_s']:g}" if r["budget_s"] else "",
