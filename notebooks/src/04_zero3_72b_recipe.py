@@ -396,9 +396,9 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 #     `gradient_checkpointing=False` 1.22× and 1.43× sooner (24.1 s); `detokenize: False` 1.14× and 1.16×; the
 #     push in one `load_weights` call 1.24× and 0.86× (0.019 s a push against 0.037–0.063 s for TRL's
 #     per-tensor loop in this race); `steps_per_generation=8` 3.54× and 0.97× (17 generations); batch 32 on top
-#     5.06× and 0.71× (8 generations of 0.72 s steps). Each knob buys tokens/s; alone, only the first also got
-#     there sooner on this seed, and the stale ones got there later: the recipe's CISPO is what lets the stale
-#     steps of a shared generation teach.
+#     5.06× and 0.71× (8 generations of 0.72 s steps). Each knob buys tokens/s; of the on-policy ones the first
+#     two also got there sooner on this one seed, and the stale ones got there later: the recipe's CISPO is what
+#     lets the stale steps of a shared generation teach.
 #   - TRL's level-2 sleep (`vllm_enable_sleep_mode=True`, on top of the one-call push): a switch of 0.133 s per
 #     step (medians: sleep 0.035 s, two wake-ups of 0.018 s, the push 0.062 s), the cheapest level-2 switch of
 #     any race and still over the 0.12 s aimed for; NVML 60.9 GiB against the planner's 63.1, 18 GiB under the
