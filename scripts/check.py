@@ -135,10 +135,12 @@ def _side_by_side(run_lane, lanes: list) -> None:
 def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dict:
     """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail.
 
-    `parallel` > 1 runs the suite as that many pytest processes at once: one for the `slow` tier (the tests that
-    start vLLM engines or train, one after another, so two engines never profile one GPU's memory at the same
-    time) and the others for the rest, split by test file. A 16-core GPU node then checks the fast tier beside
-    the slow one instead of after it. Each record says which process ("lane") ran it."""
+    `parallel` > 1 runs the suite as that many pytest processes at once: one for the tests that start vLLM
+    engines, train or need the GPU (marked `slow` or `gpu`), one after another, so two engines never profile one
+    GPU's memory at the same time; and the others for the rest, split by test file. A 16-core GPU node then
+    checks the CPU-only tests beside the GPU ones instead of after them. Each record says which process ("lane")
+    ran it. (With only `slow` in the first lane, the `gpu` tests of test_sleep built an engine beside it on one
+    H200: "No available memory for the cache blocks".)"""
     if parallel < 2:
         lanes = [[]]
     else:
@@ -147,7 +149,7 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dic
                                                                  for f in (REPO / "tests").glob("test_*.py"))
         pytest_args = [a for a in pytest_args if a not in named]
         fast = [files[i::parallel - 1] for i in range(parallel - 1)]  # round robin by name: small and big mix
-        lanes = [["-m", "slow", *files]] + [["-m", "not slow", *chunk] for chunk in fast if chunk]
+        lanes = [["-m", "slow or gpu", *files]] + [["-m", "not slow and not gpu", *chunk] for chunk in fast if chunk]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
     t0, tests, rcs, commands = time.time(), [], [], []
 
@@ -198,10 +200,11 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
             peaks: dict = {}
             rc, stdout, stderr = _run(cmd, left, peaks, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             tail = (stdout or "")[-1500:] + (stderr or "")[-3000:]
-            rec = {"notebook": p.stem, "status": "completed" if rc == 0 else "failed",
+            status = {0: "completed", "timeout": f"cut by the time budget ({left:.0f} s were left when it started)"}
+            rec = {"notebook": p.stem, "status": status.get(rc, "failed"),
                    "seconds": round(time.time() - start, 1), "lane": i, "lanes": len(lanes), **peaks, **_commit(),
                    "source_sha256": source_digest(SOURCES / (p.stem + ".py"))}
-            if rc != 0:
+            if rc not in (0, "timeout"):
                 rec["error_tail"] = tail
             if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
                 from colo_kit.labs.lab import facts_of

@@ -73,12 +73,17 @@ def test_fast_{n}():
 @pytest.mark.slow
 def test_slow_{n}():
     assert True
+
+
+@pytest.mark.gpu
+def test_gpu_{n}():
+    assert True
 """
 
 
 def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file(tmp_path):
-    """`check.py tests --parallel 3`: one pytest process for the slow tier (engines never start side by side),
-    the other tests split by file over the other two, every test recorded once with its lane."""
+    """`check.py tests --parallel 3`: one pytest process for the slow and gpu tiers (engines never start side by
+    side), the other tests split by file over the other two, every test recorded once with its lane."""
     files = []
     for n in ("a", "b"):
         f = tmp_path / f"test_lane_{n}.py"
@@ -93,8 +98,9 @@ def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file
 
     tests = json.loads(record.read_text())["tests"]["tests"]
     lanes = {t["nodeid"].rsplit("/", 1)[-1]: t["lane"] for t in tests}
-    assert len(tests) == len(lanes) == 4 and all(t["outcome"] == "passed" for t in tests)
+    assert len(tests) == len(lanes) == 6 and all(t["outcome"] == "passed" for t in tests)
     assert lanes["test_lane_a.py::test_slow_a"] == lanes["test_lane_b.py::test_slow_b"] == 0
+    assert lanes["test_lane_a.py::test_gpu_a"] == lanes["test_lane_b.py::test_gpu_b"] == 0
     assert {lanes["test_lane_a.py::test_fast_a"], lanes["test_lane_b.py::test_fast_b"]} == {1, 2}
     bad = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--parallel", "0"],
                          cwd=load_script("scripts/check.py").REPO, capture_output=True, text=True, timeout=60)
@@ -105,3 +111,15 @@ def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file
                             capture_output=True, text=True, timeout=60)
     assert marked.returncode == 2 and "drop -m after --" in marked.stderr
     assert record.read_text() == before  # a refused run writes nothing
+
+
+def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed(tmp_path, monkeypatch):
+    """A notebook still running when the call's time budget ends is killed; its record says it was cut, so a
+    reader does not look for an error that never happened. The kill is real: a process that outlives its time."""
+    check = load_script("scripts/check.py")
+    real_run = check._run
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(check, "_run", lambda cmd, left, peaks, **kw: real_run(sleeper, 1, peaks, **kw))
+    rec = check.run_notebooks([["04"]], tmp_path / "html", budget_s=100)["notebooks"][0]
+    assert rec["status"].startswith("cut by the time budget ("), rec
+    assert rec["seconds"] < 30 and "error_tail" not in rec

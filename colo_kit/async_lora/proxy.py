@@ -13,7 +13,8 @@ like one server. This module serves that proxy on aiohttp; what it decides is `c
   replica URL's password is shown nowhere (`user:***@`). Settings: `colo_kit.async_lora.proxy_config`.
 - **How long it waits for a client.** A request's head must arrive within `client_timeout_s` of
   the connection opening (or of the previous answer), and its body within as long again; a socket
-  that sends nothing is closed, so idle sockets cannot use up the proxy's file descriptors.
+  that sends nothing is closed, so idle sockets cannot use up the proxy's file descriptors (aiohttp
+  3.14.4 and later: older releases leave a silent socket open, seen on a GPU node's image).
 - **What it forwards.** The routes of `routing.ROUTES` only (404 otherwise, without touching a
   replica); paths are normalised first. Adapter loads need `adapter_root` and a path inside it.
   Bodies over `max_body_mb` get 413 before they are read whole; prompts are parsed and hashed off
