@@ -120,8 +120,8 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-@pytest.mark.xfail(strict=True, reason="owed: `scripts/gpu/check.sh` on one H200 at the notebooks' current "
-                                       "sources, every notebook completed with its HTML copy, then "
+@pytest.mark.xfail(strict=True, reason="owed: 06_async_lora_proxy on one H200 at its current source (the GPU "
+                                       "check at 6dfd673 completed 00-05 with HTML; the call's budget cut 06), then "
                                        "`python scripts/check.py refresh`")
 def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
     record = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())
@@ -130,6 +130,17 @@ def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
         assert nbs[src.stem].get("source_sha256") == source_digest(src), src.name
         assert nbs[src.stem]["status"] == "completed", src.name
         assert (REPO_ROOT / "results" / "gpu_check" / (src.stem + ".html")).exists(), src.name
+
+
+@pytest.mark.xfail(strict=True, reason="owed: the GPU lane's 29 tests the 6dfd673 check did not reach "
+                                       "(`PARALLEL=8 bash scripts/gpu/check.sh tests`), and a re-run of the three "
+                                       "that failed there (test_quiet's two, fixed since; the stalled-socket proxy "
+                                       "test, which needs aiohttp>=3.14.4 in the node's stack)")
+def test_the_gpu_check_ran_every_test_and_none_failed():
+    tests = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())["tests"]
+    assert not tests.get("not_run"), f"{len(tests['not_run'])} tests not run on the GPU"
+    bad = [t["nodeid"] for t in tests["tests"] if t["outcome"] in ("failed", "error")]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
