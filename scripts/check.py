@@ -1,7 +1,7 @@
 """What a node can run: the whole test suite and every notebook as JupyterLab's Run All runs it, on
 this machine, recorded with hardware, versions and commit.
 
-    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [-- <pytest args>]
+    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [--resume] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
@@ -132,7 +132,7 @@ def _side_by_side(run_lane, lanes: list) -> None:
         t.join()
 
 
-def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dict:
+def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: set[str] = frozenset()) -> dict:
     """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail.
 
     `parallel` > 1 runs the suite as that many pytest processes at once: one for the tests that start vLLM
@@ -140,7 +140,10 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dic
     GPU's memory at the same time; and the others for the rest, split by test file. A 16-core GPU node then
     checks the CPU-only tests beside the GPU ones instead of after them. Each record says which process ("lane")
     ran it. (With only `slow` in the first lane, the `gpu` tests of test_sleep built an engine beside it on one
-    H200: "No available memory for the cache blocks".)"""
+    H200: "No available memory for the cache blocks".)
+
+    `done`: node ids already recorded at this commit, left out (`--resume`: a suite longer than one call's time
+    limit goes on where the last call's budget cut it)."""
     if parallel < 2:
         lanes = [[]]
     else:
@@ -151,6 +154,10 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1) -> dic
         fast = [files[i::parallel - 1] for i in range(parallel - 1)]  # round robin by name: small and big mix
         lanes = [["-m", "slow or gpu", *files]] + [["-m", "not slow and not gpu", *chunk] for chunk in fast if chunk]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
+    if done:
+        skip = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-done-{os.getpid()}.txt"
+        skip.write_text("\n".join(sorted(done)) + "\n")
+        env["COLO_KIT_CHECK_DONE"] = str(skip)
     t0, tests, rcs, commands = time.time(), [], [], []
 
     def run_lane(i: int, lane: list[str]) -> None:
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=3600.0)
     ap.add_argument("--parallel", type=int, default=1, help="tests: pytest processes at once, one for the slow tier "
                     "and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
+    ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds from "
+                    "this commit (go on where a call's time limit cut the last run)")
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
@@ -293,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(probe, os.W_OK):
         ap.error(f"--json {path}: {probe} is not writable; pick a writable path")
     if a.part == "tests":
-        result = run_tests(extra, a.budget_s, a.parallel)
+        done = set()
+        if a.resume and path.exists():
+            part = json.loads(path.read_text()).get("tests", {})
+            here = _commit()["commit"]
+            done = {t["nodeid"] for t in part.get("tests", []) if (t.get("commit") or part.get("commit")) == here}
+            print(f"[check] --resume: {len(done)} tests already recorded at {str(here)[:7]}", flush=True)
+        result = run_tests(extra, a.budget_s, a.parallel, done)
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
         result = run_notebooks([lane for lane in lanes if lane] or None, path.with_suffix(""), a.budget_s)

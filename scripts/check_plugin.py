@@ -1,9 +1,11 @@
 """A pytest plugin for scripts/check.py: one JSON line per test as soon as it ends (outcome, seconds,
 the reason of a skip or an xfail), into the file named by COLO_KIT_CHECK_LOG. Lines survive a run
-that is cut off by its time budget, unlike a JUnit report written at the end."""
+that is cut off by its time budget, unlike a JUnit report written at the end. The node ids listed in the file
+named by COLO_KIT_CHECK_DONE are deselected (`check.py tests --resume`)."""
 
 import json
 import os
+from pathlib import Path
 
 
 def _reason(report) -> str | None:
@@ -42,3 +44,14 @@ def pytest_runtest_logreport(report):
     elif report.when == "teardown" and report.failed:
         _write({"nodeid": report.nodeid, "outcome": "error", "seconds": round(_seconds[report.nodeid], 2),
                 "reason": "teardown: " + (_reason(report) or "")})
+
+
+def pytest_collection_modifyitems(config, items):
+    path = os.environ.get("COLO_KIT_CHECK_DONE")
+    if not path:
+        return
+    done = set(Path(path).read_text().splitlines())
+    left = [item for item in items if item.nodeid not in done]
+    if len(left) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = left

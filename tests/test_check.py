@@ -123,3 +123,26 @@ def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed(tmp_path, m
     rec = check.run_notebooks([["04"]], tmp_path / "html", budget_s=100)["notebooks"][0]
     assert rec["status"].startswith("cut by the time budget ("), rec
     assert rec["seconds"] < 30 and "error_tail" not in rec
+
+
+def test_resume_runs_only_the_tests_the_record_lacks_from_this_commit(tmp_path):
+    """`check.py tests --resume`: a second call goes on where the first one's budget cut the suite. A recorded
+    test is not run again (here it would now fail), a new one is, and the record ends up holding both."""
+    import json
+
+    f = tmp_path / "test_resume.py"
+    f.write_text("def test_a():\n    assert True\n\n\ndef test_b():\n    assert True\n")
+    record = tmp_path / "check.json"
+    repo = load_script("scripts/check.py").REPO
+
+    def check(*extra):
+        return subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), *extra, "--",
+                               "-p", "no:cacheprovider", str(f)], cwd=repo, capture_output=True, text=True, timeout=120)
+
+    assert check().returncode == 0
+    f.write_text("def test_a():\n    assert False\n\n\ndef test_b():\n    assert True\n\n\ndef test_c():\n    assert True\n")
+    proc = check("--resume")
+    assert proc.returncode == 0 and "--resume: 2 tests already recorded" in proc.stdout, proc.stdout + proc.stderr
+    tests = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in json.loads(record.read_text())["tests"]["tests"]}
+    assert tests == {"test_a": "passed", "test_b": "passed", "test_c": "passed"}
+    assert check().returncode == 1  # without --resume, everything runs again: test_a now fails

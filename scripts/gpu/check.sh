@@ -8,6 +8,8 @@
 #   bash scripts/gpu/check.sh notebooks 01,03 # some notebooks only
 #   PARALLEL=8 bash scripts/gpu/check.sh tests  # the slow tier (engines, training) in one pytest process, the
 #                                              # other tests split by file over 7 more, beside it (16 cores)
+#   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks from this commit: the next call
+#                                              # goes on where the last one's budget cut the suite
 #
 # On the lent one-H200 machine each part fits one 600 s call after staging (../shared/gpu/README.md):
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh tests
@@ -25,7 +27,7 @@ export COLO_KIT_CACHE=${COLO_KIT_CACHE:-$HOME/.cache/colo_kit}
 part=${1:-all}; shift || true
 rc=0
 if [ "$part" = all ] || [ "$part" = tests ]; then
-  $PY scripts/check.py tests --json "$JSON" --budget-s "$BUDGET" ${PARALLEL:+--parallel "$PARALLEL"} -- "$@" || rc=1
+  $PY scripts/check.py tests --json "$JSON" --budget-s "$BUDGET" ${PARALLEL:+--parallel "$PARALLEL"} ${RESUME:+--resume} -- "$@" || rc=1
 fi
 if [ "$part" = all ] || [ "$part" = notebooks ]; then
   $PY scripts/check.py notebooks --json "$JSON" --budget-s "$BUDGET" --notebooks "${1:-}" || rc=1
