@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notebooks", default="", help="numbers in order, e.g. 00,03 (default: all); '+' separates "
                     "lanes that run at the same time, e.g. 01,03+05,00")
     ap.add_argument("--budget-s", type=float, default=3600.0)
-    ap.add_argument("--parallel", type=int, default=1, help="tests: pytest processes at once, one for the slow tier "
-                    "and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
+    ap.add_argument("--parallel", type=int, default=1, help="tests: pytest processes at once, one for the slow and "
+                    "gpu tiers and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
     ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds from "
                     "this commit (go on where a call's time limit cut the last run)")
     a = ap.parse_args(argv)
