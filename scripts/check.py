@@ -158,26 +158,35 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
         skip = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-done-{os.getpid()}.txt"
         skip.write_text("\n".join(sorted(done)) + "\n")
         env["COLO_KIT_CHECK_DONE"] = str(skip)
-    t0, tests, rcs, commands = time.time(), [], [], []
+    t0, tests, rcs, commands, not_run = time.time(), [], [], [], []
 
     def run_lane(i: int, lane: list[str]) -> None:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}-{i}.jsonl"
+        collected = Path(f"{log}.collected")
         log.unlink(missing_ok=True)
+        collected.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args, *lane]
         commands.append(shlex.join(cmd[2:]))
         rc, _, _ = _run(cmd, budget_s, env=dict(env, COLO_KIT_CHECK_LOG=str(log)))
         rcs.append(0 if rc == 5 and len(lanes) > 1 else rc)  # 5: a lane that selected no test
-        if log.exists():
-            tests.extend({**json.loads(line), **({"lane": i} if len(lanes) > 1 else {})}
-                         for line in log.read_text().splitlines())
+        mine = [{**json.loads(line), **({"lane": i} if len(lanes) > 1 else {})}
+                for line in log.read_text().splitlines()] if log.exists() else []
+        tests.extend(mine)
+        if collected.exists():  # what the lane selected and never recorded: the budget cut it first
+            ran = {t["nodeid"] for t in mine}
+            not_run.extend(n for n in collected.read_text().splitlines() if n not in ran)
 
     _side_by_side(run_lane, lanes)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     returncode = "timeout" if "timeout" in rcs else next((rc for rc in rcs if rc), 0)
-    return {"returncode": returncode, "seconds": round(time.time() - t0, 1), "counts": counts, "tests": tests,
-            "command": " & ".join(commands)}
+    result = {"returncode": returncode, "seconds": round(time.time() - t0, 1), "counts": counts, "tests": tests,
+              "command": " & ".join(commands)}
+    if not_run:
+        why = f"cut by the {budget_s:.0f} s budget" if "timeout" in rcs else f"pytest ended (exit codes {rcs})"
+        result.update(not_run=sorted(not_run), not_run_reason=f"{why} before they ran")
+    return result
 
 
 def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float) -> dict:
@@ -237,6 +246,8 @@ def merge(path: Path, part: str, result: dict) -> dict:
     result = {**result, **_commit()}
     key = "tests" if part == "tests" else "notebooks"
     old = record.get(part, {})
+    for item in result[key]:
+        item.setdefault("commit", result["commit"])
     if old.get(key):
         mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
         kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]
@@ -244,9 +255,17 @@ def merge(path: Path, part: str, result: dict) -> dict:
             item.setdefault("commit", old.get("commit"))
         result[key] = kept + result[key]
     if part == "tests":
+        # tests a cut run never reached stay listed until a run records them (`--resume` runs them)
+        recorded = {t["nodeid"] for t in result["tests"]}
+        missing = sorted((set(old.get("not_run", [])) | set(result.get("not_run", []))) - recorded)
+        reason = result.get("not_run_reason") or old.get("not_run_reason")
+        result = {k: v for k, v in result.items() if k not in ("not_run", "not_run_reason")}
         result["counts"] = {}
         for t in result["tests"]:
             result["counts"][t["outcome"]] = result["counts"].get(t["outcome"], 0) + 1
+        if missing:
+            result.update(not_run=missing, not_run_reason=reason)
+            result["counts"]["not run"] = len(missing)
     record[part] = result
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,6 +1,7 @@
 """A pytest plugin for scripts/check.py: one JSON line per test as soon as it ends (outcome, seconds,
 the reason of a skip or an xfail), into the file named by COLO_KIT_CHECK_LOG. Lines survive a run
-that is cut off by its time budget, unlike a JUnit report written at the end. The node ids listed in the file
+that is cut off by its time budget, unlike a JUnit report written at the end; the ids it selected go beside it
+(`<log>.collected`), so a cut run's record can name the tests it never reached. The node ids listed in the file
 named by COLO_KIT_CHECK_DONE are deselected (`check.py tests --resume`)."""
 
 import json
@@ -55,3 +56,9 @@ def pytest_collection_modifyitems(config, items):
     if len(left) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
         items[:] = left
+
+
+def pytest_collection_finish(session):
+    path = os.environ.get("COLO_KIT_CHECK_LOG")
+    if path:  # after every deselection (-m, -k, --resume): what this process means to run
+        Path(path + ".collected").write_text("".join(item.nodeid + "\n" for item in session.items))

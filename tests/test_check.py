@@ -146,3 +146,31 @@ def test_resume_runs_only_the_tests_the_record_lacks_from_this_commit(tmp_path):
     tests = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in json.loads(record.read_text())["tests"]["tests"]}
     assert tests == {"test_a": "passed", "test_b": "passed", "test_c": "passed"}
     assert check().returncode == 1  # without --resume, everything runs again: test_a now fails
+
+
+def test_a_run_the_budget_cuts_names_the_tests_it_never_reached(tmp_path):
+    """The tests a cut run selected but never recorded are listed as not run, with why; a later run that records
+    them takes them off the list. The cut is real: a test that outlives the budget, killed with its pytest."""
+    import json
+
+    f = tmp_path / "test_cut.py"
+    f.write_text("import time\n\n\ndef test_a():\n    assert True\n\n\ndef test_b():\n    time.sleep(600)\n\n\n"
+                 "def test_c():\n    assert True\n")
+    record = tmp_path / "check.json"
+    repo = load_script("scripts/check.py").REPO
+
+    def check(*extra, budget="20"):
+        return subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--budget-s", budget,
+                               *extra, "--", "-p", "no:cacheprovider", str(f)], cwd=repo, capture_output=True,
+                              text=True, timeout=120)
+
+    check()
+    tests = json.loads(record.read_text())["tests"]
+    assert {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in tests["tests"]} == {"test_a": "passed"}
+    assert [n.rsplit("::", 1)[-1] for n in tests["not_run"]] == ["test_b", "test_c"], tests
+    assert tests["not_run_reason"] == "cut by the 20 s budget before they ran" and tests["counts"]["not run"] == 2
+    f.write_text(f.read_text().replace("time.sleep(600)", "assert True"))
+    proc = check("--resume", budget="120")
+    tests = json.loads(record.read_text())["tests"]
+    assert proc.returncode == 0 and "not_run" not in tests and "not run" not in tests["counts"], proc.stdout
+    assert sorted(t["nodeid"].rsplit("::", 1)[-1] for t in tests["tests"]) == ["test_a", "test_b", "test_c"]

@@ -120,9 +120,6 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-@pytest.mark.xfail(strict=True, reason="owed: 06_async_lora_proxy on one H200 at its current source (the GPU "
-                                       "check at 6dfd673 completed 00-05 with HTML; the call's budget cut 06), then "
-                                       "`python scripts/check.py refresh`")
 def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
     record = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())
     nbs = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}
@@ -132,10 +129,10 @@ def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
         assert (REPO_ROOT / "results" / "gpu_check" / (src.stem + ".html")).exists(), src.name
 
 
-@pytest.mark.xfail(strict=True, reason="owed: the GPU lane's 29 tests the 6dfd673 check did not reach "
-                                       "(`PARALLEL=8 bash scripts/gpu/check.sh tests`), and a re-run of the three "
-                                       "that failed there (test_quiet's two, fixed since; the stalled-socket proxy "
-                                       "test, which needs aiohttp>=3.14.4 in the node's stack)")
+@pytest.mark.xfail(strict=True, reason="owed: a re-run on one H200 of the three tests that failed in the GPU check "
+                                       "at 7516e27, fixed since (test_engine_graphs' cuda-graph test, test_pitfalls' "
+                                       "TP-2 seed rule, test_server_node): `bash scripts/gpu/check.sh tests -- "
+                                       "tests/test_engine_graphs.py tests/test_pitfalls.py tests/test_server_node.py`")
 def test_the_gpu_check_ran_every_test_and_none_failed():
     tests = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())["tests"]
     assert not tests.get("not_run"), f"{len(tests['not_run'])} tests not run on the GPU"

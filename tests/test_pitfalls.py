@@ -19,6 +19,7 @@ def test_top_p_below_one_collapses_trls_sequence_ratio_and_top_p_one_does_not():
 
 
 @pytest.mark.slow
+@pytest.mark.devices(2)  # a TP-2 engine: two CPU processes, or two GPUs (one GPU cannot hold it)
 def test_one_seed_per_tp_worker_makes_the_workers_disagree_and_trls_rule_does_not():
     from colo_kit.labs.pitfalls import tp_seed_rule
 
