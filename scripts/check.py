@@ -144,6 +144,8 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
 
     `done`: node ids already recorded at this commit, left out (`--resume`: a suite longer than one call's time
     limit goes on where the last call's budget cut it)."""
+    from colo_kit.env import has_cuda
+
     if parallel < 2:
         lanes = [[]]
     else:
@@ -167,10 +169,17 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
         collected.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args, *lane]
         commands.append(shlex.join(cmd[2:]))
-        rc, _, _ = _run(cmd, budget_s, env=dict(env, COLO_KIT_CHECK_LOG=str(log)))
+        # the GPU lane (or the only one) on a GPU node records the GPU's free memory after each test
+        gpu_mem = {"COLO_KIT_CHECK_GPU_MEM": "1"} if i == 0 and has_cuda() else {}
+        rc, _, _ = _run(cmd, budget_s, env=dict(env, COLO_KIT_CHECK_LOG=str(log), **gpu_mem))
         rcs.append(0 if rc == 5 and len(lanes) > 1 else rc)  # 5: a lane that selected no test
-        mine = [{**json.loads(line), **({"lane": i} if len(lanes) > 1 else {})}
-                for line in log.read_text().splitlines()] if log.exists() else []
+        mine: list[dict] = []
+        for line in log.read_text().splitlines() if log.exists() else []:
+            item = json.loads(line)
+            if "outcome" in item:
+                mine.append({**item, **({"lane": i} if len(lanes) > 1 else {})})
+            else:  # a test's teardown reading, after its record
+                next((t for t in reversed(mine) if t["nodeid"] == item["nodeid"]), {}).update(item)
         tests.extend(mine)
         if collected.exists():  # what the lane selected and never recorded: the budget cut it first
             ran = {t["nodeid"] for t in mine}

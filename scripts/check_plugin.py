@@ -45,6 +45,20 @@ def pytest_runtest_logreport(report):
     elif report.when == "teardown" and report.failed:
         _write({"nodeid": report.nodeid, "outcome": "error", "seconds": round(_seconds[report.nodeid], 2),
                 "reason": "teardown: " + (_reason(report) or "")})
+    if report.when == "teardown" and os.environ.get("COLO_KIT_CHECK_GPU_MEM"):
+        # what the GPU has free once the test and its fixtures are gone: a test that leaves an engine behind shows
+        # as the drop, instead of as a later test's "GPU busy"
+        _write({"nodeid": report.nodeid, "gpu_free_gib_after": _gpu_free_gib()})
+
+
+def _gpu_free_gib() -> float | None:
+    try:  # NVML only: reading it does not initialise CUDA in pytest's process
+        import pynvml
+
+        pynvml.nvmlInit()
+        return round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free / 2**30, 1)
+    except Exception:  # no NVIDIA driver here: nothing to record, and never a reason to stop the suite
+        return None
 
 
 def pytest_collection_modifyitems(config, items):

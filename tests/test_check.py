@@ -174,3 +174,19 @@ def test_a_run_the_budget_cuts_names_the_tests_it_never_reached(tmp_path):
     tests = json.loads(record.read_text())["tests"]
     assert proc.returncode == 0 and "not_run" not in tests and "not run" not in tests["counts"], proc.stdout
     assert sorted(t["nodeid"].rsplit("::", 1)[-1] for t in tests["tests"]) == ["test_a", "test_b", "test_c"]
+
+
+def test_on_a_gpu_node_each_test_of_the_gpu_lane_records_the_gpu_left_free(tmp_path, monkeypatch):
+    """On a GPU node the first lane records, after each test's teardown, what the GPU has free: the test that leaves
+    an engine behind shows itself. This machine has no GPU: `has_cuda` is stood in for, so the value is None here
+    (NVML answers nothing) and the GPU check's device run records the real one; what is checked is that the
+    reading joins its test's record and adds no record of its own."""
+    import colo_kit.env
+
+    f = tmp_path / "test_mem.py"
+    f.write_text("def test_a():\n    assert True\n\n\ndef test_b():\n    assert False\n")
+    monkeypatch.setattr(colo_kit.env, "has_cuda", lambda: True)
+    result = load_script("scripts/check.py").run_tests(["-p", "no:cacheprovider", str(f)], budget_s=120)
+    assert sorted((t["nodeid"].rsplit("::", 1)[-1], t["outcome"]) for t in result["tests"]) == \
+        [("test_a", "passed"), ("test_b", "failed")]
+    assert all("gpu_free_gib_after" in t for t in result["tests"]), result["tests"]
