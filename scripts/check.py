@@ -42,6 +42,18 @@ def _git(*args: str) -> str:
         return ""
 
 
+def kit_digest(root: Path = REPO) -> str:
+    """The package's sha256 (16 hex digits) over every `colo_kit/**/*.py` under `root`, names and contents. Each
+    item of a check records it: items run at commits that changed only tests, scripts or results still show as
+    one version of the kit, and an item run on other package code shows too."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((Path(root) / "colo_kit").rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _commit() -> dict:
     """The commit the items ran at: COLO_KIT_COMMIT when set (a machine given a copy of the working
     tree, whose .git, if any, is not the tree's: seen on the lent GPU machines), else git's."""
@@ -255,8 +267,10 @@ def merge(path: Path, part: str, result: dict) -> dict:
     result = {**result, **_commit()}
     key = "tests" if part == "tests" else "notebooks"
     old = record.get(part, {})
+    kit = kit_digest()
     for item in result[key]:
         item.setdefault("commit", result["commit"])
+        item.setdefault("kit_sha256", kit)
     if old.get(key):
         mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
         kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]

@@ -190,3 +190,26 @@ def test_on_a_gpu_node_each_test_of_the_gpu_lane_records_the_gpu_left_free(tmp_p
     assert sorted((t["nodeid"].rsplit("::", 1)[-1], t["outcome"]) for t in result["tests"]) == \
         [("test_a", "passed"), ("test_b", "failed")]
     assert all("gpu_free_gib_after" in t for t in result["tests"]), result["tests"]
+
+
+def test_the_kit_digest_follows_the_package_code_only_and_each_item_carries_it(tmp_path):
+    """Two checks ran one version of the kit when their items carry one digest: it changes with any package module
+    (content or name) and not with anything else, and `merge` stamps it on every item it writes."""
+    import json
+
+    check = load_script("scripts/check.py")
+    pkg = tmp_path / "colo_kit" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("X = 1\n")
+    first = check.kit_digest(tmp_path)
+    (tmp_path / "colo_kit" / "notes.md").write_text("not code\n")
+    (tmp_path / "README.md").write_text("outside\n")
+    assert check.kit_digest(tmp_path) == first
+    (pkg / "a.py").write_text("X = 2\n")
+    assert check.kit_digest(tmp_path) != first
+    (pkg / "a.py").write_text("X = 1\n")
+    (pkg / "a.py").rename(pkg / "b.py")
+    assert check.kit_digest(tmp_path) != first
+    record = check.merge(tmp_path / "check.json", "tests", {"tests": [{"nodeid": "t::a", "outcome": "passed"}]})
+    assert record["tests"]["tests"][0]["kit_sha256"] == check.kit_digest() != first
+    assert json.loads((tmp_path / "check.json").read_text()) == record

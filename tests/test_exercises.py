@@ -140,6 +140,21 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
     assert not bad, bad
 
 
+@pytest.mark.xfail(strict=True, reason="owed: notebooks 00, 01 and 03 on one H200 with the package the other items "
+                                       "ran (their GPU records are from 6dfd673, whose colo_kit/async_lora/proxy.py "
+                                       "differs by 3 lines): scripts/gpu/README.md, item 1")
+def test_the_cpu_and_the_gpu_check_ran_one_version_of_the_kit():
+    """Every item of both checks records the package it ran (`kit_sha256`, scripts/check.py's kit_digest): one
+    digest across them is one check of one version of the kit, whichever commits changed only tests or results."""
+    seen: dict = {}
+    for name in ("cpu_check.json", "gpu_check.json"):
+        record = json.loads((REPO_ROOT / "results" / name).read_text())
+        for part in ("tests", "notebooks"):
+            for item in (record.get(part) or {}).get(part, []):
+                seen.setdefault(item.get("kit_sha256"), []).append(f"{name}: {item.get('nodeid') or item['notebook']}")
+    assert len(seen) == 1, {digest: items[:3] for digest, items in seen.items()}
+
+
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
 def test_each_notebook_has_two_checked_exercises_with_a_collapsed_solution(src):
     cells = _cells(src)

@@ -11,7 +11,8 @@
 #   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks from this commit: the next call
 #                                              # goes on where the last one's budget cut the suite
 #
-# On the lent one-H200 machine each part fits one 600 s call after staging (../shared/gpu/README.md):
+# On a one-H200 machine whose calls are cut at 600 s (../shared/gpu/README.md) the notebooks take two calls and the
+# tests three (PARALLEL=8, then RESUME=1 twice; the GPU lane alone runs ~20 min); keep JSON on the machine between them:
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh tests
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh notebooks
 # A part re-run replaces only what it ran; every item keeps the commit it ran at. Copies the record
