@@ -232,12 +232,13 @@ LATEST = max(published_versions(bucket))
 # a random-weight model writes filler tokens, so four steps move it only by chance. This run shows the machinery —
 # adapters published, loaded and routed — not learning; notebook 00 shows a reward that rises.
 #
-# Two more lines of the output come from the libraries. The training loss sits at or near 0 by construction:
-# GRPO weights each completion by its advantage, its reward minus its group's mean over the group's spread, so a
-# group's advantages sum to zero and, with the ratio at 1, so does the loss. Its gradient does not, unless every
-# completion of a group scored the same (here mostly 0), which leaves that group nothing to learn. The progress
-# bar counts epochs up to 9223372036854775807 (Python's `sys.maxsize`): TRL's async trainer reads its batches from
-# the queue its rollout worker fills, which has no length, so there are no epochs and `max_steps` ends the run.
+# Two more lines of the output come from the libraries. The training loss wanders around 0, of either sign, by
+# construction: GRPO weights each completion's tokens by its advantage (its reward minus its group's mean, over the
+# group's spread), so within a group the advantages cancel up to the completions' different lengths, and a group
+# whose completions all scored the same (here mostly 0) adds nothing. A GRPO loss near 0 says nothing about
+# learning; its gradient moves the adapter. The progress bar counts epochs up to 9223372036854775807 (Python's
+# `sys.maxsize`): TRL's async trainer reads its batches from the queue its rollout worker fills, which has no
+# length, so there are no epochs and `max_steps` ends the run.
 #
 # What else TRL decided, read from its source (`trl/experimental/async_grpo/`): it syncs the adapter only because
 # `/server_info` reported a `lora_config`; it would fall back to merged full weights, with a warning, for settings
