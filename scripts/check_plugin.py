@@ -52,11 +52,10 @@ def pytest_runtest_logreport(report):
 
 
 def _gpu_free_gib() -> float | None:
-    try:  # NVML only: reading it does not initialise CUDA in pytest's process
-        import pynvml
+    try:  # the kit's NVML reading (no CUDA initialised in pytest's process), CUDA's GPU 0 of this process
+        from colo_kit.gpu_free import read_gpu
 
-        pynvml.nvmlInit()
-        return round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free / 2**30, 1)
+        return round(read_gpu(0)["free_gib"], 1)
     except Exception:  # no NVIDIA driver here: nothing to record, and never a reason to stop the suite
         return None
 
