@@ -363,6 +363,10 @@ def summary(parts: dict) -> list[str]:
         if rec.get("status") == "not run":
             lines.append(f"{name}: not run: {rec['why']}")
             continue
+        if any("world_size" not in r for r in ranks):  # a rank that failed before it joined the world
+            lines.append(f"{name}: {rec['status']}, exit codes {rec.get('returncodes')}, "
+                         f"{[r.get('error', '')[:200] for r in ranks]}; the logs' tails are in the record")
+            continue
         worlds = sorted({r['world_size'] for r in ranks})
         lines.append(f"{name}: {len(ranks)} process(es), world size {worlds}, machine ranks "
                      f"{sorted(r['machine_rank'] for r in ranks)}, all-reduce sum {[r['all_reduce_sum'] for r in ranks]}"

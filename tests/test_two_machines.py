@@ -95,6 +95,13 @@ def _deepspeed_here(script) -> bool:
 
 @pytest.fixture(scope="module")
 def two_machines(tmp_path_factory):
+    from colo_kit.env import has_cuda
+
+    if has_cuda():
+        # one CPU process per "machine": a GPU node's vLLM is its CUDA build, which has no CPU path, and both
+        # machines' LOCAL_RANK 0 would put two NCCL ranks on GPU 0, which NCCL refuses. Real nodes own their GPUs.
+        pytest.skip("two machines on one host run as CPU processes (gloo); a GPU node's vLLM has no CPU path: "
+                    "the CPU tier runs these")
     script = _script()
     # DeepSpeed is not in the CPU tier's requirements: the test uses it where `bash scripts/two_machines.sh`
     # installed it (.cache/deepspeed-cpu), and installs nothing itself
