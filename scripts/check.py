@@ -1,7 +1,8 @@
 """What a node can run: the whole test suite and every notebook as JupyterLab's Run All runs it, on
 this machine, recorded with hardware, versions and commit.
 
-    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [--resume] [-- <pytest args>]
+    python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [--per-file]
+                                      [--resume] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
@@ -144,7 +145,8 @@ def _side_by_side(run_lane, lanes: list) -> None:
         t.join()
 
 
-def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: set[str] = frozenset()) -> dict:
+def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: set[str] = frozenset(),
+              per_file: bool = False) -> dict:
     """The suite, one record per test: outcome, seconds, and the reason of a skip or xfail.
 
     `parallel` > 1 runs the suite as that many pytest processes at once: one for the tests that start vLLM
@@ -155,18 +157,29 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
     H200: "No available memory for the cache blocks".)
 
     `done`: node ids already recorded at this commit, left out (`--resume`: a suite longer than one call's time
-    limit goes on where the last call's budget cut it)."""
+    limit goes on where the last call's budget cut it).
+
+    `per_file`: the first lane (the only one without `parallel`) runs each test file in a pytest process of its
+    own, one after another, so what a file's engines keep on the GPU ends with its process. Seen on one H200: two
+    in-process engines of test_train, kept by the pytest process, left 27 of 140 GiB free, and the next four tests
+    that start vLLM failed with GpuBusy naming that pytest process (`gpu_free_gib_after` shows such drops)."""
     from colo_kit.env import has_cuda
 
+    named = [a for a in pytest_args if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
+    files = sorted({a.split("::")[0] for a in named}) or sorted(str(f.relative_to(REPO))
+                                                             for f in (REPO / "tests").glob("test_*.py"))
     if parallel < 2:
-        lanes = [[]]
+        lanes, targets = [[]], named or files
     else:
-        named = [a for a in pytest_args if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
-        files = sorted({a.split("::")[0] for a in named}) or sorted(str(f.relative_to(REPO))
-                                                                 for f in (REPO / "tests").glob("test_*.py"))
         pytest_args = [a for a in pytest_args if a not in named]
         fast = [files[i::parallel - 1] for i in range(parallel - 1)]  # round robin by name: small and big mix
         lanes = [["-m", "slow or gpu", *files]] + [["-m", "not slow and not gpu", *chunk] for chunk in fast if chunk]
+        targets = files
+    options = [a for a in pytest_args if a not in named]
+    per_file_args: dict[str, list[str]] = {}  # each file's part of what was named (a file, or some of its tests)
+    for a in targets:
+        per_file_args.setdefault(a.split("::")[0], []).append(a)
+    deadline = time.time() + budget_s
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
     if done:
         skip = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-done-{os.getpid()}.txt"
@@ -179,11 +192,28 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
         collected = Path(f"{log}.collected")
         log.unlink(missing_ok=True)
         collected.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN", *pytest_args, *lane]
-        commands.append(shlex.join(cmd[2:]))
+        pytest = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN"]
+        cmd = [*pytest, *pytest_args, *lane]
+        commands.append(shlex.join(cmd[2:]) + (" (a process per file)" if per_file and i == 0 else ""))
         # the GPU lane (or the only one) on a GPU node records the GPU's free memory after each test
         gpu_mem = {"COLO_KIT_CHECK_GPU_MEM": "1"} if i == 0 and has_cuda() else {}
-        rc, _, _ = _run(cmd, budget_s, env=dict(env, COLO_KIT_CHECK_LOG=str(log), **gpu_mem))
+        lane_env = dict(env, COLO_KIT_CHECK_LOG=str(log), **gpu_mem)
+        if per_file and i == 0:
+            # what the whole lane selects, for the record of what a cut run never reached; then file by file
+            _run([*cmd, "--collect-only"], budget_s, env=lane_env, stdout=subprocess.DEVNULL)
+            selected = collected.read_text() if collected.exists() else ""
+            marks = [a for a in lane if a not in files]
+            rc = 0
+            for part in per_file_args.values():
+                left = deadline - time.time()
+                one = _run([*pytest, *options, *marks, *part], left, env=lane_env)[0] if left > 0 else "timeout"
+                if one == "timeout":
+                    rc = "timeout"
+                    break
+                rc = rc or (0 if one == 5 else one)  # 5: a file with nothing selected
+            collected.write_text(selected)  # each process wrote its own selection over the lane's
+        else:
+            rc, _, _ = _run(cmd, budget_s, env=lane_env)
         rcs.append(0 if rc == 5 and len(lanes) > 1 else rc)  # 5: a lane that selected no test
         mine: list[dict] = []
         for line in log.read_text().splitlines() if log.exists() else []:
@@ -324,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=3600.0)
     ap.add_argument("--parallel", type=int, default=1, help="tests: pytest processes at once, one for the slow and "
                     "gpu tiers and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
+    ap.add_argument("--per-file", action="store_true", help="tests: the first lane runs each test file in a pytest "
+                    "process of its own (a GPU node: what one file's engines keep does not starve the next file's)")
     ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds from "
                     "this commit (go on where a call's time limit cut the last run)")
     a = ap.parse_args(argv)
@@ -350,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             here = _commit()["commit"]
             done = {t["nodeid"] for t in part.get("tests", []) if (t.get("commit") or part.get("commit")) == here}
             print(f"[check] --resume: {len(done)} tests already recorded at {str(here)[:7]}", flush=True)
-        result = run_tests(extra, a.budget_s, a.parallel, done)
+        result = run_tests(extra, a.budget_s, a.parallel, done, per_file=a.per_file)
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
         result = run_notebooks([lane for lane in lanes if lane] or None, path.with_suffix(""), a.budget_s)

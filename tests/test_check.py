@@ -213,3 +213,47 @@ def test_the_kit_digest_follows_the_package_code_only_and_each_item_carries_it(t
     record = check.merge(tmp_path / "check.json", "tests", {"tests": [{"nodeid": "t::a", "outcome": "passed"}]})
     assert record["tests"]["tests"][0]["kit_sha256"] == check.kit_digest() != first
     assert json.loads((tmp_path / "check.json").read_text()) == record
+
+
+PID_TEST = """
+import os, pathlib, time
+
+
+def test_{n}_first():
+    pathlib.Path(r"{out}").joinpath("{n}-first").write_text(str(os.getpid()))
+
+
+def test_{n}_second():
+    pathlib.Path(r"{out}").joinpath("{n}-second").write_text(str(os.getpid()))
+    {body}
+"""
+
+
+def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_the_files_never_started(tmp_path):
+    """`check.py tests --per-file`: what one file's tests keep (on a GPU node, an engine's memory) ends with that
+    file's pytest process. Each test writes its process id: the two tests of a file share one, two files do not.
+    A file still running when the budget ends is killed and the file after it never starts; both files' remaining
+    tests are listed as not run (the lane's selection was collected before the first file ran)."""
+    import json
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    files = []
+    for n, body in (("a", "pass"), ("b", "time.sleep(600)"), ("c", "pass")):
+        f = tmp_path / f"test_pf_{n}.py"
+        f.write_text(PID_TEST.format(n=n, out=pids, body=body))
+        files.append(str(f))
+    record = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--budget-s", "25",
+                           "--per-file", "--", "-p", "no:cacheprovider", *files],
+                          cwd=load_script("scripts/check.py").REPO, capture_output=True, text=True, timeout=180)
+    tests = json.loads(record.read_text())["tests"]
+    outcomes = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in tests["tests"]}
+    assert outcomes == {"test_a_first": "passed", "test_a_second": "passed", "test_b_first": "passed"}, \
+        proc.stdout + proc.stderr
+    assert [n.rsplit("::", 1)[-1] for n in tests["not_run"]] == ["test_b_second", "test_c_first", "test_c_second"]
+    assert tests["not_run_reason"] == "cut by the 25 s budget before they ran"
+    pid = {p.name: p.read_text() for p in pids.iterdir()}
+    assert set(pid) == {"a-first", "a-second", "b-first", "b-second"}  # c never started
+    assert pid["a-first"] == pid["a-second"] and pid["b-first"] == pid["b-second"] != pid["a-first"]
+    assert "(a process per file)" in tests["command"]

@@ -181,3 +181,16 @@ def test_accelerate_launch_cpu_on_two_machines_makes_two_worlds_of_one(two_machi
     assert part["status"] == "ok" and len(part["ranks"]) == 2
     assert [(r["rank"], r["world_size"], r["all_reduce_sum"]) for r in part["ranks"]] == [(0, 1, 1.0), (0, 1, 1.0)]
     assert len({r["pid"] for r in part["ranks"]}) == 2
+
+
+def test_a_rank_that_failed_before_joining_its_world_is_summarised_with_its_error():
+    """A rank record written from the failure path has no world: the summary names the exit codes and the error
+    instead of stopping the whole drive on a missing key (seen on a GPU node: `KeyError: 'world_size'`)."""
+    script = _script()
+    failed = {"part": "ddp", "status": "error", "returncodes": [1, 1],
+              "ranks": [{"rank": 0, "status": "error", "error": "RuntimeError: NCCL error: invalid usage"}]}
+    ok = {"part": "srun", "status": "ok", "returncodes": [0, 0], "seconds": 3.0,
+          "ranks": [{"rank": r, "world_size": 2, "machine_rank": r, "all_reduce_sum": 3.0} for r in (0, 1)]}
+    lines = script.summary({"ddp": failed, "srun": ok})
+    assert lines[0].startswith("ddp: error, exit codes [1, 1]") and "NCCL error: invalid usage" in lines[0], lines
+    assert lines[1].startswith("srun: 2 process(es), world size [2], machine ranks [0, 1]"), lines

@@ -10,11 +10,16 @@
 #                                              # other tests split by file over 7 more, beside it (16 cores)
 #   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks from this commit: the next call
 #                                              # goes on where the last one's budget cut the suite
+#   PER_FILE=0 bash scripts/gpu/check.sh tests   # the slow tier in one pytest process, not one per test file (the
+#                                              # default: on one H200 the engines test_train's process kept starved
+#                                              # the engines of the files after it)
 #
 # On a one-H200 machine whose calls are cut at 600 s (../shared/gpu/README.md) the notebooks take two calls and the
 # tests three (PARALLEL=8, then RESUME=1 twice; the GPU lane alone runs ~20 min); keep JSON on the machine between them:
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh tests
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh notebooks
+# <sha> written out from your own clone: the device copy's .git can be older than the tree it carries (seen: it
+# said the session's first commit while the tree was a later one), so `$(git rev-parse HEAD)` there can lie.
 # A part re-run replaces only what it ran; every item keeps the commit it ran at. Copies the record
 # and the HTML to $OUT when that is set (the device tool brings them back).
 # With 2 GPUs: JSON=results/gpu_check_2gpu.json bash scripts/gpu/check.sh
@@ -28,7 +33,10 @@ export COLO_KIT_CACHE=${COLO_KIT_CACHE:-$HOME/.cache/colo_kit}
 part=${1:-all}; shift || true
 rc=0
 if [ "$part" = all ] || [ "$part" = tests ]; then
-  $PY scripts/check.py tests --json "$JSON" --budget-s "$BUDGET" ${PARALLEL:+--parallel "$PARALLEL"} ${RESUME:+--resume} -- "$@" || rc=1
+  # --per-file: the GPU lane's files one pytest process each, so engines a file's tests keep die with it
+  [ "${PER_FILE:-1}" = 0 ] && per_file= || per_file=--per-file
+  $PY scripts/check.py tests --json "$JSON" --budget-s "$BUDGET" ${PARALLEL:+--parallel "$PARALLEL"} $per_file \
+    ${RESUME:+--resume} -- "$@" || rc=1
 fi
 if [ "$part" = all ] || [ "$part" = notebooks ]; then
   $PY scripts/check.py notebooks --json "$JSON" --budget-s "$BUDGET" --notebooks "${1:-}" || rc=1
