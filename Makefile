@@ -4,6 +4,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+KIT := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
 STAMP := $(VENV)/.colo_kit-installed
 TIER ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 export OMP_NUM_THREADS ?= 1
@@ -36,7 +37,9 @@ numbers: venv
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
 # JupyterLab's autosaves land there (ignored by git), never in the tracked notebooks. `make lab-reset` puts
-# fresh copies back. LAB_IP=0.0.0.0 to listen beyond this machine (then `export LAB_TOKEN=...` first: it
+# fresh copies back. The copies carry this kernel's language_info, which JupyterLab would otherwise write into a
+# notebook as its kernel starts, marking it modified before the learner did anything (scripts/lab_copy.py).
+# LAB_IP=0.0.0.0 to listen beyond this machine (then `export LAB_TOKEN=...` first: it
 # reaches JupyterLab through its environment, not its command line, where `ps` would show it); as root
 # (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
 # LAB_DIR=lab-NAME gives each learner sharing one clone on a GPU node a working copy of their own.
@@ -48,12 +51,13 @@ LAB_DIR_OK = [[ "$(LAB_DIR)" =~ ^lab(-[A-Za-z0-9]+)?$$ ]] || { echo "LAB_DIR=$(L
 	(letters and digits, e.g. lab-alice), a folder git ignores" >&2; exit 2; }
 lab: venv
 	@$(LAB_DIR_OK)
-	@mkdir -p $(LAB_DIR) && for nb in notebooks/*.ipynb; do [ -e "$(LAB_DIR)/$$(basename $$nb)" ] || cp "$$nb" $(LAB_DIR)/; done
+	@$(BIN)/python $(KIT)scripts/lab_copy.py $(LAB_DIR) notebooks/*.ipynb
 	@if [ -n "$$LAB_TOKEN" ]; then export JUPYTER_TOKEN="$$LAB_TOKEN"; fi; $(BIN)/jupyter lab $(LAB_DIR)/ $(LAB_ARGS)
 
 lab-reset:
 	@$(LAB_DIR_OK)
-	@mkdir -p $(LAB_DIR) && rm -f $(LAB_DIR)/*.ipynb && cp notebooks/*.ipynb $(LAB_DIR)/ && echo "$(LAB_DIR)/: fresh copies of notebooks/"
+	@mkdir -p $(LAB_DIR) && rm -f $(LAB_DIR)/*.ipynb && $(BIN)/python $(KIT)scripts/lab_copy.py --replace $(LAB_DIR) \
+		notebooks/*.ipynb && echo "$(LAB_DIR)/: fresh copies of notebooks/"
 
 data: venv
 	$(BIN)/python -m colo_kit data

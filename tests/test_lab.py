@@ -3,11 +3,13 @@ port. JupyterLab serves a working copy of the notebooks (so a lab never dirties 
 API with the token given through the environment (never on a command line `ps` shows), and runs as root too
 (containers), where JupyterLab refuses to start without --allow-root."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +22,20 @@ def _lab_script(**make_vars) -> str:
     out = subprocess.run(["make", "-n", "lab", *(f"{k}={v}" for k, v in make_vars.items())], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=30, check=True).stdout
     lines = [ln for ln in out.splitlines() if "notebooks/" in ln or "jupyter lab" in ln]
-    return "\n".join(ln.replace(".venv/bin/jupyter lab", f"{sys.executable} -m jupyterlab") for ln in lines)
+    return "\n".join(ln.replace(".venv/bin/python", sys.executable)
+                     .replace(".venv/bin/jupyter lab", f"{sys.executable} -m jupyterlab") for ln in lines)
+
+
+def _kernel_language_info() -> dict:
+    """What the kernel reports about its language on connecting (its kernel_info reply), asked of a real kernel."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        return kc.kernel_info(reply=True, timeout=60)["content"]["language_info"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_lab_flags_follow_the_user_and_the_variables():
@@ -40,9 +55,11 @@ def test_a_working_copy_outside_lab_names_is_refused_before_anything_is_deleted(
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and f"LAB_DIR={lab_dir}: use lab or lab-NAME" in proc.stderr
     assert (tmp_path / "notebooks" / "00_quickstart.ipynb").read_text() == "{}"
-    ok = subprocess.run(["make", "-f", str(REPO_ROOT / "Makefile"), "lab-reset", "LAB_DIR=lab-alice"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=30)
-    assert ok.returncode == 0 and (tmp_path / "lab-alice" / "00_quickstart.ipynb").read_text() == "{}"
+    ok = subprocess.run(["make", "-f", str(REPO_ROOT / "Makefile"), "lab-reset", "LAB_DIR=lab-alice",
+                         f"BIN={Path(sys.executable).parent}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    copy = json.loads((tmp_path / "lab-alice" / "00_quickstart.ipynb").read_text())
+    assert copy == {"metadata": {"language_info": _kernel_language_info()}}
     assert " lab-alice/" in _lab_script(LAB_DIR="lab-alice")
 
 
@@ -76,8 +93,10 @@ def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_
         assert "00_quickstart.ipynb" in names and "06_async_lora_proxy.ipynb" in names
         assert httpx.get(f"http://127.0.0.1:{port}/api/contents/", timeout=5).status_code == 403  # no token
         assert (tmp_path / "lab" / "00_quickstart.ipynb").read_text() == "{}"
-        assert (tmp_path / "lab" / "06_async_lora_proxy.ipynb").read_bytes() == \
-            (tmp_path / "notebooks" / "06_async_lora_proxy.ipynb").read_bytes()
+        copy, tracked = (json.loads((tmp_path / d / "06_async_lora_proxy.ipynb").read_text()) for d in ("lab", "notebooks"))
+        # the copy is the notebook, with what this kernel will report about its language already in its metadata
+        assert copy["metadata"].pop("language_info") == _kernel_language_info() != tracked["metadata"].pop("language_info")
+        assert copy == tracked
         import psutil
 
         shell = psutil.Process(proc.pid)  # bash, or JupyterLab itself when bash exec'd its last command
