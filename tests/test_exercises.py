@@ -152,6 +152,18 @@ def test_the_cpu_and_the_gpu_check_ran_one_version_of_the_kit():
     assert len(seen) == 1, {digest: items[:3] for digest, items in seen.items()}
 
 
+def test_the_checks_ran_the_package_as_it_is_now():
+    """The measured values a learner reads came from this package: a change under colo_kit/ leaves the checks'
+    records behind until both are run again (`make numbers` on a CPU, `scripts/gpu/check.sh` on a GPU node)."""
+    from conftest import load_script
+
+    now = load_script("scripts/check.py").kit_digest()
+    for name in ("cpu_check.json", "gpu_check.json"):
+        record = json.loads((REPO_ROOT / "results" / name).read_text())
+        ran = {item.get("kit_sha256") for item in record["notebooks"]["notebooks"]}
+        assert ran == {now}, f"results/{name} ran colo_kit {sorted(map(str, ran))}, the package is now {now}: run the check"
+
+
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
 def test_each_notebook_has_two_checked_exercises_with_a_collapsed_solution(src):
     cells = _cells(src)
