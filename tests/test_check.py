@@ -243,9 +243,14 @@ def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_th
         f = tmp_path / f"test_pf_{n}.py"
         f.write_text(PID_TEST.format(n=n, out=pids, body=body))
         files.append(str(f))
+    # a file none of whose tests is selected gets no process of its own: it is imported once, by the collection
+    z = tmp_path / "test_pf_z.py"
+    z.write_text(f"import os, pathlib\npathlib.Path(r'{pids}').joinpath(f'z-import-{{os.getpid()}}').touch()\n\n\n"
+                 "def test_unselected():\n    pass\n")
+    files.insert(0, str(z))
     record = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--budget-s", "25",
-                           "--per-file", "--", "-p", "no:cacheprovider", *files],
+                           "--per-file", "--", "-p", "no:cacheprovider", "-k", "not unselected", *files],
                           cwd=load_script("scripts/check.py").REPO, capture_output=True, text=True, timeout=180)
     tests = json.loads(record.read_text())["tests"]
     outcomes = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in tests["tests"]}
@@ -253,7 +258,8 @@ def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_th
         proc.stdout + proc.stderr
     assert [n.rsplit("::", 1)[-1] for n in tests["not_run"]] == ["test_b_second", "test_c_first", "test_c_second"]
     assert tests["not_run_reason"] == "cut by the 25 s budget before they ran"
-    pid = {p.name: p.read_text() for p in pids.iterdir()}
+    assert len(list(pids.glob("z-import-*"))) == 1, sorted(p.name for p in pids.iterdir())
+    pid = {p.name: p.read_text() for p in pids.iterdir() if not p.name.startswith("z-")}
     assert set(pid) == {"a-first", "a-second", "b-first", "b-second"}  # c never started
     assert pid["a-first"] == pid["a-second"] and pid["b-first"] == pid["b-second"] != pid["a-first"]
     assert "(a process per file)" in tests["command"]
