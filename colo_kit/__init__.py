@@ -1,6 +1,5 @@
-"""colo_kit — teaches and reproduces colocated vLLM generation for GRPO training.
+"""colo_kit — teaches and reproduces colocated vLLM generation for GRPO training. One subpackage per notebook:
 
-One subpackage per lesson, in the notebooks' order:
   grpo        00  GRPO with TRL's trainer, its rewards and its step timeline
   serving     01  a vLLM server beside the trainers against vLLM inside them (ping-pong)
   colocate    02  the colocated engine: sizing, sleep mode, the weight push
@@ -9,9 +8,8 @@ One subpackage per lesson, in the notebooks' order:
   answers     05  the Math500 answer checker and evaluation
   async_lora  06  async GRPO with LoRA adapters behind a routing proxy
   labs        all the exercises and break-it labs
-the plumbing they share, at the top: env (runtime defaults, the machine), models (real architectures
-with random weights), data (the posts' datasets, offline stand-ins), procs, paths, commands; and what drives
-them: notebook (headless execution, check records) and cli (`colo-kit`). Imports only go down these layers.
+Shared plumbing at the top (env, models, data, procs, paths, commands, and the drivers notebook and cli); imports
+only go down these layers.
 """
 
 from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())

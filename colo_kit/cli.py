@@ -1,12 +1,8 @@
 """`colo-kit` (or `python -m colo_kit`): one entry point, one subcommand per module.
 
-Each subcommand is one `cli_main(argv) -> int`, named in `COMMANDS` and imported only when called, so
-`colo-kit plan` does not pay for importing vLLM. It sits in the module whose work it runs (`models`, `data`,
-`env`, `notebook`, `answers.math500_eval`), or beside a lesson's module as `<module>_cli.py` when the command
-parses settings of its own on top of the lesson's (`grpo.train_cli`: `TrainArgs` beside TRL's `GRPOConfig`;
-`memory.planner_cli`, `async_lora.proxy_cli`, `serving.bench_cli`), so the lesson's module reads without them.
-Flags come from dataclasses wherever the settings are one, and bad input is one line and exit code 2
-(`colo_kit.commands`: `parse_dataclasses`, `UsageError`), before anything runs or is written.
+Each subcommand is a `cli_main(argv) -> int` named in `COMMANDS`, imported only when called (`colo-kit plan` does not
+pay for importing vLLM), in the module whose work it runs or, when it parses settings of its own, in a
+`<module>_cli.py` beside it (`grpo.train_cli`, ...) so the lesson's module reads without them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The commands' shared plumbing: bad input as one line (`UsageError`, exit code 2), flags from dataclasses
-(`parse_dataclasses`, by transformers' HfArgumentParser), and output paths checked before a run
-(`writable_file`, `writable_dir`). Every command module imports these from here; `colo_kit.cli` only
-dispatches `colo-kit <command>` to them, so nothing below the notebooks imports the entry point.
-"""
+(`parse_dataclasses`), output paths checked before a run (`writable_file`, `writable_dir`). Command modules import
+these from here, so nothing below the notebooks imports the entry point (`colo_kit.cli`)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from pathlib import Path
 
 
 class UsageError(ValueError):
-    """Bad input to a command: `main` prints it as one line naming the value and the fix, exit code 2,
-    before anything runs or is written."""
+    """Bad input to a command: printed as one line naming the value and the fix, exit code 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -71,8 +68,7 @@ def writable_file(path: str | Path, flag: str) -> Path:
 
 
 def writable_dir(path: str | Path, flag: str) -> Path:
-    """`path` as a Path once it is sure to be a folder files can be written in (made if need be): checked
-    before a run, as `writable_file` is."""
+    """`path` as a Path once it is sure to be a writable folder (made if need be), as `writable_file`."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {path}: is a file, not a folder; give a folder (it is made if need be)")

@@ -1,18 +1,14 @@
-"""The runtime the kit needs, set once: environment defaults, the tier (CPU or GPU), and a
-description of the machine that every results JSON carries.
+"""The runtime the kit needs: environment defaults, the tier (CPU or GPU), the machine every results JSON describes.
 
-Call `colo_kit.setup()` (a notebook's `colo_kit.quiet()` does) before torch or vLLM are imported and
-these defaults are in place; importing a kit module sets none of them:
-- `OMP_NUM_THREADS=1`: on 2 cores a trainer and an engine each wanting a thread per core fight over
-  them; tiny models run many times faster with one thread each.
-- `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM's CPU engine otherwise reserves
-  a large share of the machine's memory for KV cache.
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: the engine runs in-process (no engine process to spawn:
-  it starts several times faster, and notebook cells need no `__main__` guard).
+`colo_kit.setup()` sets these before torch or vLLM load (importing a kit module sets none; the user's values win):
+- `OMP_NUM_THREADS=1`: on 2 cores a trainer and an engine each wanting a thread per core fight over them (tiny
+  models run many times faster with one thread each).
+- `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM-CPU otherwise reserves a large share of memory.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: an in-process engine starts several times faster, and notebook cells
+  need no `__main__` guard.
 - `VLLM_USE_FLASHINFER_SAMPLER=0` when flashinfer is absent (the GPU stack does not carry it).
-- `PYTORCH_NVML_BASED_CUDA_CHECK=1` on a GPU machine: `torch.cuda.is_available()` then asks NVML
-  instead of initialising CUDA, so the process can still fork multi-GPU workers (`colo_kit.parallel.launch`).
-Anything the user already set wins.
+- `PYTORCH_NVML_BASED_CUDA_CHECK=1` on GPU: `torch.cuda.is_available()` asks NVML instead of initialising CUDA, so
+  the process can still fork multi-GPU workers (`colo_kit.parallel.launch`).
 """
 
 from __future__ import annotations
@@ -45,9 +41,7 @@ def _nvml_gpus() -> list[dict]:
 
 
 def visible_gpus() -> list[dict]:
-    """The GPUs this process may use: NVML's list, narrowed by `CUDA_VISIBLE_DEVICES` (indices)
-    when it is set, as CUDA would narrow it. Empty on a machine without an NVIDIA GPU, or with
-    `COLO_KIT_FORCE_CPU=1`."""
+    """NVML's GPUs narrowed by `CUDA_VISIBLE_DEVICES` as CUDA would; empty without one or with `COLO_KIT_FORCE_CPU=1`."""
     if os.environ.get("COLO_KIT_FORCE_CPU"):
         return []
     try:
@@ -78,10 +72,9 @@ def tier() -> str:
 
 
 def vllm_eager(default: bool) -> bool:
-    """Whether to build a vLLM engine with `enforce_eager` (no torch.compile, no CUDA graphs):
-    `COLO_KIT_VLLM_EAGER=1`/`0` when set, else the caller's `default`. A test suite on a GPU node
-    sets it: a tiny model's engine then starts in seconds instead of the 50-90 s that compiling and
-    capturing graphs take on an H200 (measured on the kit's H200 runs)."""
+    """Whether to build a vLLM engine with `enforce_eager` (no torch.compile, no CUDA graphs): `COLO_KIT_VLLM_EAGER`
+    when set, else `default`. A GPU test suite sets it: a tiny model's engine then starts in seconds instead of the
+    50-90 s that compiling and capturing graphs take on an H200 (measured)."""
     value = os.environ.get("COLO_KIT_VLLM_EAGER")
     if value is None or value == "":
         return default
@@ -90,10 +83,8 @@ def vllm_eager(default: bool) -> bool:
 
 @dataclass(frozen=True)
 class Machine:
-    """What a notebook adapts to: how many GPUs, and the memory of the smallest one.
-
-    `Machine.here()` reads this machine; notebooks and tests ask it what they can run live and
-    say in one line (`say`) what they do instead when the machine is smaller than a run needs."""
+    """What a notebook adapts to: how many GPUs, and the smallest one's memory. `Machine.here()` reads this
+    machine; `say` tells in one line what a cell does on it when the machine is smaller than a run needs."""
 
     gpus: int
     gpu_mem_gib: float | None = None  # the smallest visible GPU's memory
@@ -125,10 +116,8 @@ _SET_UP = False
 
 
 def setup() -> None:
-    """The kit's runtime defaults, once per process: thread counts and vLLM's CPU settings in the environment
-    (children inherit them), the kit's log lines, and the libraries' knobs below. Importing a kit module does
-    none of this: the CLI, the notebooks' first cell (`colo_kit.quiet()`), the test suite and each function that
-    builds an engine call it, and it does nothing the second time."""
+    """The kit's runtime defaults (above), the kit's log lines, once per process; never an import's side
+    effect: the CLI, a notebook's first cell (`colo_kit.quiet()`), the tests and each engine builder call it."""
     global _SET_UP
     if not _SET_UP:
         _SET_UP = True
@@ -163,10 +152,9 @@ def apply_defaults() -> None:
 
 
 class KitLines(logging.Handler):
-    """The `colo_kit` logger's own output: INFO and up, as `[colo_kit.<module>] message` on the
-    current `sys.stdout` (a notebook cell's, when in a cell). It speaks only while nothing else
-    handles Python's logging (no root handler): a CLI's `basicConfig`, an application's setup or
-    pytest's capture then takes the records instead, and nothing is said twice."""
+    """The `colo_kit` logger's output: INFO and up, as `[colo_kit.<module>] message` on the current
+    `sys.stdout` (a notebook cell's), only while Python's logging has no root handler: a CLI's `basicConfig`, an
+    application or pytest then takes the records instead, and nothing is said twice."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -201,14 +189,10 @@ def _hold_vllm_import_chatter() -> None:
 
 
 def quiet() -> None:
-    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach
-    something, not their start-up chatter. Call before torch or vLLM is imported (a notebook's
-    first cell); anything the user already set wins, and child processes inherit it.
-
-    Hidden, each seen in the notebooks' cells: vLLM's INFO/WARNING lines (Triton without a CPU
-    backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's unused-parameter
-    scan), TRL's "experimental API" notice, transformers' callback notices, and the FutureWarning
-    vLLM triggers with `torch.distributed.reduce_op`."""
+    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach something, not
+    their start-up chatter; call before torch or vLLM is imported. Hidden, each seen in the notebooks: vLLM's
+    INFO/WARNING lines (Triton without a CPU backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's
+    unused-parameter scan), TRL's "experimental API" notice, transformers' callback notices, vLLM's `reduce_op` warning."""
     import warnings
 
     setup()
@@ -241,9 +225,8 @@ def vllm_version() -> str | None:
 
 
 def commit() -> str | None:
-    """The short commit a result ran at: COLO_KIT_COMMIT when set, else git's. The lent GPU machines get a copy of
-    the working tree whose .git is the one the checkout started from, so git there names an older commit than the
-    tree's (seen: f4de445 for a baa0b71 tree)."""
+    """The short commit a result ran at: COLO_KIT_COMMIT when set, else git's. A GPU machine's copy of the
+    working tree may carry the .git the checkout started from, whose HEAD is older (seen: f4de445 for a baa0b71 tree)."""
     if os.environ.get("COLO_KIT_COMMIT"):
         return os.environ["COLO_KIT_COMMIT"][:7]
     import subprocess

@@ -1,11 +1,9 @@
 """Before an engine starts: is its share of the GPU free, or does another process hold it?
 
-vLLM reserves `gpu_memory_utilization × the GPU's memory` at start-up and refuses with an assert when that
-much is not free ("Error in memory profiling ... other processes sharing the same container release GPU
-memory"), after the model has loaded. On a lab's GPU node the usual cause is another notebook's kernel that
-is still alive with its engine. `check_share(u)` reads the GPU through NVML before anything loads and, when
-the share is not free, raises `GpuBusy` with one line: what is free, what the share needs, which processes
-hold the rest, and the two fixes (shut the other kernel down, or a share that fits now).
+vLLM reserves `gpu_memory_utilization × the GPU's memory` and, after the model has loaded, asserts when that much is
+not free ("Error in memory profiling ... other processes sharing the same container release GPU memory"): on a GPU
+node, usually another notebook's kernel still holding its engine. `check_share(u)` reads NVML before anything loads
+and raises `GpuBusy` in one line: free and needed memory, who holds it, the fixes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Offline models: real architectures with random weights, and a tokenizer made here.
 
-No machine the kit is tested on reaches a model hub, yet every notebook needs a model that
-transformers, TRL and vLLM all load like the real one. `build_model("qwen2.5-1.5b")` writes a
-normal Hugging Face folder with the exact shapes of Qwen2.5-1.5B-Instruct and random weights,
-so memory, throughput and the GPU timings the kit reports are those of the real architecture;
-only the text it generates is noise. `tiny` is the same architecture shrunk for a 2-core CPU.
-
-A hub id (anything with a "/" that is not a local folder, e.g. "Qwen/Qwen2.5-1.5B-Instruct")
-goes through the same `resolve_model` call and is returned unchanged, so online users load the
-real weights with the same code.
+No machine the kit is tested on reaches a model hub, yet every notebook needs a model that transformers, TRL and
+vLLM load like the real one. `build_model("qwen2.5-1.5b")` writes a Hugging Face folder with Qwen2.5-1.5B-Instruct's
+exact shapes and random weights, so memory and GPU timings are the real architecture's; only the text is noise.
+`tiny` is that architecture shrunk for a 2-core CPU. A hub id passes through `resolve_model` unchanged.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ QWEN2_SPLIT_REGEX = (
 
 @dataclass(frozen=True)
 class Preset:
-    """The shape of a Qwen2 decoder. Numbers for the real sizes are those of the released
-    Qwen2.5 Instruct (and Math) config.json files."""
+    """The shape of a Qwen2 decoder; real sizes from the released Qwen2.5 Instruct (and Math) config.json files."""
 
     name: str
     hub_id: str | None
@@ -80,8 +74,7 @@ class Preset:
         return _meta_param_counts(self.shape)[1]
 
     def num_params(self) -> int:
-        """Parameters of transformers' Qwen2 with these shapes, tied embeddings counted once (matches the
-        released models to <0.1%)."""
+        """Parameters of transformers' Qwen2 with these shapes, tied embeddings once (released models to <0.1%)."""
         return _meta_param_counts(self.shape)[0]
 
     def lora_params(self, rank: int) -> int:
@@ -144,10 +137,9 @@ def qwen2_config(preset: Preset):
 
 @functools.lru_cache(maxsize=None)
 def _meta_param_counts(shape: tuple) -> tuple[int, int]:
-    """(whole model, one decoder layer) of the real architecture, built on the meta device: shapes
-    without memory, so 72B takes a fraction of a second; cached because the planner asks in loops,
-    and on disk (`<cache>/param_counts.json`) because building needs torch and transformers, whose
-    import is most of `colo-kit plan`'s time (about 7 s against 0.4 s on a 2-core laptop)."""
+    """(whole model, one decoder layer) of the real architecture, built on the meta device (72B in a
+    fraction of a second); cached for the planner's loops, and on disk (`<cache>/param_counts.json`) because importing
+    torch and transformers is most of `colo-kit plan`'s time (about 7 s against 0.4 s on a 2-core laptop)."""
     key = json.dumps(list(shape))
     path = cache_dir() / "param_counts.json"
     try:
@@ -178,8 +170,7 @@ def _meta_param_counts(shape: tuple) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 def _training_text() -> list[str]:
-    """Text the BPE merges are learned from: the kit's own prompt sets, plus digits and LaTeX so
-    that math prompts tokenise into sensible pieces."""
+    """The BPE's training text: the kit's prompt sets plus digits and LaTeX, so math prompts tokenise sensibly."""
     lines: list[str] = []
     for name in ("tldr_prompts.jsonl", "math_problems.jsonl"):
         path = data_dir() / name
@@ -192,16 +183,10 @@ def _training_text() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, bpe_vocab: int):
-    """A byte-level BPE tokenizer with Qwen2's pre-tokenizer and decoder.
-
-    Why this shape: transformers 5's AutoTokenizer rebuilds a `Qwen2Tokenizer` for any folder
-    whose config says model_type=qwen2, keeping only the vocab and merges. A tokenizer of another
-    kind (a hand-made WordLevel one was tried) came back encoding every prompt to nothing. A
-    byte-level BPE with Qwen2's own split regex survives the rebuild unchanged.
-
-    The model samples any id below `vocab_size`, so every id must decode: the ids past the learned
-    merges are filler tokens made of plain ASCII, which the byte-level decoder maps to text.
-    """
+    """A byte-level BPE tokenizer with Qwen2's pre-tokenizer and decoder. transformers 5's AutoTokenizer
+    rebuilds a `Qwen2Tokenizer` for any model_type=qwen2 folder, keeping only vocab and merges: a hand-made WordLevel
+    tokenizer came back encoding every prompt to nothing, a byte-level BPE with Qwen2's split regex survives. The model
+    samples any id below `vocab_size`, so the ids past the learned merges are plain-ASCII filler tokens that decode."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -257,9 +242,8 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
                 dtype: str = "bfloat16") -> Path:
     """Build (or reuse) the preset's model folder and return its path.
 
-    The folder is cached by preset; a `colo_kit.json` marker records what built it, and a folder
-    without the marker is rebuilt (an interrupted build leaves no marker).
-    """
+    The folder is cached by preset; a `colo_kit.json` marker records what built it, and a folder without it (an
+    interrupted build) is rebuilt."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -310,14 +294,9 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
 
 
 def resolve_model(name_or_path: str = "tiny", *, build: bool = True, **kwargs) -> str:
-    """Where the code that loads a model should look.
-
-    - an existing local folder: returned as is;
-    - a preset name (`tiny`, `qwen2.5-1.5b`, ...): built offline and cached, its folder returned
-      (`build=False`: only checked, for a command that validates its input before it runs);
-    - a hub id (`Qwen/Qwen2.5-1.5B-Instruct`): returned unchanged, for transformers/vLLM to
-      download — the real loading path for users who are online.
-    """
+    """Where the code that loads a model should look: an existing folder as is; a preset (`tiny`,
+    `qwen2.5-1.5b`, ...) built offline and cached (`build=False`: only checked, for a command validating its input); a
+    hub id (`Qwen/Qwen2.5-1.5B-Instruct`) unchanged, for transformers/vLLM to download."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise ValueError(f"model={name_or_path!r}: give a preset ({sorted(PRESETS)}), a folder or a hub id")
     name_or_path = str(name_or_path)

@@ -1,15 +1,9 @@
 """Notebooks: built from plain-text sources, executed headless, saved with an HTML copy.
 
-Each notebook `notebooks/NN_name.ipynb` is generated from `notebooks/src/NN_name.py`, a Python
-file in jupytext's "percent" format (`# %%` starts a code cell, `# %% [markdown]` a markdown cell whose
-lines are `# `-commented, `# %% tags=["..."]` gives a cell tags). Sources review and
-diff like code; the .ipynb is what a learner opens.
-`colo-kit run-notebooks --build` regenerates them; a test fails if one is stale. Notebooks are
-stored without outputs: CI executes them.
-
-Execution runs every cell as JupyterLab's Run All does, on whatever machine this is: a cell that
-needs hardware the machine lacks checks for it itself (`colo_kit.env.Machine`) and says in one line
-what it does instead. The runner rewrites nothing; what it adds against hangs is below.
+`notebooks/NN_name.ipynb` is generated (`colo-kit run-notebooks --build`; a test fails on a stale one) from
+`notebooks/src/NN_name.py` in jupytext's "percent" format, so sources review and diff like code. Execution is Run
+All on whatever machine this is: a cell needing missing hardware says in one line what it does instead
+(`colo_kit.env.Machine`). The runner rewrites nothing; what it adds against hangs is below.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ SOURCES = NOTEBOOKS / "src"
 
 
 def parse_source(text: str) -> list[dict]:
-    """Percent-format text, read by jupytext -> a list of {'type', 'source', 'tags'}. Blank lines
-    right after a `# %%` marker are not part of the cell (jupytext keeps them; a notebook would open
-    with an empty first line); jupytext already leaves out those before the next marker."""
+    """Percent-format text, read by jupytext -> a list of {'type', 'source', 'tags'}, without the blank
+    lines jupytext keeps right after a `# %%` marker (a notebook would open with an empty first line)."""
     import jupytext
 
     cells = []
@@ -64,8 +57,7 @@ CHECKS = {"cpu": ("CPU laptop (2 cores)", "cpu_check.json"), "gpu": ("1×H200", 
 
 
 def measured_runs() -> dict[str, dict[str, dict]]:
-    """{notebook: {"cpu" | "gpu": its record}}: the committed check runs (results/cpu_check.json and
-    results/gpu_check.json) of notebooks that executed every cell."""
+    """{notebook: {"cpu" | "gpu": its record}} from results/cpu_check.json and gpu_check.json, full runs only."""
     from colo_kit.paths import results_dir
 
     out: dict[str, dict[str, dict]] = {}
@@ -193,9 +185,7 @@ def _client_class():
 
 
 def _execute_within(client, wall_s: float, kernel_env: dict) -> None:
-    """`client.execute()` with the kernel started in `kernel_env`, cancelled after `wall_s` seconds;
-    nbclient's own cleanup then shuts the kernel down (cancellation reaches its `async with` kernel
-    context)."""
+    """`client.execute()` in `kernel_env`, cancelled after `wall_s` s (nbclient's cleanup then shuts the kernel down)."""
     import asyncio
 
     from jupyter_core.utils import run_sync
@@ -218,12 +208,10 @@ def _execute_within(client, wall_s: float, kernel_env: dict) -> None:
 
 def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html: bool = True,
             wall_s: float | None = None) -> dict:
-    """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy
-    (and an HTML one) under `out_dir`, and return where they are and how long it took.
-    Raises `nbclient.exceptions.CellExecutionError` with the failing cell's traceback.
-
-    `timeout_s` bounds each cell; `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S)
-    bounds the whole notebook, for the hangs no cell timeout catches (below)."""
+    """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy (and an HTML
+    one) under `out_dir`, and return where they are and how long it took; a failing cell raises
+    `nbclient.exceptions.CellExecutionError`. `timeout_s` bounds each cell, `wall_s` (default 2 × timeout_s, or
+    COLO_KIT_NOTEBOOK_WALL_S) the whole notebook, for the hangs no cell timeout catches (below)."""
     import nbformat
 
     path = Path(path)
@@ -264,9 +252,8 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
 
 
 def save_html(nb, html_path: Path) -> Path:
-    """The HTML copy of an executed notebook, charts included: a plotly figure in a notebook is
-    a JSON output that only JupyterLab draws, so each one gets an HTML rendering beside it (plotly.js
-    from its CDN) before nbconvert writes the page."""
+    """The HTML copy of an executed notebook, charts included: a plotly figure is a JSON output only
+    JupyterLab draws, so each gets an HTML rendering beside it (plotly.js from its CDN) before nbconvert writes the page."""
     _find_nbconvert_templates()
     import plotly.io as pio
     from nbconvert import HTMLExporter
@@ -283,9 +270,8 @@ def save_html(nb, html_path: Path) -> Path:
 
 
 def _find_nbconvert_templates() -> None:
-    """nbconvert's HTML templates are data files (`<prefix>/share/jupyter/nbconvert/templates`),
-    found through Jupyter's data path. A stack installed with `pip install --target DIR` (the lent
-    GPU machines carry one on PYTHONPATH) puts them in DIR/share/jupyter, where nobody looks: add it."""
+    """nbconvert's HTML templates are data files on Jupyter's data path; `pip install --target
+    DIR` (the kit's GPU machines carry such a stack) puts them in DIR/share/jupyter, where nobody looks: add it."""
     import nbconvert
 
     share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"

@@ -1,15 +1,7 @@
-"""Child processes the kit serves from: starting them, waiting for `/health`, stopping them.
-
-A vLLM server (`colo_kit.serving.server`) or replica (`colo_kit.async_lora.replicas`) is more than one process: the
-API server spawns an engine core, which holds the GPU memory. So the kit starts each one in a
-session of its own (`start_in_session`), which makes it the leader of a process group that
-holds the engine core too, and that dies with the process that started it (`die_with_parent`).
-`wait_healthy` polls `GET /health` until it answers and fails at once, with the end of the log,
-if the process exits first (a bad flag, a model that does not fit). `stop_groups` ends the whole
-group: SIGTERM, a grace period for vLLM to free the GPU, then SIGKILL.
-
-Their environment comes from `child_env` (the kit importable, no rank variables), their port
-from `free_port`.
+"""Child processes the kit serves from (vLLM servers and replicas): starting them, waiting for `/health`,
+stopping them. A vLLM API server spawns an engine core, which holds the GPU memory, so each server starts in a
+session of its own (`start_in_session`), leading a process group that holds the engine core too and dies with its
+starter (`die_with_parent`); `stop_groups` ends the whole group (SIGTERM, a grace period to free the GPU, SIGKILL).
 """
 
 from __future__ import annotations
@@ -35,21 +27,18 @@ RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 
 def without_rank_vars(environ=None) -> dict:
-    """`environ` (default os.environ) for a process that starts its own group: no rank, world or
-    rendezvous variables, no torchrun/accelerate state. TRL's colocate mode and vLLM's
-    external_launcher write RANK/MASTER_PORT into the environment of the process that builds an
-    engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
+    """`environ` (default os.environ) without rank, world, rendezvous or torchrun/accelerate
+    variables. TRL's colocate mode and vLLM's external_launcher write RANK/MASTER_PORT into the environment of the
+    process that builds an engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items()
             if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
 
 
 def child_env(gpus: str | None = None, **extra: str) -> dict:
-    """The environment of a process the kit starts (a vLLM server or replica, a bench worker,
-    torchrun): this one's, without its rank and rendezvous variables (`without_rank_vars`), with a
-    PYTHONPATH that finds everything this process imports — the kit's checkout and every `sys.path`
-    entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends importable
-    functions by name) — and `CUDA_VISIBLE_DEVICES=gpus` when given."""
+    """The environment of a process the kit starts (server, replica, bench worker, torchrun): this one's
+    without rank variables, `CUDA_VISIBLE_DEVICES=gpus` when given, and a PYTHONPATH with the kit's checkout and every
+    `sys.path` entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends functions by name)."""
     env = without_rank_vars()
     paths = [str(Path(__file__).resolve().parent.parent), *env.get("PYTHONPATH", "").split(os.pathsep),
              *(p or os.getcwd() for p in sys.path)]
@@ -61,10 +50,8 @@ def child_env(gpus: str | None = None, **extra: str) -> dict:
 
 
 def die_with_parent() -> None:
-    """`preexec_fn` of a server the kit starts in a session of its own: Linux sends it SIGTERM when
-    the process that started it dies, even by SIGKILL (a notebook kernel killed after a failed cell,
-    a test run cut off by its time limit: neither runs atexit handlers, and the server would keep
-    its share of the GPU)."""
+    """`preexec_fn` of a server the kit starts: Linux sends it SIGTERM when its starter dies, even by
+    SIGKILL (a killed notebook kernel or test run runs no atexit handlers, and the server would keep its GPU share)."""
     try:
         import ctypes
 
@@ -100,10 +87,9 @@ def _answers(url: str) -> bool:
 
 def wait_all_healthy(children: dict[str, tuple[subprocess.Popen | None, str | Path | None]], timeout_s: float,
                      *, t0: float | None = None, what: str = "vLLM server") -> dict[str, float]:
-    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200. Returns
-    the seconds from `t0` (`time.perf_counter()`, default now) until each one did. Raises
-    RuntimeError with the log's tail as soon as a process exits first, TimeoutError once
-    `timeout_s` have passed since `t0`. `what` names the servers in those messages."""
+    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200; return the
+    seconds from `t0` (`time.perf_counter()`, default now) until each did. RuntimeError with the log's tail as soon as
+    a process exits first, TimeoutError after `timeout_s`; `what` names the servers in those messages."""
     t0 = time.perf_counter() if t0 is None else t0
     pending, ready = dict(children), {}
     while True:
@@ -124,15 +110,12 @@ def wait_all_healthy(children: dict[str, tuple[subprocess.Popen | None, str | Pa
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0, log_path=None) -> float:
-    """Poll `GET {url}/health` until 200 and return the seconds it took; fail early (with the log's
-    tail) if `proc` exits. One server's `wait_all_healthy`."""
+    """One server's `wait_all_healthy`: the seconds until `/health` answered."""
     return wait_all_healthy({url: (proc, log_path)}, timeout_s)[url]
 
 
 def stop_groups(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group of each of `procs` (started by `start_in_session`: the server and
-    the engine core it spawned), wait up to `timeout_s` for them all, then SIGKILL the groups of
-    those still running."""
+    """SIGTERM each of `procs`' process groups (server + engine core), wait up to `timeout_s`, then SIGKILL."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
         try:

@@ -1,7 +1,6 @@
 """The comparison behind `colo_kit.answers.math500.is_correct`, with no processes of its own: `check(completion, gold)`
-reads the completion's final answer and compares it with the gold one (`Verdict`), with the normalisation and
-the refusals `colo_kit.answers.math500` describes. `is_correct` runs it in a worker process with a deadline.
-"""
+reads the completion's final answer and compares it with the gold one, with the normalisation and refusals
+`colo_kit.answers.math500` describes; `is_correct` runs it in a worker process with a deadline."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-# math-verify warns once that its timeout is disabled; we disable it on purpose (see above).
+# math-verify warns once that its timeout is disabled; we disable it on purpose (see colo_kit.answers.math500).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_COMPLETION_CHARS = 20_000  # only the end of a completion is read: the final answer is there
@@ -159,9 +158,8 @@ def simple_tuple(answer: str) -> tuple[str, list] | None:
 
 
 def _fast_verdict(answer: str, gold_norm: str) -> bool | None:
-    """True/False when both sides are plain numbers (or tuples / intervals of them) and that
-    settles it exactly; None to leave it to math-verify (which, e.g., accepts 0.333333 for 1/3:
-    it rounds decimals to 6 places, or may read (2, 5) as an interval or a point)."""
+    """True/False when both sides are plain numbers (or tuples / intervals of them) that settle it exactly; else None
+    for math-verify (which accepts 0.333333 for 1/3, rounding to 6 places, and may read (2, 5) as a point)."""
     a, g = simple_number(answer), simple_number(gold_norm)
     if a is not None and g is not None:
         if a[0] == g[0]:
@@ -174,10 +172,8 @@ def _fast_verdict(answer: str, gold_norm: str) -> bool | None:
 
 
 def _differ_numerically(gold, pred) -> bool:
-    """True when two constant expressions (no variables, not sets or equations) evaluate to clearly
-    different numbers (or intervals / tuples with a clearly different end or element): a wrong
-    `4\\sqrt{8}` is then settled in a fraction of a millisecond instead
-    of by simplify(). Close values (0.333333 vs 1/3) are left to math-verify's own rules."""
+    """True when two constant expressions (or intervals / tuples of them) are clearly different numbers: a wrong
+    `4\\sqrt{8}` is settled in well under a millisecond, not by simplify(); close values are left to math-verify."""
     import sympy
 
     if isinstance(gold, sympy.Interval) and isinstance(pred, sympy.Interval):  # (2, 5) vs (2, 6)

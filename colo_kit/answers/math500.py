@@ -1,50 +1,20 @@
-"""Math500's answer checker: the judge behind the math reward (the comparison itself is
-`colo_kit.answers.answer_check`, the evaluation runner `colo_kit.answers.math500_eval`).
+"""Math500's answer checker, the judge behind the math reward (notebook 05): `colo_kit.answers.answer_check`'s
+comparison in worker processes with a deadline. The first post's "both trained models beat the base model on Math500
+and colocate matches plain" takes this checker and an evaluation (`colo_kit.answers.math500_eval`) to reproduce.
 
-The first post closes with "both trained models beat the base model on Math500 and colocate matches
-plain". Reproducing that takes a checker and an evaluation; this module is the checker.
+`is_correct(completion, gold)` is math-verify (LaTeX to sympy, values compared, not strings) plus what a MATH grader
+does around it: the answer is the **last** `\\boxed{}` or `\\fbox{}`, or without a box only an answer the text
+*states* (not a random model's noise that contains the number); forms math-verify misses (repeating decimals, `\\pm`,
+percent signs: `25\\%` = `25` but `0.25` is not `25\\%`, ...) are normalised first; intervals equal their
+inequalities; plain numbers and clearly different constants are settled before math-verify's slow parser (GRPO checks
+every sample). It is measured on the hand-labelled `data/math500_checker_cases.jsonl` (`scripts/bench_checker.py`).
 
-1. **A checker** — `is_correct(completion, gold)`: is the final answer of a completion the gold
-   answer? It is math-verify (which parses LaTeX to sympy and compares values, not strings) plus
-   what a MATH grader does around it:
-   - the answer is the content of the **last** `\\boxed{}` (or `\\fbox{}`), braces matched by
-     depth, so `\\boxed{\\frac{\\sqrt{3}}{2}}` is read whole; without a box, only an answer the text
-     *states* ("the answer is ...", "Final answer: ...") counts — a random model's noise that
-     happens to contain the number does not;
-   - forms math-verify does not cover are normalised first: repeating decimals
-     (`0.\\overline{3}`), `\\pm` written out, `°`, `\\varnothing`, a sentence's full stop inside the
-     box, and percent signs (compared as the number in front of them, so `25\\%` = `25`, but
-     `0.25` is not `25\\%`);
-   - intervals are compared with the inequalities that describe them (`(2,5)` = `2<x<5`);
-   - plain numbers and tuples of them are compared exactly without parsing LaTeX, and constant
-     expressions that clearly differ in value are settled by evaluating them, before math-verify's
-     slower parser and simplify() run (checks per second are a bar here: GRPO checks every sample).
-   `data/math500_checker_cases.jsonl` holds the hand-labelled cases it is measured on
-   (`scripts/bench_checker.py`; the numbers are in `results/math500_checker.json`).
-
-   **Time bound.** math-verify bounds its own time with `signal.alarm`, which works only in the main
-   thread; TRL may call reward functions elsewhere. Here those timeouts are off, and time is bounded
-   twice: cheap guards refuse what the parser or sympy cannot finish (answers over 400 characters,
-   brackets nested deeper than 8 — parsing time grows exponentially with depth —, functions nested
-   deeper than 3, numbers over 10,000 digits such as `10^{10^{10}}` or `9999999999!`), and
-   `is_correct` runs the comparison in a worker process with a deadline (`Checker`, below): a
-   call that overruns it has no verdict (`CheckerTimeout`) and its worker is killed and replaced.
-   Each concurrent call gets its own worker (threads never wait for each other), and a forked child
-   process starts its own.
-
-   **Gold that cannot be parsed** (empty, over-long, or nothing math-verify can read) raises
-   `UnparseableGold` from `is_correct`; `parse_gold(gold)` returns None for it. The reward turns it
-   into None (TRL then ignores that sample) instead of punishing the policy for a broken label.
-
-2. **An evaluation runner** — `colo_kit.answers.math500_eval.evaluate(model, ...)`.
-
-**The deadline pool** (`Checker`, `default_checker`): each comparison runs in a worker process, and a call that
-overruns `deadline_s` gets no verdict while its worker is killed and replaced. math-verify bounds its own time
-with `signal.alarm`, which works only in a process's main thread, and TRL may call reward functions from any
-thread. Why not a maintained pool such as `pebble`'s `ProcessPool.schedule(timeout=)`, which does the
-kill-and-replace: measured here, it cannot start inside a daemonic `multiprocessing` worker ("daemonic processes
-are not allowed to have children"), and a reward computed in such a worker is a case this checker serves
-(tests/test_math500.py). These workers are plain subprocesses, which a daemonic process may start.
+**Time bound.** math-verify's own timeout uses `signal.alarm`, which works only in a process's main thread, and TRL
+may call reward functions from any thread. So it is off: cheap guards refuse what sympy cannot finish, and `Checker`
+runs each comparison in a worker process, killed and replaced when it overruns (`CheckerTimeout`: no verdict). Not
+`pebble`'s `ProcessPool.schedule(timeout=)`: measured here, it cannot start inside a daemonic `multiprocessing`
+worker, a case this checker serves (tests/test_math500.py); plain subprocesses can. Unparseable gold raises
+`UnparseableGold`; the reward turns it into None, so TRL ignores the sample instead of punishing the policy.
 """
 
 from __future__ import annotations
@@ -119,16 +89,11 @@ class _Worker:
 
 
 class Checker:
-    """`check` in worker processes, with a deadline per comparison.
-
-    Thread-safe: each concurrent call gets a worker of its own (started on demand, at most
-    `max_workers`), so one thread's slow input never makes another thread wait. Fork-safe: a child
-    process that inherits a Checker starts its own workers. A call that overruns `deadline_s`
-    (start-up wait included: call `warm_up()` first on a busy machine) is counted wrong; a worker
-    stuck in a comparison is killed and a fresh one starts in the background. The deadline starts
-    once a worker is ready (a cold worker may take `start_timeout_s` to import on a busy machine:
-    that wait is not the input's fault), and a call that overruns it comes back `timed_out`, counted
-    in `timeouts`, never as a wrong answer."""
+    """`check` in worker processes, with a deadline per comparison. Thread-safe: each concurrent call gets its own
+    worker (at most `max_workers`), so one thread's slow input never makes another wait; fork-safe: a child process
+    starts its own. The deadline starts once a worker is ready (a cold one may take `start_timeout_s` to import;
+    `warm_up()` pays that up front); a call that overruns it comes back `timed_out`, counted in `timeouts`, never as a
+    wrong answer, and its worker is replaced in the background."""
 
     def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
                  start_timeout_s: float = 120.0):
@@ -218,8 +183,7 @@ class Checker:
         self._give(worker)
 
     def warm_up(self, workers: int = 1) -> None:
-        """Start `workers` processes now and wait until they are ready (a training run calls this
-        before its first step, so the first reward does not pay the start-up)."""
+        """Start `workers` processes and wait until ready, so a training run's first reward skips the start-up."""
         taken = [self._take() for _ in range(workers)]
         for w in taken:
             try:
@@ -254,10 +218,8 @@ def default_checker() -> Checker:
 
 
 def is_correct(completion: str, gold: str) -> bool:
-    """True if the completion's final answer equals the gold answer (see the module docstring).
-    Safe in threads and processes; no comparison takes longer than the deadline (4 s), whatever the
-    input. Raises `UnparseableGold` if the gold answer cannot be read, and `CheckerTimeout` if the
-    comparison ran out of time (it says nothing about the answer)."""
+    """True if the completion's final answer equals the gold one, within the deadline (4 s) whatever the input. Raises
+    `UnparseableGold` for unreadable gold, `CheckerTimeout` when out of time (it says nothing about the answer)."""
     verdict = default_checker().check(completion, gold)
     if verdict.timed_out:
         raise CheckerTimeout(f"the comparison took longer than {default_checker().deadline_s} s ({verdict.reason})")

@@ -1,8 +1,6 @@
-"""Math500 evaluation: greedy answers from vLLM with the training prompt
-(`colo_kit.data.math_prompt`), scored with `colo_kit.answers.math500`'s checker, reported as accuracy with
-a 95% Wilson interval and per-subject / per-level breakdowns, written as JSON; `compare_models`
-evaluates several models on one engine by pushing each one's weights into it, the colocate trick
-used for evaluation. `colo-kit eval-math500` is the command line.
+"""Math500 evaluation (`colo-kit eval-math500`): greedy answers from vLLM with the training prompt, scored with
+`colo_kit.answers.math500`'s checker, as accuracy with a 95% Wilson interval and per-subject / per-level breakdowns in
+JSON. `compare_models` evaluates several models on one engine by pushing each one's weights in: the colocate trick.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def _summary(flags: list[bool]) -> dict:
 
 
 def score(problems, completions: list[str], checker: Checker | None = None) -> dict:
-    """Score completions (one per problem, same order) with the checker: overall accuracy, its
-    Wilson interval, per-subject and per-level breakdowns, and one record per problem."""
+    """Score one completion per problem (same order): accuracy, Wilson interval, per subject / level, per problem."""
     rows = [dict(r) for r in problems]
     if len(rows) != len(completions):
         raise ValueError(f"{len(rows)} problems but {len(completions)} completions; pass one completion per problem")
@@ -87,8 +84,7 @@ def _engine_model_name(llm) -> str | None:
 
 
 def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float, seed: int) -> list[str]:
-    """One completion per prompt from a vLLM `LLM` (`generate(prompts, sampling_params)`) or from the
-    kit's `ColocatedEngine` (`generate(prompts, n=, max_tokens=, temperature=)` -> `.texts`)."""
+    """One completion per prompt from a vLLM `LLM` or from the kit's `ColocatedEngine`."""
     import inspect
 
     params = inspect.signature(model.generate).parameters
@@ -105,12 +101,8 @@ def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float,
 def evaluate(model, *, limit: int | None = None, source: str = "auto", max_tokens: int = 1024,
              temperature: float = 0.0, seed: int = 0, tokenizer=None, out: str | Path | None = None,
              llm_kwargs: dict | None = None, problems=None) -> dict:
-    """Generate one answer per MATH-500 problem and score it.
-
-    `model` is a vLLM `LLM`, the kit's `ColocatedEngine`, or a model name / folder for which a
-    plain `vllm.LLM` is started here and shut down after. The prompt is
-    the training template (`colo_kit.data.math_prompt`) through the model's chat template.
-    `problems` overrides the dataset (default `colo_kit.data.load_math(source=source)`)."""
+    """Generate one answer per MATH-500 problem (`colo_kit.data.math_prompt` through the chat template), score it.
+    `model`: a vLLM `LLM`, the kit's `ColocatedEngine`, or a name / folder for which this starts and stops a vLLM."""
     import colo_kit
 
     colo_kit.setup()
@@ -174,10 +166,8 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
 
 
 def load_policy(engine, model) -> None:
-    """Put a model's weights into a running engine, so one engine evaluates several models (base,
-    colocate-trained, plain-trained) without restarting: the colocate trick, used for evaluation.
-    `engine` is the kit's `ColocatedEngine` or a vLLM `LLM` (e.g. `trainer.vllm_generation.llm`);
-    `model` is a transformers model or a preset / folder / hub id to load."""
+    """Put a model's weights (a transformers model, or a preset / folder / hub id) into a running `ColocatedEngine` or
+    vLLM `LLM` (e.g. `trainer.vllm_generation.llm`), so one engine evaluates several models without restarting."""
     if isinstance(model, (str, Path)):
         from transformers import AutoModelForCausalLM
 

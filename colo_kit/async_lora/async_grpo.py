@@ -1,9 +1,6 @@
-"""TRL's `AsyncGRPOTrainer` with a LoRA adapter, against a server URL (the routing proxy), as post 2
-runs it: `run_async_grpo(...)`. And what it takes on a machine without FlashAttention-3 (a CPU, or a
-GPU node with no access to the Hub): `cpu_async_grpo_patches`, which replaces exactly what stops it.
-On a shared machine, where the proxy asks its clients for a token (`--client-token-env`), TRL's
-clients, which send none, are made to send it by `trl_client_auth`.
-"""
+"""TRL's `AsyncGRPOTrainer` with a LoRA adapter against the routing proxy, as post 2 runs it (`run_async_grpo`).
+Notebook 06. Without FlashAttention-3 (a CPU, or a GPU node without the Hub) `cpu_async_grpo_patches` replaces
+exactly what stops it; behind a proxy that asks for a client token, `trl_client_auth` makes TRL's clients send it."""
 
 from __future__ import annotations
 
@@ -17,10 +14,9 @@ from colo_kit.async_lora.lora import published_versions
 
 
 class TorchVarlenAttention:
-    """`flash_attn_varlen_func` in plain PyTorch: the CPU stand-in for the FlashAttention-3 kernel
-    that AsyncGRPOTrainer's tree attention fetches from the Hub (`kernels-community/flash-attn3`,
-    CUDA only). Each packed segment attends causally to its root-to-segment path (bottom-right
-    aligned, as FA does when there are more keys than queries). Slow, exact, enough for a tiny model."""
+    """`flash_attn_varlen_func` in plain PyTorch, for the CUDA-only `kernels-community/flash-attn3` that tree
+    attention fetches from the Hub. Each packed segment attends causally to its root-to-segment path
+    (bottom-right aligned, as FA does with more keys than queries). Slow, exact, enough for a tiny model."""
 
     @staticmethod
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -46,21 +42,12 @@ class TorchVarlenAttention:
 
 @contextmanager
 def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
-    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU, for the duration of a `with` block. What stops
-    it, exactly:
-
-    1. its policy uses `attn_implementation="tree_fa3"`, whose kernel `packing._flash_attn()` fetches
-       the FlashAttention-3 CUDA kernel through the `kernels` package (absent here, and no network):
-       replaced by `TorchVarlenAttention`;
-    2. `get_peak_flops_per_device` calls `torch.cuda.get_device_name` unconditionally (for MFU
-       metrics): replaced by "unknown" (None), which TRL handles by skipping MFU;
-    3. the rollout worker needs a response template for the chat template; the kit's tiny
-       tokenizer carries a reduced Qwen2 template TRL does not recognise, so it is given the one
-       TRL uses for Qwen2.5 (only used to parse tool calls). That changes the run's own tokenizer
-       object, nothing process-wide.
-
-    Yields what was patched; TRL's functions are its own again when the block ends. The trainer
-    itself, its rollout worker, the adapter publishing and the weight-sync calls are TRL's, unchanged."""
+    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU within a `with` block, replacing exactly what stops it:
+    1. `tree_fa3` attention: `packing._flash_attn()` fetches the FA3 CUDA kernel from the Hub -> `TorchVarlenAttention`;
+    2. `get_peak_flops_per_device` asks CUDA for the device name (MFU metrics) -> None, so TRL skips MFU;
+    3. the tiny tokenizer's reduced Qwen2 template has no response template TRL knows -> TRL's Qwen2.5 one (only
+       to parse tool calls), on this tokenizer object only.
+    Yields what was patched; TRL's functions are restored when the block ends."""
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
     done, saved = [], []
@@ -98,11 +85,9 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
 
 
 class BearerRequests:
-    """TRL 1.16's async-GRPO `VLLMClient` HTTP client, the `requests` module that
-    trl/experimental/async_grpo/vllm_client.py imported (`requests_module`), with `Authorization:
-    Bearer <token>` on every call (`requests.get`, `requests.post`). Everything else
-    (`requests.ConnectionError`, ...) is that module's own, so TRL's `except` clauses and callers'
-    still catch what they did. The kit's own synchronous clients use httpx; this one is TRL's."""
+    """The `requests` module of trl/experimental/async_grpo/vllm_client.py (`requests_module`) with
+    `Authorization: Bearer <token>` on every call. Everything else (`requests.ConnectionError`, ...) is that
+    module's own, so TRL's `except` clauses still catch what they did."""
 
     def __init__(self, token: str, requests_module):
         self._authorization = f"Bearer {token}"
@@ -128,11 +113,10 @@ class BearerRequests:
 
 
 def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
-    """TRL's rollout loop (`loop_cls`, built with TRL's own arguments) whose generation requests carry
-    `Authorization: Bearer $token_env`. It runs in the rollout worker's spawned child, which reads the
-    token from its environment (inherited from the trainer's): nothing secret is pickled. TRL makes
-    the loop's aiohttp session in `_run_loops` without headers and calls it from `_post` only
-    (trl/experimental/async_grpo/async_rollout_worker.py), so `_post` puts the header on that session."""
+    """TRL's rollout loop (`loop_cls`) whose generation requests carry `Authorization: Bearer $token_env`.
+    It runs in the rollout worker's spawned child, which reads the token from its environment: nothing secret
+    is pickled. TRL makes the loop's aiohttp session in `_run_loops` without headers and uses it from `_post`
+    only (trl/experimental/async_grpo/async_rollout_worker.py), so `_post` puts the header on it."""
     loop = loop_cls(**kwargs)
     authorization = f"Bearer {os.environ.get(token_env, '')}"
     post = loop._post
@@ -147,20 +131,10 @@ def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
 
 @contextmanager
 def trl_client_auth(token_env: str) -> Iterator[None]:
-    """Make TRL 1.16's AsyncGRPOTrainer send `Authorization: Bearer <token>` (the value of the
-    environment variable `token_env`, the proxy's `--client-token-env`) to its vLLM server, for the
-    duration of a `with` block; TRL's clients send no credentials and get 401 from such a proxy.
-    Two clients talk to the server, and both are covered:
-
-    1. the trainer's `VLLMClient` (health, `/server_info`, pause, resume, adapter loads) calls the
-       `requests` module of trl/experimental/async_grpo/vllm_client.py: that name is `BearerRequests`
-       within the block;
-    2. the rollout worker (TRL's default `AsyncRolloutWorker`) generates from a spawned child process
-       on an aiohttp session: its loop class (`_loop_cls`, pickled by reference into the child) is
-       wrapped by `bearer_rollout_loop`.
-
-    TRL's own objects are back when the block ends, even on an error. Build and train the trainer
-    inside the block (the worker is spawned by `train()`)."""
+    """Make TRL 1.16's AsyncGRPOTrainer send `Authorization: Bearer $token_env` (the proxy's `--client-token-env`)
+    within a `with` block: the trainer's `VLLMClient` (its `requests` becomes `BearerRequests`) and the rollout
+    worker's spawned child (its `_loop_cls`, pickled by reference, wrapped by `bearer_rollout_loop`). TRL's objects
+    are restored when the block ends; build and train the trainer inside it (`train()` spawns the worker)."""
     token = os.environ.get(token_env, "")
     if not token:
         raise ValueError(f"token_env={token_env!r}: the variable is missing or empty; export the proxy's client token "
@@ -181,14 +155,10 @@ def trl_client_auth(token_env: str) -> Iterator[None]:
 
 @contextmanager
 def drained_worker_stop() -> Iterator[None]:
-    """While TRL's `AsyncRolloutWorker.stop` waits for its child, read what the child still sends.
-
-    When training reaches `max_steps` the trainer stops reading the rollout and metrics queues, but the child has
-    already put samples there. A process that put items on a `multiprocessing.Queue` flushes them into the pipe
-    before it exits (Python's "joining processes that use queues"), so with the pipe full it cannot exit: TRL's
-    `stop` waits 15 s, warns "Child did not exit within 15s" and terminates it. Reading the two queues while
-    `stop` waits lets the child exit at once; what is read was never going to be trained on. TRL's `stop` is back
-    when the block ends."""
+    """While TRL's `AsyncRolloutWorker.stop` waits for its child, read what the child still sends (never to be
+    trained on): at `max_steps` the trainer stops reading the queues, and a child must flush what it put on a
+    `multiprocessing.Queue` before it exits, so with the pipe full TRL's `stop` waits 15 s, warns "Child did not
+    exit within 15s" and terminates it."""
     import queue
     import threading
 
@@ -237,9 +207,8 @@ def prompt_word_reward(completions, prompts=None, **_):
 
 
 def _bar_without_log_lines(trainer) -> None:
-    """Outside a notebook front end, transformers' ProgressCallback writes every step's log dict
-    (some 60 metrics here) under its bar: in a cell that buries the table the caller shows. The
-    bar stays; the numbers stay in `trainer.state.log_history`."""
+    """Keep the progress bar but not the log dict (some 60 metrics) transformers' ProgressCallback writes under
+    it each step outside a notebook front end; the numbers stay in `trainer.state.log_history`."""
     from transformers.trainer_callback import ProgressCallback
 
     class BarOnly(ProgressCallback):
@@ -254,10 +223,9 @@ def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.P
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
                    lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
-    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the
-    proxy), adapters published to `<output_dir>/.vllm_lora/`. On CPU the three patches of
-    `cpu_async_grpo_patches` hold for the run; with `client_token_env` (a proxy started with
-    `--client-token-env`), `trl_client_auth` does. Returns the log history and what was patched."""
+    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the proxy),
+    adapters published to `<output_dir>/.vllm_lora/`; on CPU under `cpu_async_grpo_patches`, with
+    `client_token_env` under `trl_client_auth`. Returns the log history and what was patched."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer

@@ -1,28 +1,11 @@
-"""Adapter-only sync for async GRPO: the slot arithmetic, the replica launch recipe, the probe.
+"""Adapter-only sync for async GRPO: the slot arithmetic, the replica launch recipe, the probe. Notebook 06.
 
-The second post trains a rank-1 LoRA (alpha 2) with TRL's `AsyncGRPOTrainer` and syncs only the
-adapter: every `weight_sync_steps` the trainer saves it to
-`<output_dir>/.vllm_lora/trl-policy-v{N}` (staged under a dot name, then one atomic rename), and
-POSTs the path to `/v1/load_lora_adapter`; rollout workers request `model="trl-policy-v{N}"`. A
-rank-1 adapter of a 1.5B model is a few MB, so a storage bucket mounted at the same path in every
-job carries it instead of NCCL. TRL does the publishing; this module adds what sits around it:
-
-- `replica_launch()`: how to start each vLLM replica so TRL picks adapter-only sync —
-  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (exposes `/v1/load_lora_adapter`), `VLLM_SERVER_DEV_MODE=1`
-  (TRL reads `/server_info` and calls `/pause`, `/resume`), `--enable-lora`,
-  `--max-loras = max_staleness + 2`, `--max-lora-rank` rounded up to a rank vLLM builds buffers for.
-- `check_slots()`: refuses `max_loras < max_staleness + 2`. Why + 2: a rollout may be up to
-  `max_staleness` versions behind, so the current policy and `max_staleness` older ones can be
-  named by requests in flight (max_staleness + 1), and each sync loads the next version *before*
-  unloading the oldest (+ 1). With a slot fewer vLLM does not refuse the load: it silently evicts
-  the least recently used adapter, which may still have rollouts in flight.
-- `check_sleep_level()`: level-2 sleep discards the base weights; adapter-only sync never re-sends
-  them, so a replica woken from level 2 would serve an empty base model under every adapter.
-- `probe_adapters()`: asks each replica (`GET /v1/models` lists loaded adapters with their path)
-  whether it really serves the adapter version it was told to load, and generates one token with
-  it — behind a proxy, a load that reached one replica only is otherwise invisible.
-- `run_async_grpo()`: TRL's own AsyncGRPOTrainer with the post's rank-1 LoRA; TRL publishes each
-  adapter and loads it on the replicas. On a CPU `cpu_async_grpo_patches()` lets it run (notebook 06).
+Every `weight_sync_steps` TRL's `AsyncGRPOTrainer` saves the post's rank-1 LoRA (alpha 2) to
+`<output_dir>/.vllm_lora/trl-policy-v{N}` (staged under a dot name, then one atomic rename) and POSTs the path to
+`/v1/load_lora_adapter`; rollout workers request `model="trl-policy-v{N}"`. A rank-1 adapter of a 1.5B model is a
+few MB, so a bucket mounted at the same path in every job carries it instead of NCCL. TRL does the publishing;
+this module adds the launch recipe, the slot and sleep checks, and a probe that every replica serves the version
+(behind a proxy, a load that reached one replica only is otherwise invisible).
 """
 
 from __future__ import annotations
@@ -117,14 +100,9 @@ def max_lora_rank_for(adapter_rank: int) -> int:
 
 
 def check_sleep_level(sleep_level: int | None, adapter_only: bool = True) -> None:
-    """Refuse level-2 sleep with adapter-only sync.
-
-    Level 2 discards weights and KV cache; after `wake_up` the weights must be reloaded. In
-    adapter-only sync nothing ever re-sends the base weights (only the few-MB adapter travels),
-    so the woken replica would run every `trl-policy-vN` on top of garbage. Level 1 (weights
-    offloaded to CPU and restored) is safe; so is level 2 with merged-weight sync, which resends
-    every weight each step (the first post's colocate setup).
-    """
+    """Refuse level-2 sleep with adapter-only sync: level 2 discards the weights and nothing re-sends the base
+    weights, so a woken replica would run every `trl-policy-vN` on garbage. Level 1 (weights offloaded to CPU)
+    is safe; so is level 2 with merged-weight sync, which resends every weight (the first post's colocate setup)."""
     if sleep_level in (None, 0, 1):
         return
     if sleep_level != 2:
@@ -169,13 +147,10 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
                    enforce_eager: bool | None = None, max_logprobs: int = 100, python: str | None = None,
                    extra_args: list[str] | None = None) -> ReplicaLaunch:
     """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters.
-
-    `api_key_env` names the variable holding the key; the key itself goes into the replica's
-    environment as `VLLM_API_KEY` (read by vLLM), never onto its command line where `ps` shows it.
-    vLLM checks it under `/v1` only; `colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware` (`--middleware`)
-    asks for it on every other path but `/health` too (`/collective_rpc`, `/pause`, `/server_info`),
-    and proves to the proxy's health polls that the replica holds it.
-    """
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` exposes `/v1/load_lora_adapter`; `VLLM_SERVER_DEV_MODE=1` serves
+    `/server_info`, `/pause` and `/resume`, which TRL calls. The key `api_key_env` names goes into the replica's
+    environment as `VLLM_API_KEY`, never onto its command line (`ps` shows it); vLLM checks it under `/v1` only,
+    so `replica_auth.ReplicaAuthMiddleware` asks for it on every path but `/health` too."""
     max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
     check_slots(max_loras, max_staleness)
     check_sleep_level(sleep_level, adapter_only=True)
@@ -222,12 +197,9 @@ class AdapterMismatch(RuntimeError):
 
 def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | None = None, *,
                    token: str | None = None, generate: bool = True, timeout_s: float = 60.0) -> list[dict]:
-    """Check that every replica serves `lora_name` (from `lora_path`, if given).
-
-    `GET /v1/models` lists each loaded adapter as `{"id": name, "root": path, "parent": base}`;
-    with `generate`, a one-token completion with `model=lora_name` proves the engine resolves it.
-    Returns one report per replica; raises `AdapterMismatch` listing the replicas that do not.
-    """
+    """Check that every replica serves `lora_name` (from `lora_path`, if given): listed by `GET /v1/models`
+    (`{"id": name, "root": path, "parent": base}`) and, with `generate`, resolved by a one-token completion.
+    Returns one report per replica; raises `AdapterMismatch` listing the replicas that do not."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}

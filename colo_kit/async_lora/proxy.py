@@ -1,43 +1,19 @@
-"""The routing proxy of the second post: several vLLM replicas that TRL sees as one server.
+"""The routing proxy of the second post: several vLLM replicas that TRL sees as one server. Notebook 06.
 
-TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`). In the post, two vLLM jobs
-serve the base model plus the latest LoRA adapters, and a proxy beside the trainer makes them look
-like one server. This module serves that proxy on aiohttp; what it decides is `colo_kit.async_lora.routing`.
+TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`); this aiohttp proxy beside the trainer stands for
+the replicas. It decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`.
 
-- **Who may use it.** On loopback, any local process, as TRL's client sends no credentials. With
-  `client_token_env` every request must carry `Authorization: Bearer <that token>` (401 otherwise);
-  binding anything but loopback without it is refused at start. The client's header never travels
-  on: upstream requests carry the replicas' own token (`token_env`). Health polls carry none, but a
-  challenge: a replica that has proved it holds the key (`colo_kit.async_lora.replica_auth`) is sent the token
-  only while it proves it, so a process that takes its port after it dies learns nothing. A
-  replica URL's password is shown nowhere (`user:***@`). Settings: `colo_kit.async_lora.proxy_config`.
-- **How long it waits for a client.** A request's head must arrive within `client_timeout_s` of
-  the connection opening (or of the previous answer), and its body within as long again; a socket
-  that sends nothing is closed, so idle sockets cannot use up the proxy's file descriptors (aiohttp
-  3.14.4 and later: older releases leave a silent socket open, seen on a GPU node's image).
-- **What it forwards.** The routes of `routing.ROUTES` only (404 otherwise, without touching a
-  replica); paths are normalised first. Adapter loads need `adapter_root` and a path inside it.
-  Bodies over `max_body_mb` get 413 before they are read whole; prompts are parsed and hashed off
-  the event loop, and a text prompt is tokenised only as far as the blocks routing reads, so one
-  huge prompt does not stall `/health` for everyone.
-- **Where it sends.** A completion goes to the replica that holds the longest known prefix of its
-  prompt (`routing.PrefixIndex`), within a bound on load; a broadcast goes to every healthy replica.
-- **Faults, bounded.** Broadcasts and health checks wait at most `upstream_timeout_s`. A request that
-  fails on a replica (a 502/503/504, a timeout, a broken answer) fails over alone, and the replica
-  gets no new requests until its next good health poll; the others it is answering carry on. A
-  replica whose health polls fail is dropped: its in-flight requests fail over at once. When
-  `/health` answers again it is caught up (adapters, pause state) and taken back. A replay that
-  fails is logged and skipped: a replica is never locked out by one bad adapter. A client that
-  hangs up closes its upstream connection (vLLM then aborts the request) and nothing more. Uniform
-  answers of a broadcast (every replica said 400, say) pass through as they are; 502 is for mixed
-  results, and a retry converges: "already loaded" (the same adapter) or "not found" (an unload)
-  counts as done where other replicas did it.
-- **What it tells.** `/health` (no secrets), `/metrics` (Prometheus text through
-  `prometheus_client`, or JSON with `?format=json`): per-replica requests, in-flight, health,
-  affinity hits, fallbacks, retries, load imbalance and the proxy's own handler time.
-
-`colo-kit proxy` (colo_kit.async_lora.proxy_cli) starts it from a shell. Each replica's health and the broadcasts
-live in `colo_kit.async_lora.proxy_replicas`; the numbers `/metrics` serves in `colo_kit.async_lora.proxy_metrics`.
+- **Who may use it.** On loopback any local process (TRL's client sends no credentials); elsewhere only with
+  `client_token_env` (401 without the token). Upstream requests carry the replicas' own token, health polls only a
+  challenge (`replica_auth`), so a process that takes a dead replica's port learns nothing.
+- **Slow clients.** A request's head must arrive within `client_timeout_s`, its body within as long again, so idle
+  sockets cannot use up file descriptors (aiohttp 3.14.4 and later: older releases leave a silent socket open).
+- **Forwarding.** `routing.ROUTES` only; bodies over `max_body_mb` get 413 before they are read whole; long prompts
+  are hashed off the event loop, so one does not stall `/health`. A completion goes to the replica holding its
+  longest known prefix, within a bound on load; a broadcast to every healthy replica.
+- **Faults.** A failed request fails over alone; a replica whose health polls fail is dropped (its in-flight
+  requests fail over at once) and caught up (adapters, pause state) when it answers again. A client that hangs up
+  closes its upstream connection, so vLLM aborts the request.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The routing proxy's settings (`colo_kit.async_lora.proxy`), checked before anything is served.
+"""The routing proxy's settings (`colo_kit.async_lora.proxy`), checked before anything is served. Notebook 06.
 
-`ProxyConfig`'s fields are `colo-kit proxy`'s flags, each with its help; `validate()` refuses a bad value with one
-line that names it and the fix (a replica URL that is not a server root, a token variable that is
-missing, a non-loopback address without a client token, an adapter root of `/`), and reads the
-tokens from their environment variables, so they never appear on a command line.
+`validate()` refuses a bad value with one line that names it and the fix (a replica URL that is not a server root,
+a missing token variable, a non-loopback address without a client token, an adapter root of `/`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The routing proxy's numbers (`colo_kit.async_lora.proxy`): its counters, the time it spends in its own handler,
-and both forms `/metrics` serves them in: JSON (`RoutingProxy.snapshot`) and Prometheus text, written by
-prometheus_client from a registry of the proxy's own.
-"""
+"""The routing proxy's numbers (`colo_kit.async_lora.proxy`): counters and its own handler time, served by `/metrics`
+as JSON (`RoutingProxy.snapshot`) or Prometheus text from a registry of the proxy's own. Notebook 06."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ HANDLER_BUCKETS_S = (25e-6, 50e-6, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
 
 
 class ProxyMetrics:
-    """Counters, handler time, and the Prometheus registry that serves them. `snapshot` is the proxy's
-    own: the counters and per-replica gauges are read from it when `/metrics` is scraped."""
+    """Counters, handler time, and their Prometheus registry; `snapshot` (the proxy's) is read at each scrape."""
 
     def __init__(self, snapshot):
         self.counters = dict.fromkeys(COUNTERS, 0)

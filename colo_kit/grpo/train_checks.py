@@ -1,7 +1,6 @@
-"""Settings checked before anything is built: what `colo-kit train` and `run_grpo` refuse, each in one line
-naming the bad value and the fix, instead of failing once the model has loaded (often 10-30 s later, inside
-TRL or vLLM). TRL's `TrlParser` converts command-line values but hands a `--config` YAML's values on as they
-are, so GRPOConfig fields are type-checked here against `GRPOConfig`'s own annotations."""
+"""Settings checked before anything is built: what `colo-kit train` and `run_grpo` refuse, in one line naming
+the bad value and the fix, instead of failing 10-30 s later inside TRL or vLLM. TRL's `TrlParser` hands a
+`--config` YAML's values on unconverted, so GRPOConfig fields are type-checked here against its annotations."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def check_settings(mode: str, *, max_steps: int, num_generations: int, per_devic
 
 
 def check_server_url(url) -> None:
-    """An http(s) URL with a host (and a valid port, if any): anything else would be refused only after
-    TRL's 240 s wait for the server."""
+    """An http(s) URL with a host and a valid port: anything else TRL refuses only after its 240 s wait."""
     from urllib.parse import urlsplit
 
     try:

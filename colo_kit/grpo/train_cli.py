@@ -1,8 +1,6 @@
-"""`colo-kit train`: `run_grpo` (colo_kit.grpo.train) as a command, parsed by TRL's own `TrlParser` into one
-`GRPOConfig` and the kit's few knobs of its own (`TrainArgs`): every `GRPOConfig` field in TRL's name
-(`--per_device_train_batch_size 16` or `--per-device-train-batch-size 16`, `--beta 0.04`), or a YAML
-of them (`--config recipe.yaml`, what `colo-kit plan --recommend` writes). Everything is checked
-(colo_kit.grpo.train_checks) before a model loads."""
+"""`colo-kit train`: `run_grpo` as a command, parsed by TRL's own `TrlParser` into one `GRPOConfig` (every
+field in TRL's name, `--beta 0.04`, or a YAML of them: `--config recipe.yaml`, what `colo-kit plan --recommend`
+writes) and the kit's few knobs (`TrainArgs`), all checked (colo_kit.grpo.train_checks) before a model loads."""
 
 from __future__ import annotations
 

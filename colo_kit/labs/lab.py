@@ -1,19 +1,9 @@
-"""Predict-then-run exercises for the notebooks, each checked by code.
-
-A learner writes a prediction or a setting into a cell and runs `lab.check(key, answer)`: the check
-says right (and why) or gives a hint, never the answer; the solution sits one click away in a
-collapsed cell below. Right answers are computed by the kit's own functions where one exists (the
-slot rule, the planner, the ping-pong model, the reward), so an exercise cannot drift from what
-the notebook shows.
-
-Answers are structured, never free text matched for words ("it won't pass" contains "pass"): a number
-within a tolerance, or one of the exercise's listed options (or its letter, a, b, c...). Anything else
-is not marked right or wrong: the check says which options there are. Every exercise lists plausible
-wrong answers (the other options, negations, hedges, "I don't know", a near miss); the test suite runs
-them all, for every exercise, in CI.
-
-    from colo_kit.labs import lab
-    lab.check("06.slots", 6)      # -> right: max_staleness + 2 ...
+"""Predict-then-run exercises for the notebooks, each checked by code: `lab.check(key, answer)` says right (and why)
+or gives a hint, never the answer; the solution sits in a collapsed cell below. Right answers come from the kit's own
+functions where one exists (slot rule, planner, ping-pong model, reward), so an exercise cannot drift from its
+notebook. Answers are structured, never free text matched for words ("it won't pass" contains "pass"): a number
+within a tolerance, or one of the listed options (or its letter). Each exercise lists plausible wrong answers, which
+the test suite runs against its check.
 """
 
 from __future__ import annotations
@@ -246,8 +236,7 @@ FACT_KEY = "colo_kit_fact"  # display metadata scripts/check.py collects from ex
 
 
 def measured_facts(key: str) -> dict[str, dict]:
-    """{tier: {"values": {...}, "source": ...}} for `key`, from the committed check runs of notebooks that
-    executed every cell (`colo_kit.notebook.measured_runs`)."""
+    """{tier: {"values", "source", ...}} for `key` from the committed check runs (`notebook.measured_runs`)."""
     out = {}
     for runs in measured_runs().values():
         for tier, rec in runs.items():
@@ -260,9 +249,8 @@ def measured_facts(key: str) -> dict[str, dict]:
 
 
 def see(key: str, what: str, **values) -> None:
-    """Show a "What you should see" box: `what` it means, this run's `values`, and the values the
-    kit's check runs measured on a CPU laptop and on an H200 (or that none was measured yet). The
-    box carries the values as metadata, which `scripts/check.py` records from executed notebooks."""
+    """Show a "What you should see" box: `what` it means, this run's `values`, and what the kit's check runs
+    measured on a CPU laptop and an H200; the values ride along as metadata, which `scripts/check.py` records."""
     from IPython.display import Markdown, display
 
     def fmt(vals: dict) -> str:

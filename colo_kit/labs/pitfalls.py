@@ -1,23 +1,14 @@
-"""Break-it labs: the posts' pitfalls, run live on the learner's machine, broken and then fixed.
+"""Break-it labs: the posts' pitfalls, run live on the learner's machine, broken and then fixed, one row per
+run for the notebook to print side by side.
 
-Each function runs the real parts (TRL's trainer, vLLM's engine) twice, once with the pitfall and once
-without, and returns one row per run for the notebook to print side by side:
-
-- `top_p_breaks_importance_sampling` (notebook 00): with `top_p < 1` vLLM samples from a truncated,
-  renormalised distribution, while the trainer scores the same tokens under its full softmax. TRL's
-  importance-sampling correction sees the difference on every token; its sequence-level ratio (a product
-  over the completion's tokens) collapses towards 0, and the loss of those sequences with it (TRL #6789).
-- `tp_seed_rule` (notebook 03): the two workers of a TP-2 engine sample with one seed (`rank // tp`, TRL's
-  rule) and then with one seed each (`rank`, the bug the post bisected, vLLM #15895); each worker reports the
-  tokens the whole group generated. Under one seed they are the same tokens; under two they drift apart.
-- `lost_buffers` (notebook 02): vLLM #16564, where level-2 sleep lost the model's buffers (the rotary
-  embedding's cos/sin table) and `load_weights` brings back parameters only. The loss is played by overwriting
-  the engine's buffers with arbitrary values (on a CPU there is no sleep to lose them), then the trainer's weights are
-  pushed, the greedy probe is compared, the buffers restored from a snapshot, and the probe compared again.
-- `one_adapter_name` (notebook 06): a LoRA replica keys its cached KV blocks by the adapter's name and path
-  (vLLM's `_gen_lora_extra_hash_keys`). Publish every version under one name into one folder, and the second
-  version's prompt reuses blocks the first version computed; versioned names (TRL's `trl-policy-vN`, each in
-  its own folder) reuse none.
+- `top_p_breaks_importance_sampling` (notebook 00): with `top_p < 1` vLLM samples from a truncated distribution the
+  trainer scores under its full softmax; TRL's sequence-level importance-sampling ratio collapses towards 0 (TRL #6789).
+- `tp_seed_rule` (notebook 03): a TP-2 engine's workers sample with one seed (`rank // tp`, TRL's rule), then one
+  each (`rank`, the bug the post bisected, vLLM #15895): the same tokens, then tokens that drift apart.
+- `lost_buffers` (notebook 02): vLLM #16564, level-2 sleep lost the buffers (rotary cos/sin) and `load_weights`
+  restores parameters only; played by overwriting the buffers (a CPU has no sleep), then restoring a snapshot.
+- `one_adapter_name` (notebook 06): a LoRA replica keys cached KV blocks by adapter name and path (vLLM's
+  `_gen_lora_extra_hash_keys`): one name and folder reuses the first version's blocks, TRL's `trl-policy-vN` none.
 """
 
 from __future__ import annotations

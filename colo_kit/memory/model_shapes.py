@@ -9,10 +9,8 @@ from pathlib import Path
 from colo_kit.models import Preset
 
 def model_shape(model) -> Preset:
-    """A preset name (`qwen2.5-7b`), an HF config.json path or folder, or a config dict, as a
-    `models.Preset` (made from a config: hub_id None, not buildable), so the shapes and parameter
-    counts live in one place. transformers reads the config (offline) and builds it with its own
-    class (`AutoConfig`), and a multimodal one gives its text model's config."""
+    """`model` (a preset name such as `qwen2.5-7b`, a config.json path or folder, or a dict) as a `models.Preset`
+    (from a config: hub_id None, not buildable); a multimodal config gives its text model's."""
     if isinstance(model, Preset):
         return model
     if isinstance(model, dict):

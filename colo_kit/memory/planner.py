@@ -1,29 +1,17 @@
-"""Memory planner: will this GRPO run fit on these GPUs, and with which settings?
+"""Memory planner: will this GRPO run fit on these GPUs, and with which settings? Notebook 04.
 
-The question behind TRL's colocate OOM reports (#2688, #3128): a colocated vLLM engine and the trainer share each GPU,
-so `vllm_gpu_memory_utilization`, the sleep level, vLLM's tensor parallelism, the ZeRO stage and CPU offload decide
-together whether a step runs out of memory. This module estimates the per-GPU memory of a TRL `GRPOTrainer` step, part
-by part, in its two phases:
+The question behind TRL's colocate OOM reports (#2688, #3128): the colocated vLLM engine and the trainer share each
+GPU, so `vllm_gpu_memory_utilization`, the sleep level, vLLM's TP, the ZeRO stage and CPU offload decide together
+whether a step fits. This estimates a `GRPOTrainer` step's per-GPU memory by part in its generation phase (the awake
+engine's `u × GPU memory` beside the trainer's kept state) and training phase (the engine asleep or still holding
+its share), and recommends the cheapest settings that fit.
 
-- generation: the vLLM engine awake (`u × GPU memory`: weights, KV cache, its own activations) beside
-  what the trainer keeps between steps (weights, optimizer states, what the allocator cannot return);
-- training: forward + backward + optimizer step, with the engine asleep (sleep level 1 or 2) or still
-  holding `u × GPU memory` (no sleep).
-
-It then says whether the peak fits and recommends settings: the smallest TP, the sleep level, the highest safe
-`vllm_gpu_memory_utilization`, ZeRO-3 and optimizer offload when the training state alone is too big.
-
-What TRL 1.16 really keeps (read in its source, not assumed):
-- A model given by path is loaded in **float32** unless `model_init_kwargs={"dtype": ...}` says otherwise;
-  `bf16=True` is autocast. So weights, gradients and AdamW's two moments are fp32: 16 bytes per parameter.
-- `gradient_checkpointing` defaults to **True** in `GRPOConfig`.
-- Per-token log-probs use a fused, chunked LM head (`trl.kernels.ChunkedLogProbFunction`): the
-  `(tokens, vocab)` logits are never materialised; the cost is a `4096 × 32768` tile and an fp32
-  gradient of the LM head weight.
-- With sleep mode TRL sleeps at level 2 and calls `torch.cuda.empty_cache()` before each wake-up.
-
-Each constant below is either set from a physical fact or fitted; `results/planner_validation.json` says which,
-against which measured rows, and the error on every row.
+What TRL 1.16 really keeps (read in its source): a model given by path loads in **float32** unless
+`model_init_kwargs={"dtype": ...}` (`bf16=True` is autocast): 16 bytes per parameter with AdamW;
+`gradient_checkpointing` defaults to **True**; log-probs use a fused, chunked LM head
+(`trl.kernels.ChunkedLogProbFunction`: a `4096 × 32768` tile and an fp32 LM-head gradient, never the whole logits);
+sleep mode sleeps at level 2 and calls `torch.cuda.empty_cache()` before each wake-up. Which constant below is set
+from a physical fact and which fitted, and every measured row's error: `results/planner_validation.json`.
 """
 
 from __future__ import annotations
@@ -150,13 +138,10 @@ class Plan:
 # =================================================================================================
 
 def _activation_bytes_per_token(m: Preset, plan: Plan) -> float:
-    """Bytes autograd keeps per token for the backward pass (bf16 autocast over the training dtype).
-
-    Per layer without checkpointing: the two RMSNorms (fp32 input and normalised copy), the bf16 casts
-    that feed q/k/v/o and the MLP, q/k/v after RoPE, the attention output, and the MLP's gate, up,
-    SiLU and product (4 × intermediate). With checkpointing only each layer's input is kept, and one
-    layer is recomputed (its full set, twice: forward tensors and their gradients) during backward.
-    """
+    """Bytes autograd keeps per token for the backward pass (bf16 autocast over the training dtype). Per layer without
+    checkpointing: both RMSNorms (fp32 input and normalised copy), the bf16 casts feeding q/k/v/o and the MLP, q/k/v
+    after RoPE, the attention output, and the MLP's gate, up, SiLU and product (4 × intermediate). With checkpointing
+    only each layer's input is kept, plus one layer recomputed in backward (its tensors and their gradients)."""
     h, i, kv = m.hidden_size, m.intermediate_size, m.kv_dim
     resid = 4 if plan.train_dtype == "float32" else 2
     casts = 3 if plan.train_dtype == "float32" else 1   # an fp32 model casts its input once per linear

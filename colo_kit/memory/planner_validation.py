@@ -20,8 +20,7 @@ def _measured(results_dir: Path | None = None) -> dict:
 
 
 def measured_rows(results_dir: Path | None = None) -> list[dict]:
-    """The measured rows (results/planner_measured_peaks.json), plus the ZeRO-3 run's own per-GPU peak
-    when results/zero3_run.json exists."""
+    """results/planner_measured_peaks.json's rows, plus results/zero3_run.json's per-GPU peak when it exists."""
     from colo_kit.paths import results_dir as _rd
 
     data = _measured(results_dir)
@@ -66,9 +65,8 @@ def fit_constants(rows: list[dict] | None = None) -> dict:
 
 
 def reserve_ratios(results_dir: Path | None = None) -> list[dict]:
-    """How much PyTorch's caching allocator reserved above its live tensors, per GiB of the step's activations and
-    logits (the planner's), in every one-H200 race record that carries PyTorch's own peaks
-    (results/speed_1xh200.json). Their median sets FITTED["ALLOCATOR_RESERVE"]; the NVML peaks stay out of it."""
+    """PyTorch's reserved minus allocated peak per GiB of the planner's activations and logits, in each one-H200 race
+    record with those peaks (results/speed_1xh200.json): their median, not NVML, sets FITTED["ALLOCATOR_RESERVE"]."""
     from colo_kit.memory.speed import planner_estimate_for_record
     from colo_kit.paths import results_dir as _rd
 

@@ -1,8 +1,7 @@
 """Who won the race, and by how much: the judgment of `colo_kit.memory.speed`'s records (notebook 04's speed table).
-
-A configuration is judged twice, because a faster token is not a faster lesson: by its steady-state completion
-tokens/s, and by the wall time and the number of generations it took to reach one reward threshold, each as a ratio
-to TRL's defaults run in the same race (learning rate, budget per seed, commit) and the same seed.
+A faster token is not a faster lesson: each configuration's steady-state tokens/s, and its wall time and generations
+to one reward threshold, as ratios to TRL's defaults of the same race (learning rate, budget per seed, commit) and
+seed; runs of another day, budget or code are not compared.
 """
 
 from __future__ import annotations
@@ -22,10 +21,8 @@ def running_reward(rows: list[dict], per_gen: int) -> list[tuple[float, float]]:
 
 
 def threshold(defaults_record: dict) -> float | None:
-    """Half the way from where TRL's defaults (seed 0) start to the reward's best, 0 (exactly `target_length`
-    characters): the mean reward of their first generation, halved. Every configuration starts from the same
-    random model, whose completions all run to the length limit, so that start is the same for all of them;
-    the threshold does not depend on how far one run happened to get."""
+    """Half the way from where TRL's defaults (seed 0) start to the best reward, 0: their first generation's mean
+    reward, halved. Every configuration starts from the same random model, so no run's luck moves it."""
     first = next((r["reward"] for r in defaults_record["rows"] if r.get("reward") is not None), None)
     return None if first is None else first * THRESHOLD_FRACTION
 
@@ -38,17 +35,14 @@ def time_to_reward(record: dict, target: float) -> float | None:
 
 
 def generations_to_reward(record: dict, target: float) -> int | None:
-    """How many generations a run had made when it reached the threshold (TRL logs a generation's reward once, at
-    its first optimizer step). With `steps_per_generation=k` or `num_iterations=k` that is k times fewer than its
-    optimizer steps: this asks whether the reward moves per optimizer step or per generation."""
+    """Generations made when the run reached the threshold (TRL logs a generation's reward at its first step): with
+    `steps_per_generation` or `num_iterations` k, k times fewer than steps. Does reward move per step or generation?"""
     t = time_to_reward(record, target)
     return None if t is None else sum(1 for r in record["rows"] if r.get("reward") is not None and r["t_s"] <= t)
 
 
 def race(record: dict) -> str:
-    """Which race a record ran in: its learning rate, its budget per seed and the commit it ran at. Ratios are
-    taken only inside one race, against the defaults run in it: runs of another day, budget or code are not
-    compared with each other."""
+    """Which race a record ran in (learning rate, budget per seed, commit): ratios are taken only inside one."""
     parts = [f"lr={record['grpo_config'].get('learning_rate')}"]
     if record.get("budget_s"):
         parts.append(f"{record['budget_s']:g} s")
@@ -60,8 +54,7 @@ def race(record: dict) -> str:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per race (`race`), per configuration: tokens/s per seed and their ratio to TRL's defaults of the same race,
-    time to the threshold per seed and its ratio, the step split, the switch and the peaks."""
+    """Per race, per configuration: tokens/s and time to the threshold per seed, their ratios to TRL's defaults."""
     by_race: dict = {}
     for r in records:
         by_race.setdefault(race(r), []).append(r)
@@ -79,8 +72,7 @@ def first_race(result: dict, model: str, learning_rate: float) -> str:
 
 
 def _planner_now(record: dict) -> float | None:
-    """The planner's peak, as the planner is now, for the settings a record ran with (the record keeps the one of
-    its day); the recorded one where the model is not the kit's."""
+    """The planner's peak as it is now for a record's settings (it keeps its day's); the recorded one otherwise."""
     try:
         return planner_estimate_for_record(record)["peak_gib_per_gpu"]
     except (KeyError, ValueError):
@@ -146,9 +138,8 @@ def _summarize_one(records: list[dict]) -> dict:
 # --- what notebook 04 shows -----------------------------------------------------------------------------
 
 def _speedups(c: dict) -> str:
-    """Per seed: the time ratio to the defaults; '≥ x' where only this configuration reached the threshold (the
-    defaults' training time over this one's time); 'not reached' where this one did not; 'no defaults run' where
-    the race has no defaults of that seed."""
+    """Per seed: the time ratio to the defaults, or '≥ x' where only this configuration reached the threshold (the
+    defaults' training time over this one's), 'not reached', or 'no defaults run' for that seed."""
     at_least = c.get("time_to_reward_speedup_at_least_per_seed") or []
     ran = c.get("defaults_ran_seed") or []
     out = []
@@ -162,8 +153,7 @@ def _speedups(c: dict) -> str:
 
 
 def table(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
-    """One row per race (learning rate, budget per seed, commit) and configuration of a merged
-    `speed_1xh200.json`: the numbers a learner compares, each per seed where there are seeds."""
+    """One row per race and configuration of a merged `speed_1xh200.json`: what a learner compares, per seed."""
     def seeds(values, fmt):
         return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
 

@@ -1,32 +1,15 @@
 """A GRPO recipe for one machine: `GRPOConfig` fields in TRL's own names, each with the reason it was chosen.
 
-`colo-kit plan --recommend` writes it as YAML. `TrlParser` reads that file as it reads any TRL config, so the
-same file runs under `colo-kit train --config recipe.yaml` and under a plain TRL script
-(`TrlParser((GRPOConfig,)).parse_args_and_config()`). The memory numbers come from `colo_kit.memory.planner`
-(modelled). The speed choices come from the H200 runs in `results/speed_1xh200.json` (measured, notebook 04
-section 7), and the comments say which run each one rests on:
-
-- `gradient_checkpointing: false` when training fits without it: at 1.5B the step was about 10% shorter;
-- `vllm_gpu_memory_utilization: 0.3` when the plan fits with it (measured there), else the planner's share;
-  a bigger KV cache does not generate faster once every sequence of a generation fits;
-- no sleep when the trainer and the engine fit together; TRL's level 2 sleep when they do not;
-- below 7B, one generation for 8 optimizer steps under CISPO (`loss_type: cispo`, `epsilon_high: 5.0`) at a
-  per-device batch of at least 16: under TRL's default loss the stale steps taught little (the reward moved per
-  generation: 2, 4 and 8 steps per generation needed as many generations as on-policy runs), while CISPO keeps
-  every token's gradient and clips only its importance weight, and at 1.5B all sixteen seeds of five races reached
-  the reward threshold in 4-7 generations at 4.4-5.0x the tokens/s, 1.04-3.04x sooner than the defaults' same seed
-  (at least 3.66x on the one whose defaults never got there; at batch 8 one of two seeds got stuck; 16 steps per
-  generation needed more steps and got there later);
-- `vllm_max_model_length`: the longest prompt plus the completion, so the engine is sized for the sequences it
-  gets rather than for the model's own limit (TRL's default);
-- from 7B up, `steps_per_generation: 2` under TRL's default loss: at 7B nine of twelve on-policy seeds (five
-  races) stopped learning within 13 steps (eight identical completions per prompt, so no advantage left) and never
-  reached the reward threshold, while nine of ten seeds with 2 did (five races); CISPO has not run at 7B;
-- `generation_kwargs: {detokenize: false}`: TRL reads vLLM's token ids, never its text;
-- TRL's importance-sampling correction kept (`sequence_mask`, `clip_max` 3.0).
-
-What has no `GRPOConfig` field stays a comment: the weight push in one `load_weights` call
-(`colo-kit train --bucketed-push`, `colo_kit.colocate.bucketed_push`).
+`colo-kit plan --recommend` writes it as YAML that `TrlParser` reads like any TRL config, so the same file runs under
+`colo-kit train --config recipe.yaml` and under a plain TRL script. Memory comes from `colo_kit.memory.planner`
+(modelled), speed choices from the H200 runs in `results/speed_1xh200.json` (measured, notebook 04 section 7); each
+field's reason names its run. In short: no gradient checkpointing when training fits without it; TRL's 0.3
+`vllm_gpu_memory_utilization` when it fits (a bigger KV cache is no faster once a generation's sequences fit); sleep
+only when trainer and engine do not fit together; below 7B one generation for 8 optimizer steps under CISPO at batch
+>= 16 (under TRL's default loss stale steps taught little), from 7B up `steps_per_generation: 2` (most on-policy 7B
+seeds stopped learning; CISPO has not run at 7B); `vllm_max_model_length` sized for the sequences; no detokenizing;
+TRL's importance-sampling correction kept. The weight push in one `load_weights` call has no `GRPOConfig` field and
+stays a comment (`colo-kit train --bucketed-push`).
 """
 
 from __future__ import annotations
@@ -45,8 +28,8 @@ CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
 
 
 def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
-    """The recipe for `plan`: {"fields": [(name, value, why)], "comments": [...], "plan": the Plan it was
-    sized with, "peak_gib_per_gpu": the planner's peak for it, "fits": bool}."""
+    """The recipe for `plan`: {"fields": [(name, value, why)], "comments", "plan" it was sized with, "peak_gib_per_gpu",
+    "fits"}."""
     base = replace(plan or Plan(), **settings).validate()
     if base.mode != "colocate":
         raise ValueError(f"mode={base.mode!r}: the recipe is for colocate mode (server mode sizes its server apart)")

@@ -1,14 +1,10 @@
-"""Launch configs as data: the accelerate + DeepSpeed ZeRO-3 recipe of the 72B experiment, and DDP.
+"""Launch configs as data: the accelerate + DeepSpeed ZeRO-3 recipe of the 72B experiment, and DDP (notebook 04).
 
-The post scaled colocated GRPO to Qwen2.5-Math-72B with DeepSpeed ZeRO stage 3 (weights, gradients and
-optimizer states partitioned over the GPUs), `"offload_optimizer": {"device": "cpu"}`, `"overlap_comm":
-true` and `"contiguous_gradients": true`, launched with Accelerate. These functions write those files:
-
-    configs/deepspeed/zero3_offload.json            the DeepSpeed config (values the Trainer fills are "auto")
-    configs/accelerate/zero3_<model>_<N>gpu.yaml    `accelerate launch --config_file` for N processes
-    configs/accelerate/ddp_<N>gpu.yaml              plain data parallelism, for models that fit without ZeRO
-
-`colo-kit plan ... --write-configs` writes them for the planned model and GPU count.
+The post scaled colocated GRPO to Qwen2.5-Math-72B with DeepSpeed ZeRO stage 3, `"offload_optimizer": {"device":
+"cpu"}`, `"overlap_comm": true` and `"contiguous_gradients": true`, launched with Accelerate. `colo-kit plan ...
+--write-configs` writes those files for the planned model and GPU count: configs/deepspeed/zero3_offload.json ("auto"
+where the Trainer fills values), configs/accelerate/zero3_<model>_<N>gpu.yaml, and ddp_<N>gpu.yaml for models that
+fit without ZeRO.
 """
 
 from __future__ import annotations
@@ -109,9 +105,8 @@ def _write(path: Path, text: str, replace: bool) -> Path:
 
 def write_configs(model: str, gpus: int, offload_optimizer: bool = True, offload_params: bool = False,
                   out: Path | None = None, gpus_per_node: int = 8, replace: bool = False) -> dict[str, Path]:
-    """Write the ZeRO-3 DeepSpeed JSON, the matching accelerate YAML for `gpus` processes (over
-    ceil(gpus / gpus_per_node) machines) and a DDP YAML. A file that exists with other contents is kept and
-    the new one is written beside it (`*.proposed.*`) unless `replace`; the paths returned are those written."""
+    """Write the ZeRO-3 DeepSpeed JSON, its accelerate YAML for `gpus` processes over ceil(gpus / gpus_per_node)
+    machines, and a DDP YAML, each kept beside a differing file unless `replace` (`_write`); returns the paths."""
     import yaml
 
     out = Path(out or CONFIGS)
@@ -153,20 +148,11 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
                   script: str = "train.py", script_args: list[str] | tuple[str, ...] = (),
                   main_process_ip: str = "<node 0 address>", main_process_port: int = 29500,
                   launch_args: list[str] | tuple[str, ...] = ()) -> dict:
-    """The `accelerate launch` line of every node of a `gpus`-process run over ceil(gpus / gpus_per_node) machines.
-
-    Returns {"machines", "num_processes", "per_node": [argv of machine 0, argv of machine 1, ...], "lines": the
-    same as shell lines, "srun": one SLURM line that starts them all}.
-
-    `--num_processes` is the total over all machines (accelerate gives each machine num_processes // num_machines);
-    `--machine_rank` differs per node; `--main_process_ip/--main_process_port` are node 0's. `config_file` defaults
-    to the ZeRO-3 YAML `write_configs(model, gpus, gpus_per_node=...)` writes. `launch_args`: more `accelerate
-    launch` flags, placed before the script (on a CPU `--mixed_precision no`: the YAML's bf16 would otherwise turn
-    the Trainer's autocast on although GRPOConfig says fp32; measured in scripts/two_machines.py).
-
-    The SLURM form runs one task per node (`srun --nodes M --ntasks-per-node 1 bash -c '...'`); each node's shell
-    expands `$SLURM_NODEID` and the first host of `$SLURM_JOB_NODELIST` itself, so one line serves every node.
-    """
+    """The `accelerate launch` line of every node of a `gpus`-process run over ceil(gpus / gpus_per_node) machines:
+    {"machines", "num_processes", "per_node": argv per machine, "lines": as shell lines, "srun": one SLURM line whose
+    `$SLURM_NODEID` and head host each node's shell expands}. `--num_processes` is the total over all machines.
+    `launch_args` go before the script (on a CPU `--mixed_precision no`: the YAML's bf16 would otherwise turn on
+    autocast although GRPOConfig says fp32; measured in scripts/two_machines.py)."""
     import shlex
 
     if not isinstance(gpus, int) or gpus < 1:
@@ -251,23 +237,10 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
     """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train over
     training_gpus / gpus_per_node nodes and one more node runs `trl vllm-serve` with `server_tp` GPUs.
 
-    Returns a dict:
-      "nodes"           training nodes + 1
-      "server_node"     {"argv", "line"}: the vLLM node's `trl vllm-serve --model ... --tensor_parallel_size ...
-                        --host 0.0.0.0 --port ...` (TRL 1.16's flag names; `server_args` are more of them, e.g.
-                        ["--max_model_len", "4096"])
-      "training_nodes"  node_commands(model, training_gpus, gpus_per_node, script=script, ...): each training node's
-                        `accelerate launch` line, its script given the GRPOConfig fields as flags
-      "grpo_config"     the fields in TRL's names: use_vllm, vllm_mode="server", vllm_server_host, vllm_server_port,
-                        vllm_group_port
-      "grpo_config_args" the same as script flags (`--vllm_server_host ...`), which TrlParser(GRPOConfig) reads
-      "server_url"      http://server_host:server_port, the URL the trainers ask
-      "slurm"           {"server_step", "training_step", "sbatch"}: one job step per side and the batch script
-      "why"             one sentence per item above (SERVER_MODE_WHY), including which of vllm_server_base_url and
-                        host/port TRL 1.16 uses
-
-    `launch`: node_commands' other keywords (config_file, script_args placed before the GRPOConfig flags,
-    main_process_ip, main_process_port, launch_args)."""
+    Returns "nodes", "server_node" ({"argv", "line"}, TRL 1.16's flag names, `server_args` appended), "training_nodes"
+    (`node_commands`, the script given the GRPOConfig fields as flags), "grpo_config" and "grpo_config_args" (those
+    fields, and as the flags TrlParser reads), "server_url", "slurm" ({"server_step", "training_step", "sbatch"}) and
+    "why" (SERVER_MODE_WHY). `launch`: node_commands' other keywords; its script_args go before the GRPOConfig flags."""
     import shlex
 
     for name, value, least in (("training_gpus", training_gpus, 1), ("server_tp", server_tp, 1),

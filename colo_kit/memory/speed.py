@@ -1,43 +1,19 @@
 """How fast can colocated GRPO go on one GPU, and does it still learn as fast? (notebook 04's speed table)
 
-TRL's defaults (`use_vllm=True, vllm_mode="colocate"`) leave most of a big GPU idle: a small batch, every
-activation recomputed (`gradient_checkpointing=True`), a fresh generation for every optimizer step, and a
-weight push of one `load_weights` call per tensor after each. `CHAIN` adds one knob at a time, in TRL's own
-`GRPOConfig` names where TRL has the knob, so a learner sees what each one buys:
+TRL's defaults (`use_vllm=True, vllm_mode="colocate"`) leave most of a big GPU idle: a small batch, every activation
+recomputed, a fresh generation for every optimizer step, a weight push of one `load_weights` call per tensor.
+`CHAIN` adds one knob at a time, in TRL's `GRPOConfig` names where TRL has the knob (`SIDE`: variants beside it).
+Every configuration trains the same random-weight model on the same prompts, group size, completion length and
+learning rate for a fixed wall-time budget per seed (`run_seed`), and records steady-state completion tokens/s
+(whole generation cycles of `steps_per_generation` optimizer steps, the first cycle left out: it holds the first
+weight push, CUDA warm-up and the allocator's growth), the step split from TRL's own profiling timers
+(`colo_kit.grpo.timeline`), NVML's peak beside the planner's, and the reward curve against wall time.
 
-    trl_defaults    what `GRPOConfig(use_vllm=True, vllm_mode="colocate")` gives, batch 8
-    no_grad_ckpt    gradient_checkpointing=False: memory the GPU has, spent on not recomputing
-    no_detokenize   generation_kwargs={"detokenize": False}: TRL reads token ids, never vLLM's text
-    bucketed_push   the weight push in one load_weights call (colo_kit.colocate.bucketed_push)
-    spg8            steps_per_generation=8: one generation of 8 steps' completions, 8 optimizer steps on it
-    batch32         per_device_train_batch_size=32
-
-Every configuration trains the same random-weight model on the same prompts with the same group size,
-completion length and learning rate, for a fixed wall-time budget per seed (`run_config`). What it
-records, and how each number is computed:
-
-- *steady-state completion tokens/s*: completion tokens of whole generation cycles (a cycle is
-  `steps_per_generation` optimizer steps on one generation) over their wall time, the first cycle left out
-  (it holds the first weight push, CUDA warm-up and the allocator's growth);
-- *the step split*: seconds per optimizer step in generation, weight push, scoring and training (forward,
-  backward, optimizer), from TRL's own profiling timers (`colo_kit.grpo.timeline`);
-- NVML's peak beside the planner's prediction (`colo_kit.memory.planner.estimate`);
-- the reward curve against wall time since `trainer.train()` began, and TRL's importance-sampling logs
-  (`sampling/importance_sampling_ratio/*`, `sampling/sampling_logp_difference/*`);
-- *time to the reward threshold* (`time_to_reward`): the first moment the running mean reward over the
-  last >= 64 completions reaches the threshold.
-
-The threshold is fixed by a rule, not read off a run: half the distance from where TRL's defaults (seed 0)
-start to the best reward (0, exactly `target_length` characters). Every configuration of one learning rate
-chases that one number; one that never reaches it within its budget is reported as not reaching it.
-
-`colo_kit.memory.race` judges the records: the threshold, time and generations to it, the ratios per race.
-
-What the first H200 runs showed (`results/speed_1xh200.json`): a random-weight model under the length reward
-often *collapses* onto repeating one short token (the reward then sticks at about -236 for 256 one-character
-tokens, with zero spread in the group, so GRPO learns nothing more) instead of learning to stop early (a
-reward near 0). Which of the two happens, and when, varies from seed to seed; read the time to the threshold
-with its spread between seeds.
+`colo_kit.memory.race` judges the records against a threshold fixed by rule, not read off a run: half the distance
+from where TRL's defaults (seed 0) start to the best reward (0, exactly `target_length` characters), reached when the
+running mean over >= 64 completions gets there. A random-weight model under the length reward often *collapses* onto
+one repeated short token (reward stuck near -236, zero spread in the group) instead of learning to stop early, and
+which happens varies by seed: read the time to the threshold with its spread between seeds.
 """
 
 from __future__ import annotations
@@ -66,9 +42,8 @@ WINDOW_COMPLETIONS = 64  # the running mean reward is over at least this many co
 
 
 def window_mean(rewards: list[float], per_gen: int) -> float | None:
-    """The running mean reward after the last of `rewards` (one mean per generation of `per_gen` completions):
-    the mean over the fewest last generations that hold >= WINDOW_COMPLETIONS completions; None before there are
-    that many. The race (`race.running_reward`) and the stop past the threshold (`_Budget`) both read it."""
+    """The running mean reward (one entry per generation of `per_gen` completions) over the fewest last generations
+    holding >= WINDOW_COMPLETIONS completions; None before. `race.running_reward` and `_Budget` both read it."""
     window = -(-WINDOW_COMPLETIONS // per_gen)
     return None if len(rewards) < window else sum(rewards[-window:]) / window
 THRESHOLD_FRACTION = 0.5  # of the first generation's mean reward: half the distance to the best reward (0)
@@ -120,8 +95,7 @@ RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_complet
 
 
 def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
-    """The GRPOConfig fields and the kit's knobs of configuration `name` (everything up to it in CHAIN, or the
-    planner's recipe for `model`)."""
+    """GRPOConfig fields and kit knobs of configuration `name`: CHAIN up to it, a SIDE entry, or `model`'s recipe."""
     if name == RECIPE:
         from colo_kit.memory.recipe import recipe
 
@@ -149,14 +123,11 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
 
 
 class _Budget:
-    """A TrainerCallback that stops training `budget_s` after `trainer.train()` began, but not before `min_steps`
-    optimizer steps (two whole generation cycles: the steady state leaves the first out, so it needs a second one;
-    a slow CPU had ended `steps_per_generation=8` inside its first cycle), and notes when training began.
-
-    With `stop_past` (a fraction of the first generation's mean reward), it also stops once the running mean over
-    the last >= WINDOW_COMPLETIONS completions (`per_gen` per generation) has got that far: past the race's threshold
-    (THRESHOLD_FRACTION of the defaults' first generation; every run starts from the same model, so its own first
-    generation is within a fraction of a percent of theirs), the rest of a budget measures nothing the race reads."""
+    """A TrainerCallback that notes when training began and stops it `budget_s` later, but not before `min_steps`
+    optimizer steps (two whole cycles: the steady state leaves the first out; a slow CPU had ended
+    `steps_per_generation=8` inside its first cycle). With `stop_past` (a fraction of the first generation's mean
+    reward) it also stops once `window_mean` gets that far: past the race's threshold (every run starts from the same
+    model, so its first generation is within a fraction of a percent of the defaults'), the rest measures nothing."""
 
     def __new__(cls, budget_s: float, marks: dict, min_steps: int = 0, stop_past: float | None = None,
                 per_gen: int = 1):
@@ -187,8 +158,7 @@ class _Budget:
 def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
              learning_rate: float | None = None, max_completion_length: int | None = None,
              stop_past: float | None = None) -> dict:
-    """One configuration, one seed, in this process: train for `budget_s` seconds (or, with `stop_past`, until the
-    running mean reward is that fraction of the first generation's, see `_Budget`) and return the record."""
+    """One configuration, one seed, in this process: train `budget_s` s (or to `stop_past`, see `_Budget`)."""
     from colo_kit.env import has_cuda
     from colo_kit.grpo.timeline import Timeline, UtilSampler
     from colo_kit.grpo.train import run_grpo
@@ -260,9 +230,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
 
 
 def _torch_peaks() -> dict:
-    """PyTorch's own peaks in this process: what tensors held at most, and what its caching allocator reserved at
-    most. vLLM without sleep mode allocates through the same allocator, so NVML's peak minus `reserved` is the CUDA
-    context, libraries' workspaces and anything outside PyTorch; `reserved` minus `allocated` is the cache's slack."""
+    """PyTorch's peak allocated and reserved GiB here. vLLM without sleep allocates through the same allocator, so
+    NVML's peak minus `reserved` is CUDA context, workspaces and the rest; `reserved` minus `allocated`, the slack."""
     import torch
 
     return {"allocated": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -275,9 +244,8 @@ def cycle_steps(settings: dict) -> int:
 
 
 def steady_state(rows: list[dict], step_times: list[float], cycle: int, per_gen: int) -> dict:
-    """Completion tokens/s over whole generation cycles, the first cycle left out. A cycle's tokens are its
-    generation's mean completion length times the completions it generated (TRL logs the length on the
-    step that generated)."""
+    """Completion tokens/s over whole generation cycles, the first left out: a cycle's tokens are its generation's
+    mean completion length (TRL logs it on the step that generated) times the completions it generated."""
     lengths = {r["step"]: r.get("completions/mean_length") for r in rows}
     cycles = []
     for i in range(0, len(step_times) - cycle + 1, cycle):
@@ -358,8 +326,7 @@ def planner_estimate_for_record(rec: dict) -> dict:
 
 
 def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
-    """The planner's peak for configuration `name`, with its batch, checkpointing, memory share and sleep (TRL's
-    level 2, or the KV cache only)."""
+    """The planner's peak for configuration `name` (its batch, checkpointing, memory share and sleep)."""
     return _planner_estimate_for(name, model, max_completion_length)["peak_gib_per_gpu"]
 
 

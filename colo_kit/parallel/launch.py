@@ -1,35 +1,16 @@
-"""Multi-process cells: run a function on every GPU of the node (or on 2 CPU processes) from a
-notebook, through torch elastic's `elastic_launch`, without losing the kernel.
-
-`launch(fn, *args)` starts one process per GPU (2 on a CPU), runs `fn(*args)` in each under a
-torch.distributed group, and returns what every rank returned (`elastic_launch` hands back
-`{rank: value}`). What it adds to a bare `elastic_launch` (or accelerate's `notebook_launcher`,
-which wraps it), each for a failure seen in practice:
-
-- **Fork when it is safe, spawn when it is not.** Forked workers cannot use CUDA if the kernel
-  already made a CUDA context ("Cannot re-initialize CUDA in forked subprocess", accelerate
-  #1751/#3925), and a forked worker inherits an `Accelerator` made in the kernel as a world of
-  one. `kernel_problems()` finds both; `launch` then spawns the workers instead (fresh
-  interpreters; the function travels by cloudpickle, so one defined in a cell works), or with
-  `fresh_process=False` raises `KernelNotSafe` naming the fix. Forking stays the default because
-  the workers inherit the kernel's imports (vLLM takes 10-60 s to import on a busy CPU).
-  Spawning re-imports a script's main module, as any spawn does: a script (not a notebook) that
-  launches needs an `if __name__ == "__main__":` guard.
-- **A free rendezvous port per launch.** A fixed port (`notebook_launcher` defaults to 29500)
-  hangs or fails a second launch while the first one's port is in TIME_WAIT (TRL #3979).
-- **Per-rank logs, in the cell.** elastic's `DefaultLogsSpecs` redirects each worker's stdout and
-  stderr at the file-descriptor level (vLLM and gloo log from C++) into the launch folder and tees
-  them into the cell as `[rank N] ...`.
-- **A worker's exception as one `WorkerError`, the kernel alive.** elastic records the exception
-  (`record`) and raises `ChildFailedError`; `launch` turns that into `WorkerError` naming the rank,
-  with the worker's traceback. `timeout_s` ends the workers (SIGTERM, then SIGKILL) and raises.
-- **CPU really means 2 processes.** Without `cpu=True`, `PartialState()` on a machine without a
-  GPU ignores WORLD_SIZE and quietly makes every process a world of one (accelerate's
-  `_prepare_backend` only picks MULTI_CPU when `cpu=True`); likewise `accelerate launch --cpu
-  --num_processes 2` runs ONE process (measured here). Each worker therefore initialises
-  `PartialState(cpu=True)` — gloo, world size 2 — before your function runs.
-
-Used by notebook 03 (TP tuning) and `colo_kit.parallel.tp`.
+"""Multi-process cells (notebook 03): run a function on every GPU of the node (or 2 CPU processes) from a notebook
+through torch elastic's `elastic_launch` and get each rank's return value, without losing the kernel. It adds:
+- fork when safe, else spawn: forked workers cannot use CUDA once the kernel made a CUDA context ("Cannot
+  re-initialize CUDA in forked subprocess", accelerate #1751/#3925) and inherit a kernel's `Accelerator` as a
+  world of one; forking stays the default because workers inherit the kernel's imports (vLLM takes 10-60 s to
+  import on a busy CPU). As with any spawn, a launching script needs an `if __name__ == "__main__":` guard;
+- a free rendezvous port per launch: a fixed one (`notebook_launcher`'s 29500) hangs or fails a second launch
+  while the first one's port is in TIME_WAIT (TRL #3979);
+- per-rank logs at the file-descriptor level (vLLM and gloo log from C++), and a worker's exception as one
+  `WorkerError` naming the rank, the kernel alive;
+- CPU really means 2 processes: without `cpu=True`, `PartialState()` on a GPU-less machine makes every process a
+  world of one (accelerate's `_prepare_backend`), and `accelerate launch --cpu --num_processes 2` runs ONE process
+  (measured here); so each worker initialises `PartialState(cpu=True)`.
 """
 
 from __future__ import annotations
@@ -87,11 +68,8 @@ class LaunchResult:
 
 
 def kernel_problems() -> list[str]:
-    """Why forking this process would break the workers; empty when it is safe.
-
-    Looks without touching the GPU: `torch.cuda.is_initialized()` only reads a flag, and only if
-    torch is already imported.
-    """
+    """Why forking this process would break the workers; empty when safe. Never touches the GPU: it reads
+    `torch.cuda.is_initialized()`, a flag, and only if torch is already imported."""
     problems = []
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -125,9 +103,8 @@ class _Worker:
 
     @staticmethod
     def _streams_to_log() -> None:
-        """elastic put the rank's log files behind fds 1 and 2 (see `_Fd`). In a forked Jupyter kernel
-        `sys.stdout` still sends through the kernel's sockets: point Python, and the logging handlers
-        made before the fork (vLLM's, transformers'), at those fds."""
+        """elastic put the rank's log files behind fds 1 and 2 (see `_Fd`), but in a forked Jupyter kernel
+        `sys.stdout` still sends through the kernel's sockets: point Python and pre-fork log handlers at the fds."""
         old = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *(getattr(s, "_stream", None)
                                                                            for s in (sys.stdout, sys.stderr)))
         sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -140,10 +117,9 @@ class _Worker:
 
     @staticmethod
     def _detach_from_kernel() -> None:
-        """A forked worker still holds the kernel's IPython shell: progress bars and widgets made in
-        it (tqdm.auto, transformers' notebook callback) would try to send through the kernel's
-        sockets ("attempted to send message from fork", one warning per update). Silence that
-        channel and drop the shell, so display() falls back to text in the worker's log."""
+        """A forked worker still holds the kernel's IPython shell: progress bars and widgets (tqdm.auto,
+        transformers' notebook callback) would send through the kernel's sockets ("attempted to send message from
+        fork", per update). Silence that channel and drop the shell: display() falls back to text in the log."""
         ipython = sys.modules.get("IPython")
         shell = ipython.get_ipython() if ipython is not None else None
         if shell is None:
@@ -189,11 +165,9 @@ class _Worker:
 
 
 class _Fd:
-    """The kernel's `sys.stdout`/`sys.stderr` for the length of a launch, with fileno() 1 and 2.
-    elastic redirects a worker's output by dup2-ing the log over `sys.stdout.fileno()`: in a Jupyter
-    kernel that is the kernel's copy of its terminal, or an error (no fd at all under pytest), and
-    fds 1 and 2, where C++ code writes, would escape the log. Writes (elastic's tee) go to the kernel's
-    stream."""
+    """The kernel's `sys.stdout`/`sys.stderr` during a launch, with fileno() 1 and 2. elastic redirects a worker's
+    output by dup2-ing the log over `sys.stdout.fileno()`: in a Jupyter kernel that is the kernel's copy of its
+    terminal, or an error (no fd under pytest), and fds 1 and 2, where C++ writes, would escape the log."""
 
     def __init__(self, stream, fd: int):
         self._stream, self._fd = stream, fd
@@ -242,9 +216,8 @@ def _worker_error(exc, run_dir: Path, ended: list, timeout_s: float | None) -> W
 
 
 def _end_on_timeout(timeout_s: float, before: set, ended: list, done: threading.Event) -> None:
-    """After `timeout_s`, SIGTERM the workers this launch started (its new multiprocessing
-    children), then SIGKILL those still alive 10 s later: a worker blocked in a collective runs no
-    Python signal handler. elastic sees them die and raises ChildFailedError."""
+    """After `timeout_s`, SIGTERM the workers this launch started, then SIGKILL those alive 10 s later: a worker
+    blocked in a collective runs no Python signal handler. elastic sees them die and raises ChildFailedError."""
     if done.wait(timeout_s):
         return
     workers = [p for p in multiprocessing.active_children() if p not in before]
@@ -264,24 +237,15 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
            fresh_process: bool | str = "auto", echo: bool | str = True, timeout_s: float | None = None,
            preimport: tuple[str, ...] = (), port: int | None = None,
            run_dir: str | Path | None = None) -> LaunchResult:
-    """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU) and
-    return each rank's return value.
-
-    Inside `function`, torch.distributed is initialised (gloo on CPU, NCCL on GPU) through
-    `PartialState`, and RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set, so
-    vLLM's `external_launcher` and TRL's trainers join that group. Return plain data (dicts,
-    lists, numbers): it is pickled back to the kernel.
-
-    `fresh_process`: "auto" forks the workers when the kernel is safe to fork and otherwise spawns
-    them (fresh interpreters, the function cloudpickled); True always spawns; False raises
-    `KernelNotSafe` instead of spawning.
-    `timeout_s`: end the workers and raise `WorkerError` once the launch has run this long.
-    `echo`: True tees every worker line into the cell as `[rank N] ...`, "brief" only their stderr
-    (warnings, errors, tracebacks), False none; the logs stay in `run_dir` either way.
-    `preimport`: modules to import in the kernel before forking, so that every worker inherits them
-    instead of importing them again. Checked again for CUDA afterwards: a module that initialises
-    CUDA on import makes the launch spawn.
-    `port`: the rendezvous port (default: a free one picked now; never a fixed one, TRL #3979).
+    """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU); return each
+    rank's return value (plain data: it is pickled back). Inside `function` torch.distributed is initialised
+    through `PartialState` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, so vLLM's
+    `external_launcher` and TRL's trainers join that group.
+    `fresh_process`: "auto" forks when the kernel is safe to fork, else spawns (the function cloudpickled); True
+    spawns; False raises `KernelNotSafe`. `timeout_s`: end the workers and raise `WorkerError` after this long.
+    `echo`: True tees every worker line into the cell, "brief" only stderr, False none (logs stay in `run_dir`).
+    `preimport`: modules the kernel imports before forking, for the workers to inherit (one that initialises CUDA
+    on import makes the launch spawn). `port`: the rendezvous port (default: a free one, never fixed: TRL #3979).
     """
     if not callable(function):
         raise TypeError(f"function={function!r} is not callable: pass the function itself, e.g. launch(train, 2)")

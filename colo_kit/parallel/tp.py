@@ -1,30 +1,13 @@
-"""Tensor-parallel (TP) tuning for colocated generation: post 1, experiments 2 and 4.
+"""Tensor-parallel (TP) tuning for colocated generation (notebook 03): post 1, experiments 2 and 4.
 
-The post swept `vllm_tensor_parallel_size` with colocated GRPO on 8 GPUs: for Qwen2.5-1.5B more
-TP was *slower* (experiment 2: "avoid sharding small models"), for 7B more TP was *faster*, up to
-**1.73x** (experiment 4). This module measures the same two things on the GPUs of one node:
-
-- `generation_sweep` — generation only: N prompts x T tokens spread over the node's processes,
-  each process one colocated engine (`colo_kit.colocate.engine.ColocatedEngine`, external_launcher). At
-  TP 1 every GPU runs its own engine on its share (data parallel); at TP 2 pairs of GPUs run one
-  engine, each holding half of every weight matrix.
-- `grpo_sweep` — TRL's GRPOTrainer in colocate mode with `vllm_tensor_parallel_size` 1 and 2,
-  per-step wall time.
-
-Both run their processes through `colo_kit.parallel.launch` (torch elastic's elastic_launch), so a
-notebook cell can call them. On a CPU they run the tiny model on 2 processes over gloo: a
-functional demo of the same code path, not a speed result.
-
-Why the trend flips (`kv_room` puts numbers on it, from `colo_kit.memory.planner`):
-- **Communication.** TP splits each layer's matrices; every layer then all-reduces its output
-  (two all-reduces per layer per forward). For a 1.5B model the matrices are small, so the
-  saved compute is less than the added communication and synchronisation.
-- **Room for KV cache.** Colocated, vLLM may use only `vllm_gpu_memory_utilization` of each GPU
-  (0.3 in the post). The 7B weights (15 GB in bf16) take a third of that; at TP 2 each GPU holds
-  half the weights, so the KV cache gets more room (2.5x the tokens, the planner says) and each
-  decode step reads half the weights per GPU. Decoding is memory-bound, so a 7B model gains more
-  than the all-reduces cost. A 1.5B model's weights (3 GB) barely dent 0.3 x 141 GB: there is no
-  room to win.
+The post swept `vllm_tensor_parallel_size` with colocated GRPO on 8 GPUs: more TP was slower for Qwen2.5-1.5B
+("avoid sharding small models") and faster for 7B, up to 1.73x. `generation_sweep` and `grpo_sweep` measure the
+same on one node through `colo_kit.parallel.launch` (on a CPU: a functional demo, not a speed result). Why the
+trend flips (`kv_room`): TP adds two all-reduces per layer per forward, which a 1.5B model's small matrices do
+not pay back; colocated, vLLM gets only `vllm_gpu_memory_utilization` of each GPU (0.3 in the post), a third of
+it taken by the 7B bf16 weights (15 GB), so at TP 2 (half the weights per GPU) the KV cache gets 2.5x the tokens
+(the planner says) and each memory-bound decode step reads half the weights. A 1.5B model's weights (3 GB)
+barely dent 0.3 x 141 GB: there is no room to win.
 """
 
 from __future__ import annotations
@@ -100,12 +83,10 @@ def _shm_tag() -> str:
 
 
 def unique_cpu_shm_names() -> None:
-    """vLLM-CPU's TP all-reduce goes through shared memory named only by the TP group
-    (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under external_launcher, vLLM-CPU 0.31): a worker that
-    exits without running destructors (a forked one, a crash) leaves the files behind and every
-    later TP=2 run on the machine fails with `create shm in SHMManager failed. errno: 17`
-    (measured here). Each launch appends its rendezvous port to the name; `remove_cpu_shm` cleans
-    up after it."""
+    """Append this launch's rendezvous port to vLLM-CPU's TP all-reduce shared-memory names, which name only the
+    TP group (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under external_launcher, vLLM-CPU 0.31): a worker exiting
+    without destructors (forked, crashed) leaves the files, and every later TP=2 run on the machine fails with
+    `create shm in SHMManager failed. errno: 17` (measured here). `remove_cpu_shm` cleans up after the launch."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -141,8 +122,7 @@ def remove_cpu_shm(port: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 1000) -> list[list[int]]:
-    """Token-id prompts inside the learned range of the kit's tokenizer (random weights make text
-    meaningless anyway; ids keep the prompt length exact)."""
+    """Token-id prompts in the learned range of the kit's tokenizer (ids keep the prompt length exact)."""
     import random
 
     rng = random.Random(seed)
@@ -161,8 +141,7 @@ def _kv_capacity(llm) -> dict:
 
 def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: int,
                       gpu_memory_utilization: float, enforce_eager: bool | None, repeats: int) -> dict:
-    """One rank of a generation run (runs inside `colo_kit.parallel.launch`): build a colocated engine with
-    TP `tp`, generate this rank's share of the prompts, and report tokens and seconds."""
+    """One rank of a generation run at TP `tp` (inside `colo_kit.parallel.launch`): its tokens and seconds."""
     import torch.distributed as dist
 
     from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
@@ -209,11 +188,8 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
                      prompt_len: int = 32, max_tokens: int | None = None, gpu_memory_utilization: float = 0.3,
                      enforce_eager: bool | None = None, repeats: int = 1, num_processes: int | None = None,
                      echo: bool | str = "brief") -> dict:
-    """Generation-only throughput at each TP size, on every GPU of the node (2 CPU processes here).
-
-    One launch per TP size (one engine per process each time). Returns
-    {tp: summary} plus the settings; `tok_per_s` is the node's throughput.
-    """
+    """Generation-only throughput at each TP size, on every GPU of the node (2 CPU processes here), one launch
+    per TP size. Returns the settings and `["tp"][tp]`, a summary whose `tok_per_s` is the node's throughput."""
     gpu = has_cuda()
     num_prompts = num_prompts or (256 if gpu else 8)
     max_tokens = max_tokens or (256 if gpu else 16)
@@ -261,10 +237,8 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
 def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
                 max_completion_length: int, gpu_memory_utilization: float, overrides: dict,
                 enforce_eager: bool = False) -> dict:
-    """One rank of a TRL colocate run with `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`).
-
-    `enforce_eager=True` builds TRL's engine without torch.compile and CUDA graphs (TRL has no
-    option for it): 50-90 s less per engine start on a GPU, at some decode speed. Recorded."""
+    """One rank of a TRL colocate run at `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`).
+    `enforce_eager=True` (TRL has no option for it) saves 50-90 s per engine start on a GPU, at some decode speed."""
     import torch.distributed as dist
 
     from colo_kit.grpo.train import run_grpo
@@ -382,9 +356,8 @@ def ratios_table(gpu: dict | None) -> list[dict]:
 
 
 def expected_step_speedup(generation_speedup: float, generation_share: float) -> float:
-    """The ping-pong view of a colocated step (`colo_kit.serving.pingpong`): generation and training take
-    turns, step = gen + train + sync + other, and TP changes only gen. A generation speed-up g on
-    a step that spends a share f generating gives 1 / ((1 - f) + f / g) on the whole step."""
+    """Whole-step speed-up from a generation speed-up g when a share f of the step generates: 1 / ((1 - f) + f / g).
+    In the ping-pong view (`colo_kit.serving.pingpong`) generation and training take turns and TP changes only gen."""
     if not 0 <= generation_share <= 1:
         raise ValueError(f"generation_share={generation_share!r} must be in [0, 1] (the fraction of a step spent generating)")
     if generation_speedup <= 0:

@@ -1,19 +1,10 @@
-"""Server mode vs colocate mode, measured: `colo-kit bench` (post 1, experiments 1 and 3).
+"""Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3).
 
-One run = TRL's `GRPOTrainer` for a few steps with a `colo_kit.grpo.timeline.Timeline` hooked in.
-`sweep(...)` runs server mode (a vLLM server on `server_gpus`, training on the rest) and colocate
-mode (every device trains and generates) over per-device batch sizes and reports, per batch:
-
-- tokens/s, samples/s and step time (first step discarded as warm-up), idle fraction and phase
-  seconds per device, NVML peak memory per GPU;
-- the raw ratio colocate / server on the same devices, and the post's normalisation: server
-  throughput × N/(N−k) when k of N devices serve (post 1: "×8/7"), i.e. per training device.
-
-On GPU every run is a subprocess (`accelerate launch --num_processes N -m colo_kit.serving.bench_cli worker`),
-so no CUDA context lives in the driver; all configs of one mode run in one worker process and
-reuse one vLLM engine where TRL would build an identical one (`reuse_engines`), because an engine
-start costs 50-90 s. On CPU everything runs in-process, the server as a real process on
-127.0.0.1 (see colo_kit.serving.server).
+Each run is TRL's `GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up;
+per batch the sweep reports throughput, idle and phase time, NVML peak memory, the raw ratio colocate / server, and
+the post's normalisation, server × N/(N−k) when k of N devices serve (post 1's "×8/7"). On GPU each mode's configs
+run in one `accelerate launch` worker (no CUDA context in the driver), reusing one vLLM engine where TRL would build
+an identical one (`reuse_engines`): an engine start costs 50-90 s. On CPU everything runs in-process.
 """
 
 from __future__ import annotations
@@ -45,10 +36,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
             max_completion_length: int = 32, vllm_server_base_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
-    """Train `steps` GRPO steps in this process and return what the bench reports (rank 0's view).
-
-    Other ranks return their record too; `timeline_dir` gets `timeline_<label>_rank<r>.json`.
-    """
+    """Train `steps` GRPO steps in this process and return this rank's record (rank 0's is what the bench
+    reports); `timeline_dir` gets `timeline_<label>_rank<r>.json`."""
     from colo_kit.grpo.train import run_grpo
 
     if steps <= warmup_steps:
@@ -144,9 +133,9 @@ def _torch_peaks() -> dict | None:
 
 
 def _free_rendezvous_port() -> None:
-    """A single process (notebook, CPU bench) still builds a torch.distributed group for vLLM's
-    external_launcher; a MASTER_PORT left at 29500 collides with any other run on the host
-    (seen: EADDRINUSE while another job trained). Under a launcher the launcher's port stands."""
+    """A lone process (notebook, CPU bench) still builds a torch.distributed group for vLLM's
+    external_launcher; MASTER_PORT left at 29500 collides with other runs on the host (seen: EADDRINUSE). Under a
+    launcher the launcher's port stands."""
     import torch.distributed as dist
 
     from colo_kit.procs import free_port
@@ -158,8 +147,8 @@ def _free_rendezvous_port() -> None:
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
                     prompt_len: int = 64, repeats: int = 1) -> float:
-    """Seconds the server takes to generate `batch` completions (batch/G prompts × G) of exactly
-    `max_tokens` tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
+    """Seconds the server takes for `batch` completions (batch/G prompts × G) of exactly `max_tokens`
+    tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
     import httpx
 
     n_prompts = max(1, batch // num_generations)
@@ -262,12 +251,9 @@ def _worker_main(plan_path: str) -> int:
 
 
 def live_settings(machine=None) -> dict:
-    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is.
-
-    Sized to take a few minutes: one batch, 3 steps (the first is warm-up) per mode, and engines
-    without torch.compile and CUDA graphs (`vllm_enforce_eager`), which would cost 50-90 s per
-    engine start on an H200 for three steps; they decode more slowly, so generation takes a larger
-    share of each step than in the committed H200 sweep (which has them)."""
+    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is: one batch,
+    3 steps per mode (the first is warm-up), eager engines (compile and CUDA graphs cost 50-90 s per H200 engine start),
+    which decode more slowly, so generation takes a larger share of a step than in the committed H200 sweep."""
     from colo_kit.env import Machine
 
     m = machine or Machine.here()
@@ -295,18 +281,16 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
           budget_s: float | None = None, **overrides) -> dict:
     """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
 
-    GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on
-    the others; colocate trains on all `n_devices`. On one GPU the server *shares* it with the
-    trainer (N=1, k=0: the server gets `vllm_gpu_memory_utilization` of the GPU, as colocate's
-    engine does, and weights travel over HTTP because NCCL refuses two ranks on one device): the
-    timeline still shows who waits for whom, but a shared GPU is never idle hardware, so the
-    comparison says nothing about the post's 8-GPU speed-ups. CPU: one trainer process and one
-    server process share the cores; "devices" are the two processes (N=2, k=1).
-    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the
-    kit's best config vs TRL's default). `gen_probe_batches`: generation-only timings on the server.
-    `server`: a running `colo_kit.serving.server.VLLMServer` to use instead of starting (and stopping) one.
-    `budget_s`: wall-clock budget; a worker still running at the end is stopped and the configs
-    it finished are kept (GPU path).
+    GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on the others;
+    colocate trains on all `n_devices`. On one GPU the server *shares* it with the trainer (N=1, k=0: the server gets
+    `vllm_gpu_memory_utilization` of the GPU, as colocate's engine does, and weights travel over HTTP because NCCL
+    refuses two ranks on one device): the timeline still shows who waits for whom, but a shared GPU is never idle
+    hardware, so the comparison says nothing about the post's 8-GPU speed-ups. CPU: one trainer process and one server
+    process share the cores; "devices" are the two processes (N=2, k=1).
+    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the kit's best config vs
+    TRL's default). `gen_probe_batches`: generation-only timings on the server. `server`: a running
+    `colo_kit.serving.server.VLLMServer` to use instead of starting (and stopping) one. `budget_s`: wall-clock budget;
+    a worker still running at the end is stopped and the configs it finished are kept (GPU path).
     """
     from colo_kit.models import resolve_model
     from colo_kit.serving.server import start_server

@@ -1,5 +1,4 @@
-"""`colo-kit bench`: the server-vs-colocate sweep (`colo_kit.serving.bench`) as a command, and the two
-entry points the sweep's own processes use:
+"""`colo-kit bench` (the sweep of `colo_kit.serving.bench`) and the entry points its own processes use:
 
     colo-kit bench --batches 8,32 --modes server,colocate
     python -m colo_kit.serving.bench_cli worker PLAN.json        # one device's runs (started by the sweep)

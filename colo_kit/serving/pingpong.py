@@ -1,26 +1,14 @@
-"""The ping-pong model: step time and speedup of server vs colocate mode from measured phase costs.
+"""The ping-pong model: step time and speedup of server vs colocate mode from measured phase costs. Notebook 01.
 
-TRL's server mode is synchronous. Each step, the `n = N − k` training devices send their prompts,
-the `k` vLLM devices generate all `n·b` completions (b = per-device batch) while the trainers
-wait, then the trainers train on their `b` while the vLLM devices wait:
+TRL's server mode is synchronous: k vLLM devices generate all n·b completions (n = N − k trainers, b per device)
+while the trainers wait, then the trainers train while vLLM waits (throughput: n·b resp. N·b per step):
 
     step_server(N, k, b)   = gen(n·b / k) + sync_server + train(b) + other
     step_colocate(N, b)    = gen(b)       + sync_colocate + train(b) + other
 
-`gen(x)` is the generation time of x completions on one device (measured, interpolated;
-decoding is memory-bound, so it grows much more slowly than x), `train(b)` the
-forward/backward/optimizer time of b completions on one device. Throughput is completions per
-step over step time: server `n·b / step_server`, colocate `N·b / step_colocate`.
-
-What it says about the post:
-- N=2, k=1: the single server generates exactly what one colocated device generates (`n·b/k = b`),
-  so both modes run the same gen(b) + train(b) per device and step; colocate has two training
-  devices instead of one, hence ~2× raw and ~1× per device (modelled; colocated vLLM has less
-  memory and shares the GPU, so a measurement lands slightly below).
-- N=8, k=1: one server generates 7·b completions while seven trainers wait: gen(7b) > gen(b), and
-  the wait grows with the number of trainers a server feeds. Colocate generates b per device in
-  parallel. Normalised speedup = (gen(7b) + train(b) + ...) / (gen(b) + train(b) + ...) > 1 —
-  the post's 1.43× (1.5B) and 1.35× (7B). Two GPUs cannot show it directly; the model can.
+gen(x) grows much more slowly than x (decoding is memory-bound). At N=2, k=1 both modes spend gen(b) + train(b)
+per training device (~1× normalised, modelled); at N=8, k=1 one server generates 7·b while seven trainers wait, and
+gen(7b) > gen(b): the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show but the model can.
 """
 
 from __future__ import annotations
@@ -51,8 +39,8 @@ class PhaseCosts:
     train_colocate: tuple[float, float] | None = None  # (fixed_s, per_sample_s)
 
     def gen(self, x: float, mode: str = "server") -> float:
-        """Generation seconds for x completions: piecewise-linear through the measured points,
-        extended linearly (from the last two points) beyond them."""
+        """Generation seconds for x completions: piecewise-linear through the points, extended beyond them
+        from the last two."""
         pts = sorted(self.gen_points_colocate if mode == "colocate" and self.gen_points_colocate else self.gen_points)
         if not pts:
             raise ValueError("no generation measurements: run colo_kit.serving.bench first")
@@ -133,13 +121,9 @@ def _plain_runs(records: list[dict]) -> list[dict]:
 
 
 def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
-    """Phase costs from `colo_kit.serving.bench` records (per-step phase seconds per device).
-
-    - gen points: the server's generation seconds per step at its batch (n·b), the colocated
-      devices' at b, and generation-only probes (`bench.time_generation`);
-    - train: least squares of forward+backward+optimizer seconds vs per-device batch;
-    - sync, other: means per mode (other = step time − the phases above, on the training device).
-    """
+    """Phase costs from `colo_kit.serving.bench` records: gen points from the server's generation at n·b,
+    the colocated devices' at b and the probes (`bench.time_generation`); train by least squares against per-device
+    batch; sync and other as means per mode (other = step time − the phases above, on the training device)."""
     gen_pts = {"server": [], "colocate": []}
     train_pts = {"server": [], "colocate": []}
     sync = {"server": [], "colocate": []}
@@ -207,13 +191,9 @@ def _step(r: dict) -> float:
 
 
 def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
-    """Predicted vs measured step time, two ways, neither of which re-adds a run's own phases:
-
-    - `cross-mode`: every colocate run predicted from costs measured in **server mode only**
-      (server generation + probes, the server-mode trainer's training time) plus colocate's
-      weight-sync cost — the model's claim that both modes spend gen(b) + train(b) per device;
-    - `leave-one-out`: each run predicted from the costs fitted on all the *other* runs.
-    """
+    """Predicted vs measured step time, two ways that never re-add a run's own phases: `cross-mode` predicts
+    each colocate run from **server-mode** costs plus colocate's weight-sync cost (the model's claim that both modes
+    spend gen(b) + train(b) per device); `leave-one-out` predicts each run from costs fitted on the *other* runs."""
     ok = _plain_runs(records)
     rows = []
 
@@ -266,14 +246,10 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
 
 def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
     """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
-    without a committed ping-pong sweep: generation seconds per generation call at 8, 64 and 256 completions
-    (TRL's defaults, steps_per_generation=8 at batch 8 and at batch 32), training (forward, backward, optimizer,
-    no checkpointing) at batch 8 and 32, and TRL's weight push. The runs at learning rate 5e-3 are used: their
-    completions stayed at the 256-token limit, so every generation call made the same tokens per completion.
-
-    Two assumptions, named in `notes` and wherever the costs are shown: a server's generation costs what the
-    colocated engine's did (it had 0.3 of the GPU, a server 0.9: more KV cache, which these batches do not need),
-    and server mode's weight sync costs what the colocated push did."""
+    without a committed ping-pong sweep: generation per call at 8, 64 and 256 completions, training (no checkpointing) at
+    batch 8 and 32, and TRL's weight push, from the learning-rate-5e-3 runs (completions stayed at the 256-token limit).
+    Assumed, and named in `notes`: a server generates as fast as the colocated engine (a server's 0.9 of the GPU against
+    0.3 only adds KV cache these batches do not need) and its weight sync costs what the colocated push did."""
     from colo_kit.memory.race import first_race, race
 
     key = first_race(result, "qwen2.5-1.5b", learning_rate)

