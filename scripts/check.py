@@ -4,6 +4,7 @@ this machine, recorded with hardware, versions and commit.
     python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [--per-file]
                                       [--resume] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
+    python scripts/check.py merge --json results/gpu_check.json --from <brought back>/gpu_check.json --run S
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -291,15 +293,16 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     return {"seconds": round(time.time() - t0, 1), "notebooks": out}
 
 
-def merge(path: Path, part: str, result: dict) -> dict:
+def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
     """Put `result` into the record at `path`: items this run made replace the same items of an
-    earlier run; the others are kept with the commit they ran at."""
+    earlier run; the others are kept with the commit they ran at. `env`: the machine of a result made elsewhere
+    (`merge --from`), which keeps its own commit."""
     from colo_kit.env import describe
 
     record = json.loads(path.read_text()) if path.exists() else {}
     record.update({"what": "the test suite and every notebook, executed as JupyterLab's Run All runs them",
-                   "env": describe(), "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
-    result = {**result, **_commit()}
+                   "env": env or describe(), "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    result = {**result, **_commit()} if env is None else result
     key = "tests" if part == "tests" else "notebooks"
     old = record.get(part, {})
     kit = kit_digest()
@@ -330,6 +333,31 @@ def merge(path: Path, part: str, result: dict) -> dict:
     return record
 
 
+def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> dict:
+    """Fold a record made on another machine (a GPU node's, brought back by the device tool) into the one at `path`:
+    its items replace the same items and keep the commit, package and machine they ran on, each named `run`; the
+    executed notebooks' HTML comes along; `runs` says what ran and how it ended."""
+    src = json.loads(source.read_text())
+    record = json.loads(path.read_text()) if path.exists() else {}
+    for part in ("tests", "notebooks"):
+        result = dict(src.get(part) or {})
+        if not result.get(part):
+            continue
+        result[part] = [{**item, "run": run} for item in result[part]]
+        record = merge(path, part, result, env=src.get("env"))
+        for nb in result[part] if part == "notebooks" else []:
+            html = source.with_suffix("") / f"{nb['notebook']}.html"
+            if html.exists():
+                path.with_suffix("").mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(html, path.with_suffix("") / html.name)
+        record.setdefault("runs", []).append(
+            {"run": run, "commit": result.get("commit"), "part": part, "seconds": result.get("seconds"),
+             "command": result.get("command"), "ended": ended or str(result.get("counts") or {
+                 n["notebook"]: n["status"] for n in result.get("notebooks", [])})})
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def refresh() -> int:
     """The committed records' times and peaks written where a learner reads them: each notebook's header (built
     from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
@@ -352,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["tests", "notebooks", "refresh"])
+    ap.add_argument("part", choices=["tests", "notebooks", "refresh", "merge"])
+    ap.add_argument("--from", dest="source", type=Path, help="merge: a record made on another machine (a GPU node's)")
+    ap.add_argument("--run", help="merge: the name its items and its `runs` entry get, e.g. S")
+    ap.add_argument("--ended", help="merge: how the run ended, in words (default: its counts)")
     ap.add_argument("--json", default=None, help="the record to write (default results/runs/check.json)")
     ap.add_argument("--notebooks", default="", help="numbers in order, e.g. 00,03 (default: all); '+' separates "
                     "lanes that run at the same time, e.g. 01,03+05,00")
@@ -366,6 +397,20 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
+    if a.part == "merge":
+        if not (a.json and a.source and a.run):
+            ap.error("merge needs --json (the record to update), --from (the other machine's record) and --run")
+        if not a.source.is_file():
+            ap.error(f"--from {a.source}: no such record; give the JSON the other machine wrote")
+        try:
+            src = json.loads(a.source.read_text())
+        except json.JSONDecodeError as exc:
+            ap.error(f"--from {a.source}: not JSON ({exc}); give the JSON the other machine wrote")
+        if not any((src.get(part) or {}).get(part) for part in ("tests", "notebooks")):
+            ap.error(f"--from {a.source}: no tests or notebooks in it; give the JSON scripts/check.py wrote there")
+        record = merge_from(Path(a.json), a.source, a.run, a.ended)
+        print(f"[check] merged run {a.run} -> {a.json}: tests {record.get('tests', {}).get('counts')}")
+        return 0
     if a.budget_s != a.budget_s or a.budget_s <= 0:
         ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")
     if a.parallel < 1:

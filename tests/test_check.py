@@ -263,3 +263,50 @@ def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_th
     assert set(pid) == {"a-first", "a-second", "b-first", "b-second"}  # c never started
     assert pid["a-first"] == pid["a-second"] and pid["b-first"] == pid["b-second"] != pid["a-first"]
     assert "(a process per file)" in tests["command"]
+
+
+def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commit_and_html(tmp_path, capsys):
+    """A GPU node's record, brought back: its items replace the same items of the committed record with the commit,
+    package and machine they ran on, the rest stay, counts are recounted, its HTML comes along, `runs` names it."""
+    import json
+
+    import pytest
+
+    check = load_script("scripts/check.py")
+    mine = tmp_path / "results" / "gpu_check.json"
+    mine.parent.mkdir()
+    mine.write_text(json.dumps({
+        "env": {"gpu": "old"}, "runs": [{"run": "A"}],
+        "tests": {"commit": "a" * 40, "tests": [{"nodeid": "t::kept", "outcome": "passed", "commit": "a" * 40},
+                                                {"nodeid": "t::redone", "outcome": "failed", "commit": "a" * 40}]},
+        "notebooks": {"commit": "a" * 40, "notebooks": [{"notebook": "00_x", "status": "completed"}]}}))
+    there = tmp_path / "device" / "gpu_check.json"
+    (there.parent / "gpu_check").mkdir(parents=True)
+    (there.parent / "gpu_check" / "01_y.html").write_text("<html>01</html>")
+    there.write_text(json.dumps({
+        "env": {"gpu": "NVIDIA H200"},
+        "tests": {"commit": "b" * 40, "seconds": 9.5, "command": "pytest t", "counts": {"passed": 1},
+                  "tests": [{"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1"}]},
+        "notebooks": {"commit": "b" * 40, "notebooks": [{"notebook": "01_y", "status": "completed",
+                                                         "commit": "b" * 40, "kit_sha256": "k1"}]}}))
+    assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "S", "--ended", "all ran"]) == 0
+    rec = json.loads(mine.read_text())
+    tests = {t["nodeid"]: t for t in rec["tests"]["tests"]}
+    assert tests["t::redone"] == {"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1",
+                                  "run": "S"}
+    assert tests["t::kept"]["outcome"] == "passed" and tests["t::kept"]["commit"] == "a" * 40
+    assert rec["tests"]["counts"] == {"passed": 2} and rec["tests"]["commit"] == "b" * 40
+    assert rec["env"] == {"gpu": "NVIDIA H200"}  # the machine the items ran on, not this one
+    assert {n["notebook"]: n.get("run") for n in rec["notebooks"]["notebooks"]} == {"00_x": None, "01_y": "S"}
+    assert (mine.parent / "gpu_check" / "01_y.html").read_text() == "<html>01</html>"
+    assert [(r["run"], r.get("part"), r.get("ended")) for r in rec["runs"]] == [
+        ("A", None, None), ("S", "tests", "all ran"), ("S", "notebooks", "all ran")]
+    # bad input: one line naming the value and the fix, exit 2, the record untouched
+    before = mine.read_text()
+    for bad, said in ((tmp_path / "nowhere.json", "no such record"), (mine.parent / "empty.json", "no tests")):
+        if bad.name == "empty.json":
+            bad.write_text("{}")
+        with pytest.raises(SystemExit) as exit_:
+            check.main(["merge", "--json", str(mine), "--from", str(bad), "--run", "T"])
+        assert exit_.value.code == 2 and f"--from {bad}: {said}" in capsys.readouterr().err
+    assert mine.read_text() == before

@@ -21,7 +21,8 @@
 # <sha> written out from your own clone: the device copy's .git can be older than the tree it carries (seen: it
 # said the session's first commit while the tree was a later one), so `$(git rev-parse HEAD)` there can lie.
 # A part re-run replaces only what it ran; every item keeps the commit it ran at. Copies the record
-# and the HTML to $OUT when that is set (the device tool brings them back).
+# and the HTML to $OUT when that is set (the device tool brings them back); fold it into the committed one with
+#   python scripts/check.py merge --json results/gpu_check.json --from <files_at>/results/gpu_check.json --run S
 # With 2 GPUs: JSON=results/gpu_check_2gpu.json bash scripts/gpu/check.sh
 set -u
 cd "$(dirname "$0")/../.."
