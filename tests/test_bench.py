@@ -42,7 +42,7 @@ def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     from colo_kit.serving import bench
 
     before = len(bench.ENGINE_BUILDS)
-    res = sweep("tiny", batches=(4, 8), steps=3, max_completion_length=16, modes=("colocate",),
+    res = sweep("tiny", batches=(4, 8), max_steps=3, max_completion_length=16, modes=("colocate",),
                 out=tmp_path / "c.json")
     recs = {r["label"]: r for r in res["runs"]}
     assert set(recs) == {"colocate-b4", "colocate-b8"}

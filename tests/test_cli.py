@@ -31,7 +31,7 @@ CASES = [
                                                              "num_generations=4"),
     (["bench", "--num-generations", "0"], "num_generations=0: give a whole number of at least 2"),
     (["bench", "--vllm-gpu-memory-utilization", "nan"], "vllm_gpu_memory_utilization=nan"),
-    (["bench", "--steps", "1"], "--steps 1"),
+    (["bench", "--max-steps", "1"], "--max-steps 1"),
     (["bench", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json"),
     (["bench", "--extra-colocate", '{"fast": {"stepz_per_generation": 4}}'], "'fast': ['stepz_per_generation'] are neither"),
     (["train", "--max-steps", "0"], "max_steps=0: give a whole number of at least 1"),

@@ -138,3 +138,53 @@ def test_no_kit_module_is_over_450_lines():
     long = {str(p.relative_to(REPO_ROOT)): n for p in (REPO_ROOT / "colo_kit").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+# Names a public function may pass on under TRL's name: the lesson's own term, and vLLM's sampling names at a
+# vLLM generate call (ColocatedEngine.generate speaks SamplingParams, as vLLM's LLM.generate does).
+ALIASES_ALLOWED = {("tp", "vllm_tensor_parallel_size"), ("n", "num_generations")}
+
+
+def _settings_passed_under_another_name(source: str, fields: set[str]) -> list[str]:
+    """Each public function (no leading underscore) that passes one of its own parameters on as a `GRPOConfig`
+    field of another name, as a keyword or a dict key: `def f(steps): run_grpo(max_steps=steps)`."""
+    import ast
+
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("_"):
+            continue
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs}
+        for node in ast.walk(fn):
+            pairs = [(kw.arg, kw.value) for kw in node.keywords] if isinstance(node, ast.Call) else []
+            if isinstance(node, ast.Dict):
+                pairs = [(k.value, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)]
+            for name, value in pairs:
+                if (name in fields and isinstance(value, ast.Name) and value.id in params and value.id != name
+                        and (value.id, name) not in ALIASES_ALLOWED):
+                    found.append(f"{fn.name}({value.id}) passes it on as {name} (line {node.lineno})")
+    return found
+
+
+def test_the_alias_finder_finds_an_alias():
+    fields = {"max_steps", "vllm_tensor_parallel_size"}
+    assert _settings_passed_under_another_name("def f(steps):\n    g(max_steps=steps)\n", fields) == [
+        "f(steps) passes it on as max_steps (line 2)"]
+    assert _settings_passed_under_another_name("def f(steps):\n    return {'max_steps': steps}\n", fields)
+    assert not _settings_passed_under_another_name("def f(max_steps, tp):\n    g(max_steps=max_steps, "
+                                                   "vllm_tensor_parallel_size=tp)\n", fields)
+    assert not _settings_passed_under_another_name("def _worker(steps):\n    g(max_steps=steps)\n", fields)
+
+
+def test_one_name_per_setting_no_kit_function_renames_a_grpo_config_field():
+    """A learner who calls the kit learns TRL's names: a kit function takes `max_steps`, not `steps`, where it hands
+    the value to TRL's `GRPOConfig` (or to anything that takes its fields: `run_grpo`, `ColocateSettings`, the
+    planner)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    found = {str(p.relative_to(REPO_ROOT)): hits for p in sorted((REPO_ROOT / "colo_kit").rglob("*.py"))
+             if (hits := _settings_passed_under_another_name(p.read_text(), fields))}
+    assert not found, found

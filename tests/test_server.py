@@ -133,7 +133,7 @@ def test_server_mode_grpo_and_bench_half(server, tmp_path):
                    if s.name in ("vllm:generation_tokens_total", "vllm:generation_tokens"))
 
     before = generated_tokens()
-    res = sweep("tiny", batches=(4,), steps=3, max_completion_length=16, modes=("server",), server=server,
+    res = sweep("tiny", batches=(4,), max_steps=3, max_completion_length=16, modes=("server",), server=server,
                 gen_probe_batches=(8,), out=tmp_path / "pp.json", n_devices=1 if has_cuda() else None)
     rec = res["runs"][0]
     assert "error" not in rec, rec.get("error")

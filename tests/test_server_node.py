@@ -24,7 +24,7 @@ def _script():
 # ---------------------------------------------------------------------------------------------
 
 def test_the_72b_layout_four_training_nodes_and_one_vllm_node():
-    cmds = server_node_commands("Qwen/Qwen2.5-72B", 32, 8, server_host="10.0.0.5")
+    cmds = server_node_commands("Qwen/Qwen2.5-72B", 32, 8, vllm_server_host="10.0.0.5")
     assert cmds["nodes"] == 5
     assert cmds["server_node"]["argv"] == ["trl", "vllm-serve", "--model", "Qwen/Qwen2.5-72B",
                                            "--tensor_parallel_size", "8", "--host", "0.0.0.0", "--port", "8000"]
@@ -52,8 +52,8 @@ def test_trls_own_parsers_read_both_sides_and_the_url_comes_from_host_and_port()
 
     from colo_kit.env import has_cuda
 
-    cmds = server_node_commands("Qwen/Qwen2.5-72B", 32, 8, server_host="10.0.0.5", server_port=8011,
-                                group_port=51299, server_args=["--max_model_len", "4096"])
+    cmds = server_node_commands("Qwen/Qwen2.5-72B", 32, 8, vllm_server_host="10.0.0.5", vllm_server_port=8011,
+                                vllm_group_port=51299, server_args=["--max_model_len", "4096"])
     sargs, extra = make_parser().parse_args_and_config(args=cmds["server_node"]["argv"][2:],
                                                        return_remaining_strings=True)
     assert extra == [] and (sargs.tensor_parallel_size, sargs.host, sargs.port, sargs.max_model_len) == \
@@ -77,16 +77,16 @@ def test_trls_own_parsers_read_both_sides_and_the_url_comes_from_host_and_port()
 def test_bad_layouts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"server_tp=16 .* one node has \(8\).*Ray"):
         server_node_commands("m", 32, 16)
-    with pytest.raises(ValueError, match="server_host='0.0.0.0'.*the vLLM node's address"):
-        server_node_commands("m", 32, 8, server_host="0.0.0.0")
-    with pytest.raises(ValueError, match="group_port=29500 is also accelerate's main_process_port"):
-        server_node_commands("m", 32, 8, server_host="h", group_port=29500)
-    with pytest.raises(ValueError, match="server_port=0"):
-        server_node_commands("m", 32, 8, server_host="h", server_port=0)
+    with pytest.raises(ValueError, match="vllm_server_host='0.0.0.0'.*the vLLM node's address"):
+        server_node_commands("m", 32, 8, vllm_server_host="0.0.0.0")
+    with pytest.raises(ValueError, match="vllm_group_port=29500 is also accelerate's main_process_port"):
+        server_node_commands("m", 32, 8, vllm_server_host="h", vllm_group_port=29500)
+    with pytest.raises(ValueError, match="vllm_server_port=0"):
+        server_node_commands("m", 32, 8, vllm_server_host="h", vllm_server_port=0)
     with pytest.raises(ValueError, match="gpus=12 over machines of 8"):  # node_commands' own check
-        server_node_commands("m", 12, 8, server_host="h")
+        server_node_commands("m", 12, 8, vllm_server_host="h")
     with pytest.raises(ValueError, match="training_gpus=0"):
-        server_node_commands("m", 0, 8, server_host="h")
+        server_node_commands("m", 0, 8, vllm_server_host="h")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from colo_kit.env import has_cuda
 @pytest.mark.slow
 @pytest.mark.devices(2)
 def test_generation_at_tp1_and_tp2_on_two_processes():
-    sweep = tp.generation_sweep("tiny", (1, 2), num_prompts=4, prompt_len=16, max_tokens=8, num_processes=2)
+    sweep = tp.generation_sweep("tiny", (1, 2), num_prompts=4, prompt_len=16, max_completion_length=8, num_processes=2)
     cpu = not has_cuda()
     if cpu:
         assert sweep["label"] == tp.CPU_LABEL  # never presented as a speed result
@@ -36,7 +36,7 @@ def test_generation_at_tp1_and_tp2_on_two_processes():
 @pytest.mark.devices(2)
 def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes():
     sweep = tp.grpo_sweep("tiny", (2,), max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                          num_processes=2, enforce_eager=True)
+                          num_processes=2, vllm_enforce_eager=True)
     s = sweep["tp"][2]
     assert s["vllm_tp_group_size"] == 2
     assert [r["rank"] for r in s["ranks"]] == [0, 1] and {r["world_size"] for r in s["ranks"]} == {2}

@@ -14,8 +14,8 @@ run for the notebook to print side by side.
 from __future__ import annotations
 
 
-def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int = 3, **run_kwargs) -> list[dict]:
-    """Train `steps` GRPO steps at each `top_p` with one reused engine; return TRL's importance-sampling logs."""
+def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), max_steps: int = 3, **run_kwargs) -> list[dict]:
+    """Train `max_steps` GRPO steps at each `top_p` with one reused engine; return TRL's importance-sampling logs."""
     from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
     from colo_kit.grpo.train import run_grpo
 
@@ -28,7 +28,7 @@ def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), steps: int =
     reuse_engines()  # top_p is a sampling setting, not an engine one: both runs share one engine
     try:
         for top_p in top_ps:
-            run = run_grpo(model, "colocate", max_steps=steps, num_generations=4, per_device_train_batch_size=8,
+            run = run_grpo(model, "colocate", max_steps=max_steps, num_generations=4, per_device_train_batch_size=8,
                            max_completion_length=32, learning_rate=1e-3, top_p=top_p, disable_tqdm=True, on_trainer=quiet,
                            **run_kwargs)
             rows.append({

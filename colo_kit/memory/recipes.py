@@ -231,7 +231,8 @@ def _shell_join(argv: list[str]) -> str:
 
 
 def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_per_node: int = 8,
-                         server_host: str = "<vLLM node address>", server_port: int = 8000, group_port: int = 51216,
+                         vllm_server_host: str = "<vLLM node address>", vllm_server_port: int = 8000,
+                         vllm_group_port: int = 51216,
                          script: str = "train.py", *, server_args: list[str] | tuple[str, ...] = (),
                          health_timeout_s: int = 1800, **launch) -> dict:
     """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train over
@@ -252,23 +253,23 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
                          f"spans one node unless vLLM runs on Ray (--distributed_executor_backend ray); use "
                          f"server_tp <= {gpus_per_node}")
     main_port = int(launch.get("main_process_port", 29500))
-    for name, port in (("server_port", server_port), ("group_port", group_port)):
+    for name, port in (("vllm_server_port", vllm_server_port), ("vllm_group_port", vllm_group_port)):
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise ValueError(f"{name}={port!r}: give a TCP port in 1..65535")
-    if group_port == main_port:
-        raise ValueError(f"group_port={group_port} is also accelerate's main_process_port: both listen on training "
-                         f"node 0; give the weight-sync group another port (TRL's default is 51216)")
-    host = str(server_host).strip()
+    if vllm_group_port == main_port:
+        raise ValueError(f"vllm_group_port={vllm_group_port} is also accelerate's main_process_port: both listen on "
+                         f"training node 0; give the weight-sync group another port (TRL's default is 51216)")
+    host = str(vllm_server_host).strip()
     if host in ("", "0.0.0.0", "::"):
-        raise ValueError(f"server_host={server_host!r}: that is where a server listens, not an address to reach it "
-                         f"at; on a training node it means the node itself. Give the vLLM node's address")
+        raise ValueError(f"vllm_server_host={vllm_server_host!r}: that is where a server listens, not an address to "
+                         f"reach it at; on a training node it means the node itself. Give the vLLM node's address")
 
-    grpo = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host, "vllm_server_port": server_port,
-            "vllm_group_port": group_port}
+    grpo = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host, "vllm_server_port": vllm_server_port,
+            "vllm_group_port": vllm_group_port}
     grpo_args = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", host,
-                 "--vllm_server_port", str(server_port), "--vllm_group_port", str(group_port)]
+                 "--vllm_server_port", str(vllm_server_port), "--vllm_group_port", str(vllm_group_port)]
     serve = ["trl", "vllm-serve", "--model", str(model), "--tensor_parallel_size", str(server_tp),
-             "--host", "0.0.0.0", "--port", str(server_port), *map(str, server_args)]
+             "--host", "0.0.0.0", "--port", str(vllm_server_port), *map(str, server_args)]
     user_args = [str(a) for a in launch.pop("script_args", ())]
     training = node_commands(model, training_gpus, gpus_per_node, script=script,
                              script_args=user_args + grpo_args, **launch)
@@ -306,7 +307,7 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
         f"# The trainers wait only vllm_server_timeout (240 s) for /health; a big model loads longer: wait here, "
         f"at most {health_timeout_s} s.",
         f"deadline=$((SECONDS + {health_timeout_s}))",
-        f'until curl -sf "http://$VLLM_NODE:{server_port}/health" >/dev/null; do',
+        f'until curl -sf "http://$VLLM_NODE:{vllm_server_port}/health" >/dev/null; do',
         '  kill -0 "$SERVER" 2>/dev/null || { echo "the vLLM server step ended before it was healthy" >&2; exit 1; }',
         f'  if (( SECONDS > deadline )); then echo "vLLM server not healthy after {health_timeout_s} s" >&2; '
         'kill "$SERVER"; exit 1; fi',
@@ -325,6 +326,6 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
             "gpus_per_node": gpus_per_node,
             "server_node": {"argv": serve, "line": shlex.join(serve)},
             "training_nodes": training, "grpo_config": grpo, "grpo_config_args": grpo_args,
-            "server_url": f"http://{host}:{server_port}",
+            "server_url": f"http://{host}:{vllm_server_port}",
             "slurm": {"server_step": server_step, "training_step": training_step, "sbatch": sbatch},
             "why": dict(SERVER_MODE_WHY)}

@@ -297,15 +297,16 @@ def switch_parts(tl, skip_steps: int) -> dict:
     return out
 
 
-def planner_estimate(model: str, batch: int, gradient_checkpointing: bool,
+def planner_estimate(model: str, per_device_train_batch_size: int, gradient_checkpointing: bool,
                      max_completion_length: int = TASK["max_completion_length"],
                      vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
                      kv_only_sleep: bool = False) -> dict:
     from colo_kit.memory.planner import estimate
 
-    return estimate(model=model, per_device_train_batch_size=batch, gradient_checkpointing=gradient_checkpointing,
-                    max_completion_length=max_completion_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                    sleep_level=sleep_level, kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"))
+    return estimate(model=model, per_device_train_batch_size=per_device_train_batch_size,
+                    gradient_checkpointing=gradient_checkpointing, max_completion_length=max_completion_length,
+                    vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep_level=sleep_level,
+                    kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"))
 
 
 def _planner_estimate_for(name: str, model: str, max_completion_length: int) -> dict:

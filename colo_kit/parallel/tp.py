@@ -139,8 +139,8 @@ def _kv_capacity(llm) -> dict:
         return {"kv_error": repr(exc)}
 
 
-def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: int,
-                      gpu_memory_utilization: float, enforce_eager: bool | None, repeats: int) -> dict:
+def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, max_completion_length: int,
+                      vllm_gpu_memory_utilization: float, enforce_eager: bool | None, repeats: int) -> dict:
     """One rank of a generation run at TP `tp` (inside `colo_kit.parallel.launch`): its tokens and seconds."""
     import torch.distributed as dist
 
@@ -152,18 +152,18 @@ def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, ma
         raise ValueError(f"num_prompts={num_prompts} must be a multiple of the {world} processes")
     share = num_prompts // world
     settings = ColocateSettings(vllm_tensor_parallel_size=tp, per_device_train_batch_size=share,
-                                max_prompt_length=prompt_len, max_completion_length=max_tokens,
-                                vllm_gpu_memory_utilization=gpu_memory_utilization)
+                                max_prompt_length=prompt_len, max_completion_length=max_completion_length,
+                                vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
     t0 = time.perf_counter()
     engine = ColocatedEngine(model, settings, enforce_eager=enforce_eager)
     startup_s = time.perf_counter() - t0
     try:
         prompts = random_prompts(share, prompt_len, seed=rank)
-        engine.generate(prompts[: max(1, share // 8)], max_tokens=min(8, max_tokens), ignore_eos=True)  # warm-up
+        engine.generate(prompts[: max(1, share // 8)], max_tokens=min(8, max_completion_length), ignore_eos=True)  # warm-up
         runs = []
         for _ in range(repeats):
             dist.barrier()
-            out = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True, logprobs=False)
+            out = engine.generate(prompts, max_tokens=max_completion_length, ignore_eos=True, logprobs=False)
             runs.append({"seconds": round(out.seconds, 4), "completion_tokens": out.num_completion_tokens})
         record = {"rank": rank, "world_size": world, "tp": tp, "seed": engine.seed, "prompts": share,
                   "startup_s": round(startup_s, 2), "runs": runs, **_kv_capacity(engine.llm)}
@@ -185,28 +185,29 @@ def summarize_generation(ranks: list[dict]) -> dict:
 
 
 def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int | None = None,
-                     prompt_len: int = 32, max_tokens: int | None = None, gpu_memory_utilization: float = 0.3,
+                     prompt_len: int = 32, max_completion_length: int | None = None,
+                     vllm_gpu_memory_utilization: float = 0.3,
                      enforce_eager: bool | None = None, repeats: int = 1, num_processes: int | None = None,
                      echo: bool | str = "brief") -> dict:
     """Generation-only throughput at each TP size, on every GPU of the node (2 CPU processes here), one launch
     per TP size. Returns the settings and `["tp"][tp]`, a summary whose `tok_per_s` is the node's throughput."""
     gpu = has_cuda()
     num_prompts = num_prompts or (256 if gpu else 8)
-    max_tokens = max_tokens or (256 if gpu else 16)
+    max_completion_length = max_completion_length or (256 if gpu else 16)
     for tp in tp_sizes:
         if tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={tp!r}: use a TP size that divides the node's GPUs (1, 2, 4 or 8)")
     model_path = resolve_model(model)  # built once here: two ranks building one folder would race
     out = {"model": model, "tier": "gpu" if gpu else "cpu",
-           "settings": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
-                        "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
+           "settings": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_completion_length": max_completion_length,
+                        "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "enforce_eager": enforce_eager,
                         "repeats": repeats, "ignore_eos": True},
            "tp": {}}
     if not gpu:
         out["label"] = CPU_LABEL
     out["tp"] = _launch_per_tp(
         tp_sizes, generation_worker, summarize_generation,
-        lambda tp: (model_path, tp, num_prompts, prompt_len, max_tokens, gpu_memory_utilization, enforce_eager,
+        lambda tp: (model_path, tp, num_prompts, prompt_len, max_completion_length, vllm_gpu_memory_utilization, enforce_eager,
                     repeats),
         num_processes=num_processes, echo=echo, preimport=_preimport())
     return out
@@ -235,10 +236,11 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
 # ---------------------------------------------------------------------------------------------
 
 def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
-                max_completion_length: int, gpu_memory_utilization: float, overrides: dict,
-                enforce_eager: bool = False) -> dict:
+                max_completion_length: int, vllm_gpu_memory_utilization: float, overrides: dict,
+                vllm_enforce_eager: bool = False) -> dict:
     """One rank of a TRL colocate run at `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`).
-    `enforce_eager=True` (TRL has no option for it) saves 50-90 s per engine start on a GPU, at some decode speed."""
+    `vllm_enforce_eager=True` (`run_grpo`'s; TRL has no option for it) saves 50-90 s per engine start on a GPU, at
+    some decode speed."""
     import torch.distributed as dist
 
     from colo_kit.grpo.train import run_grpo
@@ -246,8 +248,8 @@ def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size
     unique_cpu_shm_names()
     run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_train_batch_size,
                    num_generations=num_generations, max_completion_length=max_completion_length,
-                   vllm_gpu_memory_utilization=gpu_memory_utilization, vllm_tensor_parallel_size=tp,
-                   vllm_enforce_eager=enforce_eager or None, **overrides)
+                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_tensor_parallel_size=tp,
+                   vllm_enforce_eager=vllm_enforce_eager or None, **overrides)
     gen = getattr(run.trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
     kv = _kv_capacity(llm) if llm is not None else {}
@@ -269,8 +271,8 @@ def summarize_grpo(ranks: list[dict]) -> dict:
 
 def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = None, per_device_train_batch_size: int = 4,
                num_generations: int = 4, max_completion_length: int | None = None,
-               gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
-               enforce_eager: bool = False, **overrides) -> dict:
+               vllm_gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
+               vllm_enforce_eager: bool = False, **overrides) -> dict:
     """Colocated GRPO step time at each `vllm_tensor_parallel_size`, on every GPU of the node."""
     gpu = has_cuda()
     max_steps = max_steps or (4 if gpu else 2)
@@ -279,7 +281,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
     out = {"model": model, "tier": "gpu" if gpu else "cpu",
            "settings": {"max_steps": max_steps, "per_device_train_batch_size": per_device_train_batch_size,
                         "num_generations": num_generations, "max_completion_length": max_completion_length,
-                        "vllm_gpu_memory_utilization": gpu_memory_utilization, "vllm_enforce_eager": enforce_eager,
+                        "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "vllm_enforce_eager": vllm_enforce_eager,
                         **overrides},
            "tp": {}}
     if not gpu:
@@ -287,7 +289,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
     out["tp"] = _launch_per_tp(
         tp_sizes, grpo_worker, summarize_grpo,
         lambda tp: (model_path, tp, max_steps, per_device_train_batch_size, num_generations, max_completion_length,
-                    gpu_memory_utilization, overrides, enforce_eager),
+                    vllm_gpu_memory_utilization, overrides, vllm_enforce_eager),
         num_processes=num_processes, echo=echo,
         preimport=_preimport() + (("trl", "colo_kit.grpo.train") if not gpu else ()))
     return out

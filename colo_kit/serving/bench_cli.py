@@ -41,7 +41,7 @@ class BenchArgs:
 
     model: str = field(default="tiny", metadata={"help": "a preset, a model folder or a hub id"})
     batches: str = field(default="4,8", metadata={"help": "per-device batch sizes, comma separated"})
-    steps: int = field(default=4, metadata={"help": "steps per config; the first is discarded as warm-up"})
+    max_steps: int = field(default=4, metadata={"help": "GRPO steps per config; the first is discarded as warm-up"})
     num_generations: int = field(default=4, metadata={"help": "G, completions per prompt"})
     max_completion_length: int = field(default=32, metadata={"help": "tokens per completion"})
     n_devices: int | None = field(default=None, metadata={"help": "devices to use (default: all)"})
@@ -85,13 +85,13 @@ def cli_main(argv: list[str]) -> int:
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if not modes or set(modes) - {"server", "colocate"}:
         raise UsageError(f"--modes {a.modes!r}: choose server, colocate, or server,colocate")
-    if a.steps < 2:
-        raise UsageError(f"--steps {a.steps}: at least 2 (the first step is warm-up and not measured)")
+    if a.max_steps < 2:
+        raise UsageError(f"--max-steps {a.max_steps}: at least 2 (the first step is warm-up and not measured)")
     try:  # G, completion length, memory share, each batch a multiple of G: the checks `colo-kit train` makes too
         from colo_kit.grpo.train_checks import check_settings
 
         for b in batches:
-            check_settings("colocate", max_steps=a.steps, num_generations=a.num_generations,
+            check_settings("colocate", max_steps=a.max_steps, num_generations=a.num_generations,
                            per_device_train_batch_size=b, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
                            max_completion_length=a.max_completion_length)
     except ValueError as exc:
@@ -108,7 +108,7 @@ def cli_main(argv: list[str]) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     out = writable_file(a.out or runs_dir() / f"pingpong_{'gpu' if has_cuda() else 'cpu'}.json", "--out")
-    res = sweep(a.model, batches=batches, steps=a.steps, num_generations=a.num_generations,
+    res = sweep(a.model, batches=batches, max_steps=a.max_steps, num_generations=a.num_generations,
                 max_completion_length=a.max_completion_length, n_devices=a.n_devices, server_gpus=a.server_gpus,
                 server_port=a.port, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
                 gen_probe_batches=probe, out=out, modes=modes, extra_colocate=extra, budget_s=a.budget_s)

@@ -71,7 +71,7 @@ import ipywidgets as widgets
 from IPython.display import display
 
 wide = {"description_width": "initial"}
-steps_w = widgets.IntSlider(value=40, min=5, max=200, step=5, description="steps", style=wide)
+steps_w = widgets.IntSlider(value=40, min=5, max=200, step=5, description="max_steps", style=wide)
 gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations (G)", style=wide)
 target_w = widgets.IntSlider(value=20, min=0, max=100, step=5, description="target characters", style=wide)
 compiled_w = widgets.Checkbox(value=False, description="compiled engine (torch.compile + CUDA graphs)", style=wide,

@@ -83,7 +83,7 @@ SETTINGS
 # shared GPU the trainer saves the weights and the server loads them through `POST /collective_rpc`.
 
 # %%
-common = dict(batches=(SETTINGS["per_device_train_batch_size"],), steps=SETTINGS["steps"], n_devices=SETTINGS["n_devices"],
+common = dict(batches=(SETTINGS["per_device_train_batch_size"],), max_steps=SETTINGS["max_steps"], n_devices=SETTINGS["n_devices"],
               num_generations=SETTINGS["num_generations"], max_completion_length=SETTINGS["max_completion_length"],
               vllm_enforce_eager=SETTINGS["vllm_enforce_eager"])
 colocate_res = bench.sweep(SETTINGS["model"], modes=("colocate",), **common)
@@ -303,7 +303,7 @@ out = widgets.Output()
 wide = {"description_width": "initial"}
 w_n = widgets.IntSlider(value=8, min=2, max=64, description="N devices", style=wide)
 w_k = widgets.IntSlider(value=1, min=1, max=8, description="k serving", style=wide)
-w_b = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=64, description="batch per device", style=wide)
+w_b = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=64, description="per_device_train_batch_size", style=wide)
 sizes = [n for n, p in PRESETS.items() if n.startswith("qwen2.5")]
 w_m = widgets.Dropdown(options=sizes, value="qwen2.5-1.5b" if "qwen2.5-1.5b" in sizes else sizes[0],
                        description="model", style=wide)
@@ -343,7 +343,7 @@ if not FULL_SWEEP:
 elif MACHINE.gpus < 2:
     MACHINE.say("the full sweep needs 2 GPUs or more (N-1 train + 1 serve); the committed sweeps above stand in")
 else:
-    full = bench.sweep("qwen2.5-1.5b", batches=(64, 32, 8), steps=4, num_generations=8, max_completion_length=256,
+    full = bench.sweep("qwen2.5-1.5b", batches=(64, 32, 8), max_steps=4, num_generations=8, max_completion_length=256,
                        gen_probe_batches=(448, 224, 56),
                        extra_colocate={"colocate-kit-best": {"steps_per_generation": 4}})
     bench.throughput_figure(full, "this machine: 1.5B").show()

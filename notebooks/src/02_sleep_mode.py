@@ -56,7 +56,7 @@ wide = {"description_width": "initial"}
 model_w = widgets.Dropdown(options=["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"],
                            value=("qwen2.5-1.5b" if MACHINE.gpu_mem_gib >= 70 else "qwen2.5-0.5b") if GPU else "tiny",
                            description="model", style=wide)
-batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per-device batch", style=wide)
+batch_w = widgets.IntSlider(value=8, min=1, max=64, description="per_device_train_batch_size", style=wide)
 util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.9, step=0.05, description="vllm_gpu_memory_utilization",
                              style=wide, layout=widgets.Layout(width="560px"))  # wide enough to drag past its long label
 level_w = widgets.ToggleButtons(options=[1, 2], value=2, description="sleep level", style=wide)

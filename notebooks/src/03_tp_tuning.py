@@ -225,7 +225,7 @@ else:
 # %%
 grpo_kwargs = tp.GPU_GRPO_SETTINGS if TIER == "gpu" else dict(max_steps=2, per_device_train_batch_size=4, num_generations=4,
                                                               max_completion_length=8)
-grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], enforce_eager=True,
+grpo_sweeps = [tp.grpo_sweep(m, LIVE["grpo_tp"], num_processes=LIVE["num_processes"], vllm_enforce_eager=True,
                              **grpo_kwargs) for m in LIVE["grpo_models"]]
 for sw in grpo_sweeps:
     for t, s in sw["tp"].items():

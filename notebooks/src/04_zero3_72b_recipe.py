@@ -305,12 +305,12 @@ sleep_w = widgets.Dropdown(options=[("no sleep", 0), ("level 1", 1), ("level 2",
 offload_w = widgets.Checkbox(value=True, description="offload optimizer to CPU", style=wide)
 util_w = widgets.FloatSlider(value=0.3, min=0.05, max=0.95, step=0.05, description="vllm_gpu_memory_utilization",
                              style=wide, layout=widgets.Layout(width="560px"))  # wide enough to drag past its long label
-tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vLLM TP", style=wide)
+tp_w = widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="vllm_tensor_parallel_size", style=wide)
 mem_w = widgets.Dropdown(options=[("H200 (139.8 GiB)", planner.H200_GIB), ("80 GiB", 79.1)], description="GPU",
                          style=wide)
-ckpt_w = widgets.Checkbox(value=True, description="gradient checkpointing", style=wide)
-batch_w = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=8, description="per-device batch", style=wide)
-completion_w = widgets.Dropdown(options=[128, 256, 512, 1024, 2048], value=512, description="completion tokens",
+ckpt_w = widgets.Checkbox(value=True, description="gradient_checkpointing", style=wide)
+batch_w = widgets.Dropdown(options=[4, 8, 16, 32, 64, 128], value=8, description="per_device_train_batch_size", style=wide)
+completion_w = widgets.Dropdown(options=[128, 256, 512, 1024, 2048], value=512, description="max_completion_length",
                                 style=wide)
 out = widgets.Output()
 

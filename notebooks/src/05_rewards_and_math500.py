@@ -170,7 +170,7 @@ import ipywidgets as widgets
 
 wide = {"description_width": "initial"}
 model_w = widgets.Text(value=default_preset(), description="model", style=wide)
-steps_w = widgets.IntSlider(value=30, min=5, max=200, step=5, description="steps", style=wide)
+steps_w = widgets.IntSlider(value=30, min=5, max=200, step=5, description="max_steps", style=wide)
 gen_w = widgets.IntSlider(value=8, min=2, max=16, step=2, description="num_generations", style=wide)
 seed_w = widgets.IntText(value=0, description="seed", style=wide)
 problems_w = widgets.IntSlider(value=40, min=4, max=500, step=4, description="Math500 problems", style=wide)

@@ -36,7 +36,7 @@ else
   S1=250; S2=210  # the first H200 run: the server took 100 s to start, leaving too little of 190 s
 fi
 # tokens/s counts the completion lengths TRL logs (random weights rarely emit EOS: ~LEN each)
-FIXED="--max-completion-length $LEN --num-generations $G --steps $STEPS --batches $BATCHES"
+FIXED="--max-completion-length $LEN --num-generations $G --max-steps $STEPS --batches $BATCHES"
 
 echo "== build $MODEL" | tee -a "$LOG"
 $PY -m colo_kit build-model "$MODEL" 2>&1 | tail -1 | tee -a "$LOG"
