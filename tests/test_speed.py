@@ -2,7 +2,6 @@
 of scripts/gpu/speed.sh (the same code the GPU runs, with the tiny model)."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -585,8 +584,12 @@ def test_notebook_04_reads_the_cispo_race_from_the_json_and_the_recipe_is_what_r
 
 @pytest.mark.slow
 def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
+    from conftest import clean_env
+
     out = tmp_path / "speed_smoke.json"
-    env = {**os.environ, "PY": sys.executable, "SPEED_RESULT": str(out), "SPEED_BUDGET_S": "8",
+    # clean_env: without the MASTER_PORT pytest's own process groups leave in its environment, each seed's process
+    # gets a free rendezvous port from TRL; with it, two seeds one after the other bound one port (EADDRINUSE)
+    env = {**clean_env(), "PY": sys.executable, "SPEED_RESULT": str(out), "SPEED_BUDGET_S": "8",
            "SPEED_CONFIGS": "trl_defaults:0,1 bucketed_push:0 spg8:0", "TMPDIR": str(tmp_path), "OUT": ""}
     proc = subprocess.run(["bash", "scripts/gpu/speed.sh", "--smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -609,10 +612,12 @@ def test_gen_in_trainer_runs_on_cpu_and_switches_the_collector_off(tmp_path):
     """`scripts/gpu/gen_in_trainer.py`'s CPU path (tiny model, the recipe, 16-token completions): it wraps
     `vllm.LLM.generate` inside TRL's trainer; with the collector off only explicit `gc.collect()` calls (one per
     generation here, none on the H200) run inside a generation, against a dozen or more automatic ones with it on."""
+    from conftest import clean_env
+
     out = tmp_path / "gen_in_trainer.json"
     proc = subprocess.run([sys.executable, "scripts/gpu/gen_in_trainer.py", "--model", "tiny", "--config", "recipe",
                            "--budget-s", "6", "--max-completion-length", "16", "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     modes = json.loads(out.read_text())["modes"]
     on, off = modes["on"].get("calls"), modes["off"].get("calls")
