@@ -305,10 +305,11 @@ def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
     result = {**result, **_commit()} if env is None else result
     key = "tests" if part == "tests" else "notebooks"
     old = record.get(part, {})
-    kit = kit_digest()
+    kit = kit_digest() if env is None else None  # a foreign item's package is the one it ran, not this one's
     for item in result[key]:
         item.setdefault("commit", result["commit"])
-        item.setdefault("kit_sha256", kit)
+        if kit:
+            item.setdefault("kit_sha256", kit)
     if old.get(key):
         mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
         kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]

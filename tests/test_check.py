@@ -286,7 +286,8 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     there.write_text(json.dumps({
         "env": {"gpu": "NVIDIA H200"},
         "tests": {"commit": "b" * 40, "seconds": 9.5, "command": "pytest t", "counts": {"passed": 1},
-                  "tests": [{"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1"}]},
+                  "tests": [{"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1"},
+                            {"nodeid": "t::undigested", "outcome": "passed", "commit": "b" * 40}]},
         "notebooks": {"commit": "b" * 40, "notebooks": [{"notebook": "01_y", "status": "completed",
                                                          "commit": "b" * 40, "kit_sha256": "k1"}]}}))
     assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "S", "--ended", "all ran"]) == 0
@@ -295,7 +296,8 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     assert tests["t::redone"] == {"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1",
                                   "run": "S"}
     assert tests["t::kept"]["outcome"] == "passed" and tests["t::kept"]["commit"] == "a" * 40
-    assert rec["tests"]["counts"] == {"passed": 2} and rec["tests"]["commit"] == "b" * 40
+    assert "kit_sha256" not in tests["t::undigested"]  # this machine's package is not the one it ran
+    assert rec["tests"]["counts"] == {"passed": 3} and rec["tests"]["commit"] == "b" * 40
     assert rec["env"] == {"gpu": "NVIDIA H200"}  # the machine the items ran on, not this one
     assert {n["notebook"]: n.get("run") for n in rec["notebooks"]["notebooks"]} == {"00_x": None, "01_y": "S"}
     assert (mine.parent / "gpu_check" / "01_y.html").read_text() == "<html>01</html>"
