@@ -312,3 +312,27 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
             check.main(["merge", "--json", str(mine), "--from", str(bad), "--run", "T"])
         assert exit_.value.code == 2 and f"--from {bad}: {said}" in capsys.readouterr().err
     assert mine.read_text() == before
+
+
+def test_the_gpu_check_script_leaves_the_notebook_tests_to_its_notebooks_part(tmp_path):
+    """scripts/gpu/check.sh's `tests` part deselects test_notebook_executes when given no pytest args (its
+    `notebooks` part runs each notebook as Run All does), and passes the args it is given unchanged. The script's
+    interpreter is a stand-in that writes the arguments it got, one per line: the shell's handling is under test."""
+    from pathlib import Path
+
+    from conftest import clean_env
+
+    repo = Path(__file__).resolve().parent.parent
+    stub = tmp_path / "py"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    stub.chmod(0o755)
+    seen = {}
+    for args in ([], ["tests/test_tp.py", "-k", "sweep"]):
+        out = tmp_path / f"args{len(args)}.txt"
+        env = {k: v for k, v in clean_env().items() if k != "OUT"}
+        subprocess.run(["bash", "scripts/gpu/check.sh", "tests", *args], cwd=repo, check=True, timeout=60,
+                       env={**env, "PY": str(stub), "ARGS_OUT": str(out)})
+        argv = out.read_text().splitlines()
+        seen[len(args)] = argv[argv.index("--") + 1:]
+    assert seen[0] == ["-k", "not test_notebook_executes"]
+    assert seen[3] == ["tests/test_tp.py", "-k", "sweep"]
