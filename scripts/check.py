@@ -5,6 +5,7 @@ this machine, recorded with hardware, versions and commit.
                                       [--resume] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
     python scripts/check.py merge --json results/gpu_check.json --from <brought back>/gpu_check.json --run S
+    python scripts/check.py prune --json results/gpu_check.json   # drop records of tests the suite no longer has
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
@@ -359,6 +360,38 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
     return record
 
 
+def prune(path: Path) -> list[str]:
+    """Drop the records of tests the suite no longer has (renamed, re-parametrized or removed since they ran), as
+    pytest collects the suite here: a merge keeps every item it does not replace, so such a record would stay, with
+    the package it ran, for ever. The suite's parametrizations do not depend on the machine, so a collection on a
+    laptop names the node ids a GPU node runs. Returns the node ids dropped; `runs` lists them."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    suite = {line.strip() for line in out.stdout.splitlines() if "::" in line}
+    if out.returncode != 0 or not suite:
+        raise SystemExit(f"prune: pytest could not collect the suite (exit {out.returncode}); fix the collection "
+                         f"error first:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    record = json.loads(path.read_text())
+    tests = record.get("tests") or {}
+    gone = sorted(t["nodeid"] for t in tests.get("tests", []) if t["nodeid"] not in suite)
+    if gone:
+        tests["tests"] = [t for t in tests["tests"] if t["nodeid"] in suite]
+        tests["not_run"] = [n for n in tests.get("not_run", []) if n in suite]
+        if not tests["not_run"]:
+            tests.pop("not_run", None)
+            tests.pop("not_run_reason", None)
+        tests["counts"] = {}
+        for t in tests["tests"]:
+            tests["counts"][t["outcome"]] = tests["counts"].get(t["outcome"], 0) + 1
+        if tests.get("not_run"):
+            tests["counts"]["not run"] = len(tests["not_run"])
+        record.setdefault("runs", []).append({"run": "prune", "part": "tests",
+                                              "ended": f"dropped the records of {len(gone)} tests the suite no "
+                                                       f"longer has: {', '.join(n[:200] for n in gone)}"})
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    return gone
+
+
 def refresh() -> int:
     """The committed records' times and peaks written where a learner reads them: each notebook's header (built
     from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
@@ -381,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["tests", "notebooks", "refresh", "merge"])
+    ap.add_argument("part", choices=["tests", "notebooks", "refresh", "merge", "prune"])
     ap.add_argument("--from", dest="source", type=Path, help="merge: a record made on another machine (a GPU node's)")
     ap.add_argument("--run", help="merge: the name its items and its `runs` entry get, e.g. S")
     ap.add_argument("--ended", help="merge: how the run ended, in words (default: its counts)")
@@ -398,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
+    if a.part == "prune":
+        if not (a.json and Path(a.json).is_file()):
+            ap.error(f"prune needs --json naming a record that exists (got {a.json}); e.g. --json results/gpu_check.json")
+        gone = prune(Path(a.json))
+        print(f"[check] pruned {len(gone)} records of tests the suite no longer has from {a.json}"
+              + "".join(f"\n  {n[:200]}" for n in gone))
+        return 0
     if a.part == "merge":
         if not (a.json and a.source and a.run):
             ap.error("merge needs --json (the record to update), --from (the other machine's record) and --run")

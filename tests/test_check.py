@@ -336,3 +336,30 @@ def test_the_gpu_check_script_leaves_the_notebook_tests_to_its_notebooks_part(tm
         seen[len(args)] = argv[argv.index("--") + 1:]
     assert seen[0] == ["-k", "not test_notebook_executes"]
     assert seen[3] == ["tests/test_tp.py", "-k", "sweep"]
+
+
+def test_prune_drops_only_the_records_of_tests_the_suite_no_longer_has(tmp_path, capsys):
+    """A merge keeps every item it does not replace, so a renamed test's old record would stay for ever, with the
+    package it ran; `prune` collects the suite and drops those, and names them in `runs`."""
+    import json
+
+    import pytest
+
+    check = load_script("scripts/check.py")
+    here = "tests/test_check.py::test_prune_drops_only_the_records_of_tests_the_suite_no_longer_has"
+    gone = "tests/test_check.py::test_a_test_that_was_renamed[old id]"
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps({"tests": {
+        "counts": {"passed": 1, "failed": 1, "not run": 1}, "not_run": [gone], "not_run_reason": "cut",
+        "tests": [{"nodeid": here, "outcome": "passed"}, {"nodeid": gone, "outcome": "failed"}]}}))
+    assert check.main(["prune", "--json", str(path)]) == 0
+    assert gone in capsys.readouterr().out
+    rec = json.loads(path.read_text())
+    assert rec["tests"]["tests"] == [{"nodeid": here, "outcome": "passed"}]
+    assert rec["tests"]["counts"] == {"passed": 1} and "not_run" not in rec["tests"]
+    assert rec["runs"][-1]["run"] == "prune" and gone in rec["runs"][-1]["ended"]
+    before = path.read_text()
+    assert check.main(["prune", "--json", str(path)]) == 0 and path.read_text() == before  # nothing more to drop
+    with pytest.raises(SystemExit) as exit_:
+        check.main(["prune", "--json", str(tmp_path / "nowhere.json")])
+    assert exit_.value.code == 2 and "nowhere.json" in capsys.readouterr().err
