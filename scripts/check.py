@@ -159,7 +159,7 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
     ran it. (With only `slow` in the first lane, the `gpu` tests of test_sleep built an engine beside it on one
     H200: "No available memory for the cache blocks".)
 
-    `done`: node ids already recorded at this commit, left out (`--resume`: a suite longer than one call's time
+    `done`: node ids already recorded with this package, left out (`--resume`: a suite longer than one call's time
     limit goes on where the last call's budget cut it).
 
     `per_file`: the first lane (the only one without `parallel`) runs each test file in a pytest process of its
@@ -426,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu tiers and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
     ap.add_argument("--per-file", action="store_true", help="tests: the first lane runs each test file in a pytest "
                     "process of its own (a GPU node: what one file's engines keep does not starve the next file's)")
-    ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds from "
-                    "this commit (go on where a call's time limit cut the last run)")
+    ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds for "
+                    "the package as it is now (go on where a call's time limit cut the last run)")
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
@@ -469,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.part == "tests":
         done = set()
         if a.resume and path.exists():
-            part = json.loads(path.read_text()).get("tests", {})
-            here = _commit()["commit"]
-            done = {t["nodeid"] for t in part.get("tests", []) if (t.get("commit") or part.get("commit")) == here}
-            print(f"[check] --resume: {len(done)} tests already recorded at {str(here)[:7]}", flush=True)
+            # by the package a test ran, not the commit: a later commit that changed only tests, scripts or results
+            # keeps what the earlier calls of the check recorded (the same rule as the records' own test)
+            part, kit = json.loads(path.read_text()).get("tests", {}), kit_digest()
+            done = {t["nodeid"] for t in part.get("tests", []) if t.get("kit_sha256") == kit}
+            print(f"[check] --resume: {len(done)} tests already recorded with this package ({kit})", flush=True)
         result = run_tests(extra, a.budget_s, a.parallel, done, per_file=a.per_file)
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]

@@ -125,9 +125,10 @@ def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed(tmp_path, m
     assert rec["seconds"] < 30 and "error_tail" not in rec
 
 
-def test_resume_runs_only_the_tests_the_record_lacks_from_this_commit(tmp_path):
-    """`check.py tests --resume`: a second call goes on where the first one's budget cut the suite. A recorded
-    test is not run again (here it would now fail), a new one is, and the record ends up holding both."""
+def test_resume_runs_only_the_tests_the_record_lacks_for_this_package(tmp_path):
+    """`check.py tests --resume`: a second call goes on where the first one's budget cut the suite. A test recorded
+    with this package is not run again (here it would now fail), even from another commit; a new one is, and so is
+    one recorded with another package; the record ends up holding them all."""
     import json
 
     f = tmp_path / "test_resume.py"
@@ -141,10 +142,18 @@ def test_resume_runs_only_the_tests_the_record_lacks_from_this_commit(tmp_path):
 
     assert check().returncode == 0
     f.write_text("def test_a():\n    assert False\n\n\ndef test_b():\n    assert True\n\n\ndef test_c():\n    assert True\n")
+    # a later commit with the same package keeps the records; one of another package (test_b's) does not
+    rec = json.loads(record.read_text())
+    for t in rec["tests"]["tests"]:
+        t["commit"] = "c" * 40
+        if t["nodeid"].endswith("::test_b"):
+            t["kit_sha256"] = "0" * 16
+    record.write_text(json.dumps(rec))
     proc = check("--resume")
-    assert proc.returncode == 0 and "--resume: 2 tests already recorded" in proc.stdout, proc.stdout + proc.stderr
-    tests = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in json.loads(record.read_text())["tests"]["tests"]}
-    assert tests == {"test_a": "passed", "test_b": "passed", "test_c": "passed"}
+    assert proc.returncode == 0 and "--resume: 1 tests already recorded" in proc.stdout, proc.stdout + proc.stderr
+    tests = {t["nodeid"].rsplit("::", 1)[-1]: t for t in json.loads(record.read_text())["tests"]["tests"]}
+    assert {n: t["outcome"] for n, t in tests.items()} == {"test_a": "passed", "test_b": "passed", "test_c": "passed"}
+    assert tests["test_a"]["commit"] == "c" * 40 and tests["test_b"]["commit"] != "c" * 40  # test_b ran again
     assert check().returncode == 1  # without --resume, everything runs again: test_a now fails
 
 

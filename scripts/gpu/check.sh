@@ -8,7 +8,7 @@
 #   bash scripts/gpu/check.sh notebooks 01,03 # some notebooks only
 #   PARALLEL=8 bash scripts/gpu/check.sh tests  # the slow tier (engines, training) in one pytest process, the
 #                                              # other tests split by file over 7 more, beside it (16 cores)
-#   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks from this commit: the next call
+#   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks for this package: the next call
 #                                              # goes on where the last one's budget cut the suite
 #   PER_FILE=0 bash scripts/gpu/check.sh tests   # the slow tier in one pytest process, not one per test file (the
 #                                              # default: on one H200 the engines test_train's process kept starved
