@@ -4,6 +4,7 @@ this machine, recorded with hardware, versions and commit.
     python scripts/check.py tests     --json results/gpu_check.json [--budget-s 560] [--parallel 8] [--per-file]
                                       [--resume] [-- <pytest args>]
     python scripts/check.py notebooks --json results/gpu_check.json [--notebooks 00,03[+01,02]] [--budget-s 560]
+                                      [--resume]
     python scripts/check.py merge --json results/gpu_check.json --from <brought back>/gpu_check.json --run S
     python scripts/check.py prune --json results/gpu_check.json   # drop records of tests the suite no longer has
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
@@ -253,9 +254,9 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     `lanes`: lists of notebook numbers; the lanes run at the same time, each one notebook after
     another (a GPU with room for two notebooks' engines checks them in half the time; each record
     says which lane it ran in and beside how many others)."""
-    from colo_kit.notebook import NOTEBOOKS, SOURCES, source_digest
+    from colo_kit.notebook import SOURCES, source_digest
 
-    by_number = {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
+    by_number = _notebook_numbers()
     lanes = lanes or [sorted(by_number)]
     unknown = [n for lane in lanes for n in lane if n not in by_number]
     if unknown:
@@ -292,6 +293,30 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
 
     _side_by_side(run_lane, lanes)
     return {"seconds": round(time.time() - t0, 1), "notebooks": out}
+
+
+def _notebook_numbers() -> dict[str, Path]:
+    from colo_kit.notebook import NOTEBOOKS
+
+    return {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
+
+
+def notebooks_done(path: Path) -> set[str]:
+    """The numbers of the notebooks the record at `path` holds as completed with this package and the notebook's
+    source as it is now, their HTML copies beside the record (`--resume`: the notebooks part goes on where the last
+    call's time limit stopped it, as the tests part does)."""
+    from colo_kit.notebook import SOURCES, source_digest
+
+    kit, html = kit_digest(), path.with_suffix("")
+    records = {n["notebook"]: n for n in (json.loads(path.read_text()).get("notebooks") or {}).get("notebooks", [])}
+    done = set()
+    for number, nb in _notebook_numbers().items():
+        rec = records.get(nb.stem) or {}
+        if (rec.get("status") == "completed" and rec.get("kit_sha256") == kit
+                and rec.get("source_sha256") == source_digest(SOURCES / (nb.stem + ".py"))
+                and (html / (nb.stem + ".html")).exists()):
+            done.add(number)
+    return done
 
 
 def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
@@ -426,8 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu tiers and the rest for the other tests, split by file (e.g. 8 on a 16-core GPU node)")
     ap.add_argument("--per-file", action="store_true", help="tests: the first lane runs each test file in a pytest "
                     "process of its own (a GPU node: what one file's engines keep does not starve the next file's)")
-    ap.add_argument("--resume", action="store_true", help="tests: leave out those the record already holds for "
-                    "the package as it is now (go on where a call's time limit cut the last run)")
+    ap.add_argument("--resume", action="store_true", help="leave out the tests the record already holds for the "
+                    "package as it is now, or the notebooks it holds as completed with this package at their sources "
+                    "(go on where a call's time limit cut the last run)")
     a = ap.parse_args(argv)
     if a.part == "refresh":
         return refresh()
@@ -477,7 +503,17 @@ def main(argv: list[str] | None = None) -> int:
         result = run_tests(extra, a.budget_s, a.parallel, done, per_file=a.per_file)
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
-        result = run_notebooks([lane for lane in lanes if lane] or None, path.with_suffix(""), a.budget_s)
+        lanes = [lane for lane in lanes if lane] or None
+        if a.resume and path.exists():
+            done = notebooks_done(path)
+            lanes = [[n for n in lane if n not in done] for lane in lanes or [sorted(_notebook_numbers())]]
+            lanes = [lane for lane in lanes if lane]
+            print(f"[check] --resume: notebooks {','.join(sorted(done)) or 'none'} already completed with this "
+                  "package at their sources", flush=True)
+            if not lanes:
+                print(f"[check] notebooks: nothing left to run -> {path}")
+                return 0
+        result = run_notebooks(lanes, path.with_suffix(""), a.budget_s)
     record = merge(path, a.part, result)
     part = record[a.part]
     if a.part == "tests":

@@ -372,3 +372,56 @@ def test_prune_drops_only_the_records_of_tests_the_suite_no_longer_has(tmp_path,
     with pytest.raises(SystemExit) as exit_:
         check.main(["prune", "--json", str(tmp_path / "nowhere.json")])
     assert exit_.value.code == 2 and "nowhere.json" in capsys.readouterr().err
+
+
+def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their_sources(tmp_path, capsys):
+    """`check.py notebooks --resume`: a notebook is done only when the record holds it completed, with this package
+    and its source as they are now, and its HTML beside the record; the others run again. A budget under a
+    notebook's minimum makes each selected notebook's record say "not run" without starting a kernel, so the record
+    shows what was selected. With every notebook done, nothing runs and nothing is written."""
+    import json
+
+    from colo_kit.notebook import SOURCES, source_digest
+
+    check = load_script("scripts/check.py")
+    kit, numbers = check.kit_digest(), check._notebook_numbers()
+    path, html = tmp_path / "gpu_check.json", tmp_path / "gpu_check"
+    html.mkdir()
+    items = []
+    for nb in numbers.values():
+        items.append({"notebook": nb.stem, "status": "completed", "kit_sha256": kit, "commit": "c" * 40,
+                      "source_sha256": source_digest(SOURCES / (nb.stem + ".py"))})
+        (html / (nb.stem + ".html")).write_text("<html></html>")
+    path.write_text(json.dumps({"notebooks": {"notebooks": items}}))
+    before = path.read_text()
+    assert check.main(["notebooks", "--json", str(path), "--resume", "--budget-s", "30"]) == 0
+    assert "nothing left to run" in capsys.readouterr().out and path.read_text() == before
+
+    stale = {"01": ("source_sha256", "0" * 64), "03": ("status", "failed"), "04": ("kit_sha256", "0" * 16)}
+    for item in items:
+        key_value = stale.get(item["notebook"][:2])
+        if key_value:
+            item[key_value[0]] = key_value[1]
+    (html / (numbers["02"].stem + ".html")).unlink()
+    path.write_text(json.dumps({"notebooks": {"notebooks": items}}))
+    assert check.main(["notebooks", "--json", str(path), "--resume", "--budget-s", "30"]) == 1
+    status = {n["notebook"][:2]: n["status"] for n in json.loads(path.read_text())["notebooks"]["notebooks"]}
+    assert {n for n, s in status.items() if s == "not run"} == {"01", "02", "03", "04"}, status
+    assert {n for n, s in status.items() if s == "completed"} == set(numbers) - {"01", "02", "03", "04"}
+    # named notebooks: the ones already done among them are left out too
+    path.write_text(json.dumps({"notebooks": {"notebooks": items}}))
+    assert check.main(["notebooks", "--json", str(path), "--resume", "--budget-s", "30", "--notebooks", "00,04"]) == 1
+    status = {n["notebook"][:2]: n["status"] for n in json.loads(path.read_text())["notebooks"]["notebooks"]}
+    assert status == {**dict.fromkeys(numbers, "completed"), "03": "failed", "04": "not run"}, status
+
+    # scripts/gpu/check.sh hands RESUME=1 to the notebooks part too (its interpreter a stand-in writing its arguments)
+    from conftest import clean_env
+
+    stub, out = tmp_path / "py", tmp_path / "args.txt"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in clean_env().items() if k != "OUT"}
+    subprocess.run(["bash", "scripts/gpu/check.sh", "notebooks", "05"], cwd=check.REPO, check=True, timeout=60,
+                   env={**env, "PY": str(stub), "ARGS_OUT": str(out), "RESUME": "1"})
+    argv = out.read_text().splitlines()
+    assert argv[:2] == ["scripts/check.py", "notebooks"] and "--resume" in argv and "05" in argv, argv

@@ -10,6 +10,8 @@
 #                                              # other tests split by file over 7 more, beside it (16 cores)
 #   RESUME=1 bash scripts/gpu/check.sh tests     # only the tests the record lacks for this package: the next call
 #                                              # goes on where the last one's budget cut the suite
+#   RESUME=1 bash scripts/gpu/check.sh notebooks # only the notebooks not yet completed with this package at their
+#                                              # sources (with their HTML beside the record)
 #   PER_FILE=0 bash scripts/gpu/check.sh tests   # the slow tier in one pytest process, not one per test file (the
 #                                              # default: on one H200 the engines test_train's process kept starved
 #                                              # the engines of the files after it)
@@ -43,7 +45,7 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
     ${RESUME:+--resume} -- "$@" || rc=1
 fi
 if [ "$part" = all ] || [ "$part" = notebooks ]; then
-  $PY scripts/check.py notebooks --json "$JSON" --budget-s "$BUDGET" --notebooks "${1:-}" || rc=1
+  $PY scripts/check.py notebooks --json "$JSON" --budget-s "$BUDGET" --notebooks "${1:-}" ${RESUME:+--resume} || rc=1
 fi
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/results"
