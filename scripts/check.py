@@ -504,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lanes = [[n.strip() for n in lane.split(",") if n.strip()] for lane in a.notebooks.split("+")]
         lanes = [lane for lane in lanes if lane] or None
+        unknown = [n for lane in lanes or [] for n in lane if n not in _notebook_numbers()]
+        if unknown:
+            ap.error(f"--notebooks {','.join(unknown)}: no such notebook; use numbers from {sorted(_notebook_numbers())}")
         if a.resume and path.exists():
             done = notebooks_done(path)
             lanes = [[n for n in lane if n not in done] for lane in lanes or [sorted(_notebook_numbers())]]

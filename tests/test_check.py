@@ -414,6 +414,16 @@ def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their
     status = {n["notebook"][:2]: n["status"] for n in json.loads(path.read_text())["notebooks"]["notebooks"]}
     assert status == {**dict.fromkeys(numbers, "completed"), "03": "failed", "04": "not run"}, status
 
+    # a number that names no notebook is refused before anything runs, with or without --resume
+    import pytest
+
+    before = path.read_text()
+    for extra in ([], ["--resume"]):
+        with pytest.raises(SystemExit) as exit_:
+            check.main(["notebooks", "--json", str(path), *extra, "--notebooks", "04,09"])
+        assert exit_.value.code == 2 and "--notebooks 09: no such notebook" in capsys.readouterr().err
+    assert path.read_text() == before
+
     # scripts/gpu/check.sh hands RESUME=1 to the notebooks part too (its interpreter a stand-in writing its arguments)
     from conftest import clean_env
 
