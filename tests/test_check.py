@@ -323,25 +323,26 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     assert mine.read_text() == before
 
 
-def test_the_gpu_check_script_leaves_the_notebook_tests_to_its_notebooks_part(tmp_path):
-    """scripts/gpu/check.sh's `tests` part deselects test_notebook_executes when given no pytest args (its
-    `notebooks` part runs each notebook as Run All does), and passes the args it is given unchanged. The script's
-    interpreter is a stand-in that writes the arguments it got, one per line: the shell's handling is under test."""
-    from pathlib import Path
-
+def _check_sh_argv(tmp_path, *args, **env) -> list[str]:
+    """The arguments scripts/gpu/check.sh hands check.py: its interpreter is a stand-in that writes the arguments it
+    got, one per line, so the shell's handling is what is under test."""
     from conftest import clean_env
 
-    repo = Path(__file__).resolve().parent.parent
-    stub = tmp_path / "py"
+    stub, out = tmp_path / "py", tmp_path / "args.txt"
     stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
     stub.chmod(0o755)
+    base = {k: v for k, v in clean_env().items() if k != "OUT"}
+    subprocess.run(["bash", "scripts/gpu/check.sh", *args], cwd=load_script("scripts/check.py").REPO, check=True,
+                   timeout=60, env={**base, "PY": str(stub), "ARGS_OUT": str(out), **env})
+    return out.read_text().splitlines()
+
+
+def test_the_gpu_check_script_leaves_the_notebook_tests_to_its_notebooks_part(tmp_path):
+    """scripts/gpu/check.sh's `tests` part deselects test_notebook_executes when given no pytest args (its
+    `notebooks` part runs each notebook as Run All does), and passes the args it is given unchanged."""
     seen = {}
     for args in ([], ["tests/test_tp.py", "-k", "sweep"]):
-        out = tmp_path / f"args{len(args)}.txt"
-        env = {k: v for k, v in clean_env().items() if k != "OUT"}
-        subprocess.run(["bash", "scripts/gpu/check.sh", "tests", *args], cwd=repo, check=True, timeout=60,
-                       env={**env, "PY": str(stub), "ARGS_OUT": str(out)})
-        argv = out.read_text().splitlines()
+        argv = _check_sh_argv(tmp_path, "tests", *args)
         seen[len(args)] = argv[argv.index("--") + 1:]
     assert seen[0] == ["-k", "not test_notebook_executes"]
     assert seen[3] == ["tests/test_tp.py", "-k", "sweep"]
@@ -424,14 +425,6 @@ def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their
         assert exit_.value.code == 2 and "--notebooks 09: no such notebook" in capsys.readouterr().err
     assert path.read_text() == before
 
-    # scripts/gpu/check.sh hands RESUME=1 to the notebooks part too (its interpreter a stand-in writing its arguments)
-    from conftest import clean_env
-
-    stub, out = tmp_path / "py", tmp_path / "args.txt"
-    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
-    stub.chmod(0o755)
-    env = {k: v for k, v in clean_env().items() if k != "OUT"}
-    subprocess.run(["bash", "scripts/gpu/check.sh", "notebooks", "05"], cwd=check.REPO, check=True, timeout=60,
-                   env={**env, "PY": str(stub), "ARGS_OUT": str(out), "RESUME": "1"})
-    argv = out.read_text().splitlines()
+    # scripts/gpu/check.sh hands RESUME=1 to the notebooks part too
+    argv = _check_sh_argv(tmp_path, "notebooks", "05", RESUME="1")
     assert argv[:2] == ["scripts/check.py", "notebooks"] and "--resume" in argv and "05" in argv, argv
