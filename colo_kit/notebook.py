@@ -52,21 +52,43 @@ def source_digest(src: Path) -> str:
     return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
 
 
-# The committed check runs: tier -> (the machine as a learner reads it, its file under results/)
-CHECKS = {"cpu": ("CPU laptop (2 cores)", "cpu_check.json"), "gpu": ("1×H200", "gpu_check.json")}
+# The committed check runs: tier -> its file under results/. Each item names the machine it ran on (`machine`,
+# written by scripts/check.py); an item older than that field ran on the machine its file's `env` names.
+CHECKS = {"cpu": "cpu_check.json", "gpu": "gpu_check.json"}
+UNMEASURED = {"cpu": "CPU laptop", "gpu": "1 GPU"}  # a tier with no record yet
+
+
+def machine_label(env: dict) -> str:
+    """A machine as a learner reads it, from a record's `env` (`colo_kit.env.describe`): `1×H200`, `2×H100`, or
+    `CPU laptop (2 cores)` without GPUs. A GPU node lent for a check can be an H100 one day and an H200 the next."""
+    gpus = env.get("gpus") or []
+    if not gpus:
+        return f"CPU laptop ({env.get('cpu_count', '?')} cores)"
+    names = sorted({g.get("name", "GPU").removeprefix("NVIDIA ").split()[0] for g in gpus})
+    return f"{len(gpus)}×{'/'.join(names)}"
 
 
 def measured_runs() -> dict[str, dict[str, dict]]:
-    """{notebook: {"cpu" | "gpu": its record}} from results/cpu_check.json and gpu_check.json, full runs only."""
+    """{notebook: {"cpu" | "gpu": its record}} from results/cpu_check.json and gpu_check.json, full runs only; each
+    record with its `machine`."""
     from colo_kit.paths import results_dir
 
     out: dict[str, dict[str, dict]] = {}
-    for tier, (_, name) in CHECKS.items():
+    for tier, name in CHECKS.items():
         path = results_dir() / name
-        for rec in json.loads(path.read_text()).get("notebooks", {}).get("notebooks", []) if path.exists() else []:
+        record = json.loads(path.read_text()) if path.exists() else {}
+        for rec in record.get("notebooks", {}).get("notebooks", []):
             if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
-                out.setdefault(rec["notebook"], {})[tier] = rec
+                machine = rec.get("machine") or machine_label(record.get("env") or {})
+                out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine}
     return out
+
+
+def tier_machines(tier: str, runs: dict | None = None) -> str:
+    """The machines a tier's notebook records ran on, as one label ("1×H200", "1×H100 and 1×H200"); the tier's
+    generic name while it has none."""
+    labels = sorted({r[tier]["machine"] for r in (measured_runs() if runs is None else runs).values() if tier in r})
+    return " and ".join(labels) or UNMEASURED[tier]
 
 
 def _minutes(rec: dict | None) -> str:
@@ -76,31 +98,46 @@ def _minutes(rec: dict | None) -> str:
 def measured_times(stem: str) -> str:
     """What a notebook's header says about its Run All time on each kind of machine, and which run said so."""
     runs = measured_runs().get(stem, {})
-    times = [f"{label} {_minutes(runs[t])}" if t in runs else f"{label}: not measured"
-             for t, (label, _) in CHECKS.items()]
-    where = [f"`results/{name}` at {(runs[t].get('commit') or '?')[:7]}" for t, (_, name) in CHECKS.items() if t in runs]
+    times = [f"{runs[t]['machine']} {_minutes(runs[t])}" if t in runs else f"{UNMEASURED[t]}: not measured"
+             for t in CHECKS]
+    where = [f"`results/{name}` at {(runs[t].get('commit') or '?')[:7]}" for t, name in CHECKS.items() if t in runs]
     return " · ".join(times + ["8 GPUs: not measured"]) + (f" ({', '.join(where)})" if where else "")
 
 
 def refresh_tables(text: str) -> str:
     """README.md's hardware matrix and INSTRUCTOR.md's schedule and memory tables with the committed check
-    runs' times and peaks written in (`python scripts/check.py refresh`); a test fails while they differ."""
+    runs' times, peaks and machines written in (`python scripts/check.py refresh`); a test fails while they differ.
+    A header names the machine a column's numbers came from; where a tier's notebooks ran on more than one kind
+    of machine, each cell names its own."""
     runs = measured_runs()
+    machines = {t: tier_machines(t, runs) for t in CHECKS}
 
     def rec(stem: str, tier: str) -> dict | None:
         return runs.get(stem, {}).get(tier)
 
-    def peak(r: dict | None, key: str) -> str:
-        return f"{r[key]:.1f} GiB" if r and r.get(key) is not None else "not recorded yet"
+    def mixed(r: dict | None, tier: str) -> str:
+        return f" ({r['machine']})" if r and " and " in machines[tier] else ""
+
+    def peak(r: dict | None, key: str, tier: str) -> str:
+        return f"{r[key]:.1f} GiB{mixed(r, tier)}" if r and r.get(key) is not None else "not recorded yet"
+
+    def minutes(stem: str, tier: str) -> str:
+        return _minutes(rec(stem, tier)) + mixed(rec(stem, tier), tier)
 
     out = []
     for line in text.split("\n"):
         if m := re.match(r"^(\| \d:\d\d–\d:\d\d \| `(\d\d_\w+)` \| )[^|]*( \|.*)$", line):  # INSTRUCTOR's schedule
-            line = m[1] + " / ".join(_minutes(rec(m[2], t)) for t in ("cpu", "gpu")) + m[3]
+            line = m[1] + " / ".join(minutes(m[2], t) for t in ("cpu", "gpu")) + m[3]
         elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]* \| )[^|]* \| [^|]*( \|)$", line):  # INSTRUCTOR's memory
-            line = m[1] + f"{peak(rec(m[2], 'cpu'), 'peak_rss_gib')} | {peak(rec(m[2], 'gpu'), 'peak_gpu_gib')}" + m[3]
+            line = m[1] + f"{peak(rec(m[2], 'cpu'), 'peak_rss_gib', 'cpu')} | " \
+                          f"{peak(rec(m[2], 'gpu'), 'peak_gpu_gib', 'gpu')}" + m[3]
         elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]*?· )[^|]*?( \| [^|]*?· )[^|]*?( \|.*)$", line):  # README
-            line = m[1] + _minutes(rec(m[2], "cpu")) + m[3] + _minutes(rec(m[2], "gpu")) + m[4]
+            line = m[1] + minutes(m[2], "cpu") + m[3] + minutes(m[2], "gpu") + m[4]
+        elif m := re.match(r"^(\| slot \| notebook \| Run All: )[^|]*( \|.*)$", line):  # the schedule's header
+            line = m[1] + f"{machines['cpu']} / {machines['gpu']}" + m[2]
+        elif m := re.match(r"^(\| notebook \| what runs \| peak, )[^|]*( \| peak, )[^|]*( \|)$", line):
+            line = m[1] + machines["cpu"] + m[2] + machines["gpu"] + m[3]
+        line = re.sub(r"(the 1-GPU times (?:below|here) are from )[^.;)]*", lambda m: m[1] + machines["gpu"], line)
         out.append(line)
     return "\n".join(out)
 

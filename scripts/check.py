@@ -318,19 +318,28 @@ def notebooks_done(path: Path) -> set[str]:
 
 def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
     """Put `result` into the record at `path`: items this run made replace the same items of an
-    earlier run; the others are kept with the commit they ran at. `env`: the machine of a result made elsewhere
-    (`merge --from`), which keeps its own commit."""
+    earlier run; the others are kept with the commit and the machine they ran on. `env`: the machine of a result
+    made elsewhere (`merge --from`), which keeps its own commit."""
     from colo_kit.env import describe
+    from colo_kit.notebook import machine_label
 
+    foreign = env is not None
     record = json.loads(path.read_text()) if path.exists() else {}
+    env = env or describe()
+    if record.get("env"):  # the items so far ran on the machine the record named: keep that with each of them
+        before = machine_label(record["env"])
+        for earlier in ("tests", "notebooks"):
+            for item in (record.get(earlier) or {}).get(earlier, []):
+                item.setdefault("machine", before)
     record.update({"what": "the test suite and every notebook, executed as JupyterLab's Run All runs them",
-                   "env": env or describe(), "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
-    result = {**result, **_commit()} if env is None else result
+                   "env": env, "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    result = {**result, **_commit()} if not foreign else result
     key = "tests" if part == "tests" else "notebooks"
     old = record.get(part, {})
-    kit = kit_digest() if env is None else None  # a foreign item's package is the one it ran, not this one's
+    kit = kit_digest() if not foreign else None  # a foreign item's package is the one it ran, not this one's
     for item in result[key]:
         item.setdefault("commit", result["commit"])
+        item.setdefault("machine", machine_label(env))
         if kit:
             item.setdefault("kit_sha256", kit)
     if old.get(key):
@@ -361,6 +370,8 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
     """Fold a record made on another machine (a GPU node's, brought back by the device tool) into the one at `path`:
     its items replace the same items and keep the commit, package and machine they ran on, each named `run`; the
     executed notebooks' HTML comes along; `runs` says what ran and how it ended."""
+    from colo_kit.notebook import machine_label
+
     src = json.loads(source.read_text())
     record = json.loads(path.read_text()) if path.exists() else {}
     for part in ("tests", "notebooks"):
@@ -375,7 +386,8 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
                 path.with_suffix("").mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(html, path.with_suffix("") / html.name)
         record.setdefault("runs", []).append(
-            {"run": run, "commit": result.get("commit"), "part": part, "seconds": result.get("seconds"),
+            {"run": run, "commit": result.get("commit"), "part": part, "machine": machine_label(src.get("env") or {}),
+             "seconds": result.get("seconds"),
              "command": result.get("command"), "ended": ended or str(result.get("counts") or {
                  n["notebook"]: n["status"] for n in result.get("notebooks", [])})})
         path.write_text(json.dumps(record, indent=1) + "\n")

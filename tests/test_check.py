@@ -276,7 +276,8 @@ def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_th
 
 def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commit_and_html(tmp_path, capsys):
     """A GPU node's record, brought back: its items replace the same items of the committed record with the commit,
-    package and machine they ran on, the rest stay, counts are recounted, its HTML comes along, `runs` names it."""
+    package and machine they ran on, the rest stay (each naming the machine it ran on, which the record's `env` no
+    longer says once another kind of GPU node ran), counts are recounted, its HTML comes along, `runs` names it."""
     import json
 
     import pytest
@@ -285,7 +286,7 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     mine = tmp_path / "results" / "gpu_check.json"
     mine.parent.mkdir()
     mine.write_text(json.dumps({
-        "env": {"gpu": "old"}, "runs": [{"run": "A"}],
+        "env": {"gpus": [{"index": 0, "name": "NVIDIA H200"}]}, "runs": [{"run": "A"}],
         "tests": {"commit": "a" * 40, "tests": [{"nodeid": "t::kept", "outcome": "passed", "commit": "a" * 40},
                                                 {"nodeid": "t::redone", "outcome": "failed", "commit": "a" * 40}]},
         "notebooks": {"commit": "a" * 40, "notebooks": [{"notebook": "00_x", "status": "completed"}]}}))
@@ -293,7 +294,7 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     (there.parent / "gpu_check").mkdir(parents=True)
     (there.parent / "gpu_check" / "01_y.html").write_text("<html>01</html>")
     there.write_text(json.dumps({
-        "env": {"gpu": "NVIDIA H200"},
+        "env": {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3"}]},
         "tests": {"commit": "b" * 40, "seconds": 9.5, "command": "pytest t", "counts": {"passed": 1},
                   "tests": [{"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1"},
                             {"nodeid": "t::undigested", "outcome": "passed", "commit": "b" * 40}]},
@@ -303,15 +304,17 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     rec = json.loads(mine.read_text())
     tests = {t["nodeid"]: t for t in rec["tests"]["tests"]}
     assert tests["t::redone"] == {"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1",
-                                  "run": "S"}
+                                  "run": "S", "machine": "1×H100"}
     assert tests["t::kept"]["outcome"] == "passed" and tests["t::kept"]["commit"] == "a" * 40
+    assert tests["t::kept"]["machine"] == "1×H200"  # it ran on the machine the record named before
     assert "kit_sha256" not in tests["t::undigested"]  # this machine's package is not the one it ran
     assert rec["tests"]["counts"] == {"passed": 3} and rec["tests"]["commit"] == "b" * 40
-    assert rec["env"] == {"gpu": "NVIDIA H200"}  # the machine the items ran on, not this one
-    assert {n["notebook"]: n.get("run") for n in rec["notebooks"]["notebooks"]} == {"00_x": None, "01_y": "S"}
+    assert rec["env"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"  # the machine the items ran on, not this one
+    assert {n["notebook"]: (n.get("run"), n["machine"]) for n in rec["notebooks"]["notebooks"]} == {
+        "00_x": (None, "1×H200"), "01_y": ("S", "1×H100")}
     assert (mine.parent / "gpu_check" / "01_y.html").read_text() == "<html>01</html>"
-    assert [(r["run"], r.get("part"), r.get("ended")) for r in rec["runs"]] == [
-        ("A", None, None), ("S", "tests", "all ran"), ("S", "notebooks", "all ran")]
+    assert [(r["run"], r.get("part"), r.get("machine"), r.get("ended")) for r in rec["runs"]] == [
+        ("A", None, None, None), ("S", "tests", "1×H100", "all ran"), ("S", "notebooks", "1×H100", "all ran")]
     # bad input: one line naming the value and the fix, exit 2, the record untouched
     before = mine.read_text()
     for bad, said in ((tmp_path / "nowhere.json", "no such record"), (mine.parent / "empty.json", "no tests")):

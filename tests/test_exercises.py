@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from colo_kit.labs import lab
-from colo_kit.notebook import NOTEBOOKS, SOURCES, TIMES, parse_source, refresh_tables, source_digest
+from colo_kit.notebook import (NOTEBOOKS, SOURCES, TIMES, machine_label, measured_times, parse_source, refresh_tables,
+                               source_digest)
 from colo_kit.paths import REPO_ROOT
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
@@ -89,9 +90,10 @@ def test_the_times_a_notebook_states_are_the_measured_ones(src):
     import nbformat
 
     head = nbformat.read(NOTEBOOKS / (src.stem + ".ipynb"), as_version=4).cells[0].source
-    for tier, name in (("CPU laptop", "cpu_check.json"), ("1×H200", "gpu_check.json")):
+    for name in ("cpu_check.json", "gpu_check.json"):
         record = json.loads((REPO_ROOT / "results" / name).read_text())
         nb = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}[src.stem]
+        tier = re.escape(nb.get("machine") or machine_label(record["env"]))  # the machine it ran on, by name
         stated = _stated_minutes(head, tier)
         assert stated is not None, f"{src.stem}.ipynb: no {tier} time; run `python scripts/check.py refresh`"
         assert abs(stated - nb["seconds"] / 60) <= 0.05 + 1e-9, f"{src.stem}.ipynb: says {stated} min on {tier}, " \
@@ -104,6 +106,52 @@ def test_the_docs_tables_hold_the_measured_times_and_peaks(doc):
     text = (REPO_ROOT / doc).read_text()
     assert refresh_tables(text) == text, f"{doc}: its times or peaks are not the committed check runs'; " \
                                          "run `python scripts/check.py refresh`"
+
+
+def test_each_number_names_the_machine_it_was_measured_on_even_when_the_gpu_check_spans_two_kinds(
+        tmp_path, monkeypatch):
+    """A lent GPU node is an H200 one day and an H100 the next: the header, the docs' tables and the "What you should
+    see" boxes name the machine of each record (its `machine`, or its file's `env` for a record older than that),
+    never a fixed "1×H200"."""
+    h100 = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "mem_gib": 79.2}], "cpu_count": 16}
+    h200 = {"gpus": [{"index": 0, "name": "NVIDIA H200", "mem_gib": 140.4}], "cpu_count": 16}
+    assert machine_label(h100) == "1×H100" and machine_label({"gpus": h200["gpus"] * 2}) == "2×H200"
+    assert machine_label({"cpu_count": 2}) == "CPU laptop (2 cores)"
+
+    def nb(stem, seconds, **extra):
+        return {"notebook": stem, "status": "completed", "seconds": seconds, "commit": "c" * 40,
+                "peak_rss_gib": 1.0, "peak_gpu_gib": 20.0, **extra}
+
+    monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path))
+    (tmp_path / "cpu_check.json").write_text(json.dumps({"env": {"cpu_count": 4}, "notebooks": {"notebooks": [
+        nb("00_quickstart", 30, facts={"00.k": {"tok_per_s": 912.0}})]}}))
+    # a record older than `machine`: every item ran on the H100 its env names
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"env": h100, "notebooks": {"notebooks": [
+        nb("00_quickstart", 120, facts={"00.k": {"tok_per_s": 20810.4}}), nb("02_sleep_mode", 60)]}}))
+    head = measured_times("00_quickstart")
+    assert head.startswith("CPU laptop (4 cores) ~0.5 min · 1×H100 ~2.0 min") and "H200" not in head, head
+    instructor = (REPO_ROOT / "docs" / "INSTRUCTOR.md").read_text()
+    text = refresh_tables(instructor)
+    assert "| slot | notebook | Run All: CPU laptop (4 cores) / 1×H100 |" in text
+    assert "| notebook | what runs | peak, CPU laptop (4 cores) | peak, 1×H100 |" in text and "1×H200" not in text
+    assert "the 1-GPU times below are from 1×H100)" in refresh_tables((REPO_ROOT / "README.md").read_text())
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj.data))
+    lab.see("00.k", "a test box", tok_per_s=15000.0, tp2_over_tp1=None)
+    assert "this run: tok_per_s 15,000, tp2_over_tp1 n/a" in shown[0]
+    assert "measured on CPU laptop (4 cores): tok_per_s 912 " in shown[0]
+    assert "measured on 1×H100: tok_per_s 20,810 (`results/gpu_check.json`" in shown[0], shown[0]
+
+    # the next call lands on an H200: its item says so, and each cell of a mixed column names its own machine
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    record["notebooks"]["notebooks"][1].update(machine="1×H200")
+    (tmp_path / "gpu_check.json").write_text(json.dumps(record))
+    text = refresh_tables(instructor)
+    assert "| slot | notebook | Run All: CPU laptop (4 cores) / 1×H100 and 1×H200 |" in text
+    assert "| `02_sleep_mode` | one engine and a trainer model | not recorded yet | 20.0 GiB (1×H200) |" in text
+    assert "| `00_quickstart` | one trainer with its engine | 1.0 GiB | 20.0 GiB (1×H100) |" in text
+    assert "1×H200 ~1.0 min" in measured_times("02_sleep_mode")
 
 
 def test_refresh_rewrites_a_stale_time_and_peak():

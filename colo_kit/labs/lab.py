@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colo_kit.notebook import CHECKS, measured_runs
+from colo_kit.notebook import CHECKS, UNMEASURED, measured_runs
 
 
 @dataclass(frozen=True)
@@ -236,32 +236,42 @@ FACT_KEY = "colo_kit_fact"  # display metadata scripts/check.py collects from ex
 
 
 def measured_facts(key: str) -> dict[str, dict]:
-    """{tier: {"values", "source", ...}} for `key` from the committed check runs (`notebook.measured_runs`)."""
+    """{tier: {"label", "values", "source", "commit"}} for `key` from the committed check runs
+    (`notebook.measured_runs`); `label` is the machine the value was measured on."""
     out = {}
     for runs in measured_runs().values():
         for tier, rec in runs.items():
             fact = (rec.get("facts") or {}).get(key)
             if fact is not None:
-                label, name = CHECKS[tier]
-                out[tier] = {"label": label, "values": fact, "source": f"results/{name}",
+                out[tier] = {"label": rec["machine"], "values": fact, "source": f"results/{CHECKS[tier]}",
                              "commit": (rec.get("commit") or "")[:7]}
     return out
 
 
+def _value(v) -> str:
+    # whole numbers from 1,000 up as such: `.4g` would show an H200's 20,810 tokens/s as 2.081e+04
+    if v is None:
+        return "n/a"  # not measurable on that machine (a TP 2 ratio on one GPU)
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10000 else f"{v}"
+
+
 def see(key: str, what: str, **values) -> None:
     """Show a "What you should see" box: `what` it means, this run's `values`, and what the kit's check runs
-    measured on a CPU laptop and an H200; the values ride along as metadata, which `scripts/check.py` records."""
+    measured on a CPU laptop and on a GPU node, each named; the values ride along as metadata, which
+    `scripts/check.py` records."""
     from IPython.display import Markdown, display
 
     def fmt(vals: dict) -> str:
-        return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in vals.items())
+        return ", ".join(f"{k} {_value(v)}" for k, v in vals.items())
 
     lines = [f"**What you should see** — {what}", "", f"- this run: {fmt(values)}"]
     measured = measured_facts(key)
-    for tier, (label, name) in CHECKS.items():
+    for tier in CHECKS:
         m = measured.get(tier)
-        lines.append(f"- measured on {label}: {fmt(m['values'])} (`{m['source']}`, commit {m['commit']})" if m
-                     else f"- measured on {label}: not recorded yet (`scripts/check.py` records it)")
+        lines.append(f"- measured on {m['label']}: {fmt(m['values'])} (`{m['source']}`, commit {m['commit']})" if m
+                     else f"- measured on {UNMEASURED[tier]}: not recorded yet (`scripts/check.py` records it)")
     display(Markdown("\n".join(lines)), metadata={FACT_KEY: {key: _plain(values)}})
 
 
