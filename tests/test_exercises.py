@@ -199,9 +199,10 @@ def _suite_functions() -> set[str]:
     return {i.split("[")[0] for i in ids}
 
 
-@pytest.mark.xfail(strict=True, reason="owed: the GPU check's tests part with the package as it is now; run S "
-                                       "recorded 604 tests, its budget stopped the GPU tier at test_lora, and twelve "
-                                       "tests added or renamed since have no GPU record: scripts/gpu/README.md, item 1")
+@pytest.mark.xfail(strict=True, reason="owed: the GPU check's tests part with the package as it is now (its items "
+                                       "name their machine since ef8f825cbfad55cb): run S recorded 604 tests of the "
+                                       "package before, its budget stopped the GPU tier at test_lora, and thirteen tests "
+                                       "added or renamed since have no GPU record: scripts/gpu/README.md, item 1")
 def test_the_gpu_check_ran_every_test_and_none_failed():
     tests = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())["tests"]
     assert not tests.get("not_run"), f"{len(tests['not_run'])} tests not run on the GPU"
@@ -216,10 +217,9 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
 @pytest.mark.parametrize("name", [
     "cpu_check.json",
     pytest.param("gpu_check.json", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the GPU check of the package as it is now: the 42 tests after run S's cut (test_math500's engine runs "
-        "through test_two_machines) last ran the package of c2cf0778385fe1d9, before its docstrings were shortened, "
-        "quiet() hid the resource tracker's warning and kit functions took GRPOConfig's names: scripts/gpu/README.md, "
-        "item 1"))),
+        "owed: the GPU check of the package as it is now (ef8f825cbfad55cb: each item names its machine, the boxes "
+        "take their labels from the records): every GPU item last ran an earlier package (run S's 604 tests "
+        "d4859b5c6ed702e2, the rest and the seven notebooks c2cf0778385fe1d9): scripts/gpu/README.md, item 1"))),
 ])
 def test_the_cpu_and_the_gpu_check_ran_the_package_as_it_is_now(name):
     """Every item of both checks records the package it ran (`kit_sha256`, scripts/check.py's kit_digest over
