@@ -138,8 +138,8 @@ def test_each_number_names_the_machine_it_was_measured_on_even_when_the_gpu_chec
 
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj.data))
-    lab.see("00.k", "a test box", tok_per_s=15000.0, tp2_over_tp1=None)
-    assert "this run: tok_per_s 15,000, tp2_over_tp1 n/a" in shown[0]
+    lab.see("00.k", "a test box", tok_per_s=15000.0, tp2_over_tp1=None, kv_tokens=1036, steps=40)
+    assert "this run: tok_per_s 15,000, tp2_over_tp1 n/a, kv_tokens 1,036, steps 40" in shown[0]
     assert "measured on CPU laptop (4 cores): tok_per_s 912 " in shown[0]
     assert "measured on 1×H100: tok_per_s 20,810 (`results/gpu_check.json`" in shown[0], shown[0]
 

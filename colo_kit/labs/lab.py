@@ -254,7 +254,7 @@ def _value(v) -> str:
         return "n/a"  # not measurable on that machine (a TP 2 ratio on one GPU)
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10000 else f"{v}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1000 else f"{v}"
 
 
 def see(key: str, what: str, **values) -> None:
