@@ -84,13 +84,6 @@ def measured_runs() -> dict[str, dict[str, dict]]:
     return out
 
 
-def tier_machines(tier: str, runs: dict | None = None) -> str:
-    """The machines a tier's notebook records ran on, as one label ("1×H200", "1×H100 and 1×H200"); the tier's
-    generic name while it has none."""
-    labels = sorted({r[tier]["machine"] for r in (measured_runs() if runs is None else runs).values() if tier in r})
-    return " and ".join(labels) or UNMEASURED[tier]
-
-
 def _minutes(rec: dict | None) -> str:
     return f"~{rec['seconds'] / 60:.1f} min" if rec else "not measured"
 
@@ -110,13 +103,14 @@ def refresh_tables(text: str) -> str:
     A header names the machine a column's numbers came from; where a tier's notebooks ran on more than one kind
     of machine, each cell names its own."""
     runs = measured_runs()
-    machines = {t: tier_machines(t, runs) for t in CHECKS}
+    kinds = {t: sorted({r[t]["machine"] for r in runs.values() if t in r}) for t in CHECKS}
+    machines = {t: " and ".join(kinds[t]) or UNMEASURED[t] for t in CHECKS}  # a header: "1×H100 and 1×H200"
 
     def rec(stem: str, tier: str) -> dict | None:
         return runs.get(stem, {}).get(tier)
 
     def mixed(r: dict | None, tier: str) -> str:
-        return f" ({r['machine']})" if r and " and " in machines[tier] else ""
+        return f" ({r['machine']})" if r and len(kinds[tier]) > 1 else ""
 
     def peak(r: dict | None, key: str, tier: str) -> str:
         return f"{r[key]:.1f} GiB{mixed(r, tier)}" if r and r.get(key) is not None else "not recorded yet"
@@ -137,7 +131,7 @@ def refresh_tables(text: str) -> str:
             line = m[1] + f"{machines['cpu']} / {machines['gpu']}" + m[2]
         elif m := re.match(r"^(\| notebook \| what runs \| peak, )[^|]*( \| peak, )[^|]*( \|)$", line):
             line = m[1] + machines["cpu"] + m[2] + machines["gpu"] + m[3]
-        line = re.sub(r"(the 1-GPU times (?:below|here) are from )[^.;)]*", lambda m: m[1] + machines["gpu"], line)
+        line = re.sub(r"(the 1-GPU times below are from )[^.;)]*", lambda m: m[1] + machines["gpu"], line)
         out.append(line)
     return "\n".join(out)
 

@@ -249,12 +249,11 @@ def measured_facts(key: str) -> dict[str, dict]:
 
 
 def _value(v) -> str:
-    # whole numbers from 1,000 up as such: `.4g` would show an H200's 20,810 tokens/s as 2.081e+04
     if v is None:
         return "n/a"  # not measurable on that machine (a TP 2 ratio on one GPU)
-    if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1000 else f"{v}"
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 1000:
+        return f"{v:,.0f}"  # `.4g` would show an H200's 20,810 tokens/s as 2.081e+04
+    return f"{v:.4g}" if isinstance(v, float) else f"{v}"
 
 
 def see(key: str, what: str, **values) -> None:
