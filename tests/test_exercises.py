@@ -200,7 +200,7 @@ def _suite_functions() -> set[str]:
 
 
 @pytest.mark.xfail(strict=True, reason="owed: the GPU check's tests part with the package as it is now (its items "
-                                       "name their machine since c110b056fb551d2d): run S recorded 604 tests of the "
+                                       "name their machine since 5fbe6e0980d662c9): run S recorded 604 tests of the "
                                        "package before, its budget stopped the GPU tier at test_lora, and thirteen tests "
                                        "added or renamed since have no GPU record: scripts/gpu/README.md, item 1")
 def test_the_gpu_check_ran_every_test_and_none_failed():
@@ -217,7 +217,7 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
 @pytest.mark.parametrize("name", [
     "cpu_check.json",
     pytest.param("gpu_check.json", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the GPU check of the package as it is now (c110b056fb551d2d: each item names its machine, the boxes "
+        "owed: the GPU check of the package as it is now (5fbe6e0980d662c9: each item names its machine, the boxes "
         "take their labels from the records): every GPU item last ran an earlier package (run S's 604 tests "
         "d4859b5c6ed702e2, the rest and the seven notebooks c2cf0778385fe1d9): scripts/gpu/README.md, item 1"))),
 ])
