@@ -75,7 +75,6 @@ def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
     """`subprocess.run` in a session of its own, so a timeout ends the whole tree (a vLLM server a
     test started, a notebook's kernel) instead of leaving it on the GPU for the next part. With `peaks`,
     the tree's peak memory is sampled into it while it runs (`_sample_peaks`)."""
-    import signal
     import threading
 
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **kwargs)
@@ -88,13 +87,56 @@ def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
         return "timeout", out, err
     finally:
         done.set()
         if sampler is not None:
             sampler.join()
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and every process it started, in whatever session: jupyter_client
+    starts a notebook's kernel in a session of its own, so killing the group alone left a cut notebook's kernel
+    holding its engine's GPU memory (26 GiB on an H100) for whatever ran next."""
+    import signal
+
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    groups = {pid}
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for g in groups - {os.getpgrp()}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in tree:  # a process that left its group too
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in tree):  # its memory is free once it is gone
+        time.sleep(0.05)
+
+
+def _alive(p) -> bool:
+    """False once `p` has exited, a zombie included (a reparented one waits for a reaper that may never come)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
@@ -376,11 +418,16 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
     record = json.loads(path.read_text()) if path.exists() else {}
     for part in ("tests", "notebooks"):
         result = dict(src.get(part) or {})
-        if not result.get(part):
+        # a device record that began as a copy of this one (`--resume`) still holds what earlier runs made, and a
+        # notebook the budget left out is listed as "not run": neither is this run's to name
+        ours = {_made(item) for item in (record.get(part) or {}).get(part, [])}
+        made = [item for item in result.get(part) or []
+                if item.get("status") != "not run" and _made(item) not in ours]
+        if not made:
             continue
-        result[part] = [{**item, "run": run} for item in result[part]]
+        made = result[part] = [{**item, "run": run} for item in made]
         record = merge(path, part, result, env=src.get("env"))
-        for nb in result[part] if part == "notebooks" else []:
+        for nb in made if part == "notebooks" else []:
             html = source.with_suffix("") / f"{nb['notebook']}.html"
             if html.exists():
                 path.with_suffix("").mkdir(parents=True, exist_ok=True)
@@ -388,10 +435,17 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
         record.setdefault("runs", []).append(
             {"run": run, "commit": result.get("commit"), "part": part, "machine": machine_label(src.get("env") or {}),
              "seconds": result.get("seconds"),
-             "command": result.get("command"), "ended": ended or str(result.get("counts") or {
-                 n["notebook"]: n["status"] for n in result.get("notebooks", [])})})
+             "command": result.get("command"), "ended": ended or str(
+                 {n["notebook"]: n["status"] for n in made} if part == "notebooks" else
+                 {o: sum(t["outcome"] == o for t in made) for o in sorted({t["outcome"] for t in made})})})
         path.write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+def _made(item: dict) -> tuple:
+    """What tells one run's item from another's: the test or notebook, where and when it ran, how it ended."""
+    return (item.get("nodeid") or item.get("notebook"), item.get("commit"), item.get("seconds"),
+            item.get("outcome") or item.get("status"))
 
 
 def prune(path: Path) -> list[str]:
@@ -484,8 +538,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--from {a.source}: not JSON ({exc}); give the JSON the other machine wrote")
         if not any((src.get(part) or {}).get(part) for part in ("tests", "notebooks")):
             ap.error(f"--from {a.source}: no tests or notebooks in it; give the JSON scripts/check.py wrote there")
+        before = len(json.loads(Path(a.json).read_text()).get("runs", [])) if Path(a.json).exists() else 0
         record = merge_from(Path(a.json), a.source, a.run, a.ended)
-        print(f"[check] merged run {a.run} -> {a.json}: tests {record.get('tests', {}).get('counts')}")
+        folded = record.get("runs", [])[before:]
+        print(f"[check] run {a.run} -> {a.json}: " + ("; ".join(f"{r['part']} {r['ended']}" for r in folded) or
+              "nothing new (every item in it is in the record already)"))
         return 0
     if a.budget_s != a.budget_s or a.budget_s <= 0:
         ap.error(f"--budget-s {a.budget_s}: give a positive number of seconds")

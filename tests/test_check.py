@@ -113,16 +113,37 @@ def test_parallel_tests_run_the_slow_tier_in_one_lane_and_split_the_rest_by_file
     assert record.read_text() == before  # a refused run writes nothing
 
 
-def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed(tmp_path, monkeypatch):
+# Starts a child in a session of its own, as jupyter_client starts a notebook's kernel, writes its pid, then waits.
+KERNEL_LIKE = """
+import pathlib, subprocess, sys, time
+kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+pathlib.Path(sys.argv[1]).write_text(str(kernel.pid))
+time.sleep(120)
+"""
+
+
+def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed_and_leaves_no_kernel_behind(tmp_path,
+                                                                                                  monkeypatch):
     """A notebook still running when the call's time budget ends is killed; its record says it was cut, so a
-    reader does not look for an error that never happened. The kill is real: a process that outlives its time."""
+    reader does not look for an error that never happened. The kill is real and reaches the kernel, which
+    jupyter_client starts in a session of its own: a kernel left alive holds its engine's GPU memory."""
     check = load_script("scripts/check.py")
     real_run = check._run
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    monkeypatch.setattr(check, "_run", lambda cmd, left, peaks, **kw: real_run(sleeper, 1, peaks, **kw))
+    script, pid_file = tmp_path / "kernel_like.py", tmp_path / "kernel.pid"
+    script.write_text(KERNEL_LIKE)
+
+    def cut(cmd, left, peaks, **kw):
+        return real_run([sys.executable, str(script), str(pid_file)], 8, peaks, **kw)  # time to write its pid
+
+    monkeypatch.setattr(check, "_run", cut)
     rec = check.run_notebooks([["04"]], tmp_path / "html", budget_s=100)["notebooks"][0]
     assert rec["status"].startswith("cut by the time budget ("), rec
-    assert rec["seconds"] < 30 and "error_tail" not in rec
+    assert rec["seconds"] < 60 and "error_tail" not in rec
+    kernel = psutil.Process(int(pid_file.read_text())) if pid_file.exists() else None
+    left = kernel is not None and check._alive(kernel)
+    if left:
+        kernel.kill()
+    assert kernel is not None and not left, "the cut notebook's kernel outlived it" if left else "it never started"
 
 
 def test_resume_runs_only_the_tests_the_record_lacks_for_this_package(tmp_path):
@@ -297,9 +318,12 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
         "env": {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3"}]},
         "tests": {"commit": "b" * 40, "seconds": 9.5, "command": "pytest t", "counts": {"passed": 1},
                   "tests": [{"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1"},
-                            {"nodeid": "t::undigested", "outcome": "passed", "commit": "b" * 40}]},
+                            {"nodeid": "t::undigested", "outcome": "passed", "commit": "b" * 40},
+                            # the device's record began as a copy of this one (`--resume`): not this run's
+                            {"nodeid": "t::kept", "outcome": "passed", "commit": "a" * 40}]},
         "notebooks": {"commit": "b" * 40, "notebooks": [{"notebook": "01_y", "status": "completed",
-                                                         "commit": "b" * 40, "kit_sha256": "k1"}]}}))
+                                                         "commit": "b" * 40, "kit_sha256": "k1"},
+                                                        {"notebook": "00_x", "status": "not run", "commit": "b" * 40}]}}))
     assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "S", "--ended", "all ran"]) == 0
     rec = json.loads(mine.read_text())
     tests = {t["nodeid"]: t for t in rec["tests"]["tests"]}
@@ -307,6 +331,7 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
                                   "run": "S", "machine": "1×H100"}
     assert tests["t::kept"]["outcome"] == "passed" and tests["t::kept"]["commit"] == "a" * 40
     assert tests["t::kept"]["machine"] == "1×H200"  # it ran on the machine the record named before
+    assert "run" not in tests["t::kept"]  # carried in the device's copy, not made by run S
     assert "kit_sha256" not in tests["t::undigested"]  # this machine's package is not the one it ran
     assert rec["tests"]["counts"] == {"passed": 3} and rec["tests"]["commit"] == "b" * 40
     assert rec["env"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"  # the machine the items ran on, not this one
@@ -315,6 +340,19 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     assert (mine.parent / "gpu_check" / "01_y.html").read_text() == "<html>01</html>"
     assert [(r["run"], r.get("part"), r.get("machine"), r.get("ended")) for r in rec["runs"]] == [
         ("A", None, None, None), ("S", "tests", "1×H100", "all ran"), ("S", "notebooks", "1×H100", "all ran")]
+    # the next call's record, still holding run S's items, brings one more notebook: only that one is run T's
+    after = json.loads(there.read_text())
+    after["notebooks"]["notebooks"][1] = {"notebook": "00_x", "status": "failed", "seconds": 3.0, "commit": "b" * 40}
+    there.write_text(json.dumps(after))
+    assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "T"]) == 0
+    rec = json.loads(mine.read_text())
+    assert {n["notebook"]: (n.get("run"), n["status"]) for n in rec["notebooks"]["notebooks"]} == {
+        "00_x": ("T", "failed"), "01_y": ("S", "completed")}
+    assert {t["nodeid"]: t.get("run") for t in rec["tests"]["tests"]} == {
+        "t::kept": None, "t::redone": "S", "t::undigested": "S"}
+    assert [(r["run"], r["part"], r["ended"]) for r in rec["runs"][3:]] == [("T", "notebooks", "{'00_x': 'failed'}")]
+    assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "U"]) == 0
+    assert "nothing new" in capsys.readouterr().out and len(json.loads(mine.read_text())["runs"]) == 4
     # bad input: one line naming the value and the fix, exit 2, the record untouched
     before = mine.read_text()
     for bad, said in ((tmp_path / "nowhere.json", "no such record"), (mine.parent / "empty.json", "no tests")):
