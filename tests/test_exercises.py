@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from colo_kit.labs import lab
-from colo_kit.notebook import (NOTEBOOKS, SOURCES, TIMES, machine_label, measured_times, parse_source, refresh_tables,
-                               source_digest)
+from colo_kit.notebook import (NOTEBOOKS, SOURCES, TIMES, UNMEASURED, machine_label, measured_times, parse_source,
+                               refresh_tables, source_digest)
 from colo_kit.paths import REPO_ROOT
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
@@ -93,6 +93,11 @@ def test_the_times_a_notebook_states_are_the_measured_ones(src):
     for name in ("cpu_check.json", "gpu_check.json"):
         record = json.loads((REPO_ROOT / "results" / name).read_text())
         nb = {n["notebook"]: n for n in record["notebooks"]["notebooks"]}[src.stem]
+        if not nb["status"].startswith(("completed", "executed every cell")):  # failed or cut: no time to state
+            unmeasured = UNMEASURED["cpu" if name == "cpu_check.json" else "gpu"]
+            assert f"{unmeasured}: not measured" in head, f"{src.stem}.ipynb: its {name} run {nb['status']}, " \
+                                                          "yet the header states a time"
+            continue
         tier = re.escape(nb.get("machine") or machine_label(record["env"]))  # the machine it ran on, by name
         stated = _stated_minutes(head, tier)
         assert stated is not None, f"{src.stem}.ipynb: no {tier} time; run `python scripts/check.py refresh`"
@@ -170,10 +175,9 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-# Notebooks whose source changed after the GPU check last ran them: their panels now label settings by GRPOConfig's
-# field names, and 01 and 03 call the kit's sweeps by those names.
-GPU_NOTEBOOKS_OWED = {"00_quickstart", "01_ping_pong", "02_sleep_mode", "03_tp_tuning", "04_zero3_72b_recipe",
-                      "05_rewards_and_math500"}
+# Notebooks the GPU check has not completed at their sources: 00 failed on an 80 GB H100 (run T: its top_p lab's
+# engine did not fit beside the kernel's first trainer), and its lab has been made smaller since.
+GPU_NOTEBOOKS_OWED = {"00_quickstart"}
 
 
 @pytest.mark.parametrize("src", [
