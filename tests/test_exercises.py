@@ -175,9 +175,9 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-# Notebooks the GPU check has not completed at their sources: 00 failed on an 80 GB H100 (run T: its top_p lab's
-# engine did not fit beside the kernel's first trainer), and its lab has been made smaller since.
-GPU_NOTEBOOKS_OWED = {"00_quickstart"}
+# Notebooks the GPU check has not completed at their sources (none: all seven completed with HTML, 00 in run W on an
+# H100 after its lab was made smaller). A source edited since its run goes here until the check runs it again.
+GPU_NOTEBOOKS_OWED: set[str] = set()
 
 
 @pytest.mark.parametrize("src", [
@@ -203,10 +203,6 @@ def _suite_functions() -> set[str]:
     return {i.split("[")[0] for i in ids}
 
 
-@pytest.mark.xfail(strict=True, reason="owed: the GPU check's tests part with the package as it is now (its items "
-                                       "name their machine since 5fbe6e0980d662c9): run S recorded 604 tests of the "
-                                       "package before, its budget stopped the GPU tier at test_lora, and thirteen tests "
-                                       "added or renamed since have no GPU record: scripts/gpu/README.md, item 1")
 def test_the_gpu_check_ran_every_test_and_none_failed():
     tests = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())["tests"]
     assert not tests.get("not_run"), f"{len(tests['not_run'])} tests not run on the GPU"
@@ -221,10 +217,9 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
 @pytest.mark.parametrize("name", [
     "cpu_check.json",
     pytest.param("gpu_check.json", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the GPU check of the package as it is now (5fbe6e0980d662c9: each item names its machine, the boxes "
-        "take their labels from the records): six notebooks ran it (runs T-V on an H100); notebook 00's record "
-        "failed and every test last ran an earlier package (run S's 604 tests d4859b5c6ed702e2, the rest "
-        "c2cf0778385fe1d9): scripts/gpu/README.md, item 1"))),
+        "owed: the GPU check of the package as it is now (5fbe6e0980d662c9): all seven notebooks and 659 tests ran it "
+        "(runs T-Y on an H100); twelve tests last ran earlier packages (test_speed x3, test_timeline x1, test_tp x2, "
+        "test_train x2, test_two_machines x4): scripts/gpu/README.md, item 1"))),
 ])
 def test_the_cpu_and_the_gpu_check_ran_the_package_as_it_is_now(name):
     """Every item of both checks records the package it ran (`kit_sha256`, scripts/check.py's kit_digest over
