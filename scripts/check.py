@@ -99,7 +99,8 @@ def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
 def _kill_tree(pid: int) -> None:
     """SIGKILL process `pid`, its process group and every process it started, in whatever session: jupyter_client
     starts a notebook's kernel in a session of its own, so killing the group alone left a cut notebook's kernel
-    holding its engine's GPU memory (26 GiB on an H100) for whatever ran next."""
+    holding its engine's GPU memory for whatever ran next (26 GiB on an H100, seen with nvidia-smi; no record
+    holds it)."""
     import signal
 
     import psutil
@@ -137,6 +138,49 @@ def _alive(p) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _nvml_processes() -> list[tuple[int, int]] | None:
+    """(pid, bytes) of every process NVML lists on any GPU; None where there is no NVML (a CPU machine)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 — no NVIDIA driver here
+        return None
+    try:
+        return [(x.pid, x.usedGpuMemory or 0) for i in range(pynvml.nvmlDeviceGetCount())
+                for x in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))]
+    except pynvml.NVMLError:  # a driver that does not list processes
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gpu_left_after(timeout_s: float = 60.0, list_processes=_nvml_processes, interval_s: float = 0.5):
+    """What still holds GPU memory once a part has ended: polled until no process is listed or `timeout_s` has
+    passed, since a killed engine's memory is given back a moment after its process is reaped. Returns None with no
+    NVML, else a list of {pid, gib, cmd} (empty: the GPU was left clean). Only reported, never killed: on a node
+    shared by learners the process may be someone else's. Seen once on an H100: right after a budget-cut tests part,
+    `nvidia-smi` listed a process holding 24864 MiB that was gone seconds later."""
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while True:
+        procs = list_processes()
+        if not procs or time.time() >= deadline:
+            break
+        time.sleep(interval_s)
+    if procs is None:
+        return None
+    left = []
+    for pid, used in procs:
+        try:
+            cmd = shlex.join(psutil.Process(pid).cmdline())[:200]
+        except psutil.Error:
+            cmd = None  # gone between the two readings, or in another PID namespace
+        left.append({"pid": pid, "gib": round(used / 2**30, 2), "cmd": cmd})
+    return left
 
 
 def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
@@ -435,7 +479,10 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
         record.setdefault("runs", []).append(
             {"run": run, "commit": result.get("commit"), "part": part, "machine": machine_label(src.get("env") or {}),
              "seconds": result.get("seconds"),
-             "command": result.get("command"), "ended": ended or str(
+             "command": result.get("command"),
+             # what held the GPU once this run's part had ended (a list, empty when nothing did; absent on a CPU)
+             **({"gpu_left_after": result["gpu_left_after"]} if "gpu_left_after" in result else {}),
+             "ended": ended or str(
                  {n["notebook"]: n["status"] for n in made} if part == "notebooks" else
                  {o: sum(t["outcome"] == o for t in made) for o in sorted({t["outcome"] for t in made})})})
         path.write_text(json.dumps(record, indent=1) + "\n")
@@ -583,6 +630,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[check] notebooks: nothing left to run -> {path}")
                 return 0
         result = run_notebooks(lanes, path.with_suffix(""), a.budget_s)
+    left = gpu_left_after()
+    if left is not None:
+        result["gpu_left_after"] = left
+        for p in left:
+            print(f"[check] still on the GPU 60 s after the {a.part} ended: pid {p['pid']}, {p['gib']} GiB, "
+                  f"{p['cmd']}", flush=True)
     record = merge(path, a.part, result)
     part = record[a.part]
     if a.part == "tests":
