@@ -140,47 +140,32 @@ def _alive(p) -> bool:
         return False
 
 
-def _nvml_processes() -> list[tuple[int, int]] | None:
-    """(pid, bytes) of every process NVML lists on any GPU; None where there is no NVML (a CPU machine)."""
+def _gpu_holders() -> list[dict] | None:
+    """Every process NVML lists on any GPU, as the kit's `read_gpu` names them ({pid, gib, name}); None where there
+    is no NVML (a CPU machine)."""
     try:
         import pynvml
 
+        from colo_kit.gpu_free import read_gpu
+
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 — no NVIDIA driver here
+        return [p for i in range(pynvml.nvmlDeviceGetCount()) for p in read_gpu(i, physical=True)["others"]]
+    except Exception:  # noqa: BLE001 — no NVIDIA driver here, or one that does not list processes
         return None
-    try:
-        return [(x.pid, x.usedGpuMemory or 0) for i in range(pynvml.nvmlDeviceGetCount())
-                for x in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))]
-    except pynvml.NVMLError:  # a driver that does not list processes
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
-def gpu_left_after(timeout_s: float = 60.0, list_processes=_nvml_processes, interval_s: float = 0.5):
+def gpu_left_after(timeout_s: float = 60.0, list_processes=_gpu_holders, interval_s: float = 0.5):
     """What still holds GPU memory once a part has ended: polled until no process is listed or `timeout_s` has
     passed, since a killed engine's memory is given back a moment after its process is reaped. Returns None with no
-    NVML, else a list of {pid, gib, cmd} (empty: the GPU was left clean). Only reported, never killed: on a node
+    NVML, else `list_processes`' last list (empty: the GPU was left clean). Only reported, never killed: on a node
     shared by learners the process may be someone else's. Seen once on an H100: right after a budget-cut tests part,
     `nvidia-smi` listed a process holding 24864 MiB that was gone seconds later."""
-    import psutil
-
     deadline = time.time() + timeout_s
-    while True:
-        procs = list_processes()
-        if not procs or time.time() >= deadline:
-            break
+    procs = list_processes()
+    while procs and time.time() < deadline:
         time.sleep(interval_s)
-    if procs is None:
-        return None
-    left = []
-    for pid, used in procs:
-        try:
-            cmd = shlex.join(psutil.Process(pid).cmdline())[:200]
-        except psutil.Error:
-            cmd = None  # gone between the two readings, or in another PID namespace
-        left.append({"pid": pid, "gib": round(used / 2**30, 2), "cmd": cmd})
-    return left
+        procs = list_processes()
+    return procs
 
 
 def _sample_peaks(pid: int, done, peaks: dict, interval_s: float = 0.5) -> None:
@@ -635,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu_left_after"] = left
         for p in left:
             print(f"[check] still on the GPU 60 s after the {a.part} ended: pid {p['pid']}, {p['gib']} GiB, "
-                  f"{p['cmd']}", flush=True)
+                  f"{p['name']}", flush=True)
     record = merge(path, a.part, result)
     part = record[a.part]
     if a.part == "tests":
