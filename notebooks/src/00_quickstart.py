@@ -127,9 +127,11 @@ fig.update_layout(title=f"GRPO, colocated vLLM, length reward (target {target_w.
 fig.update_yaxes(title_text="reward = -|target - len(text)|", secondary_y=False)
 fig.update_yaxes(title_text="tokens", secondary_y=True)
 fig.show()
-lab.see("00.reward", "the mean reward climbs towards 0 within the first few dozen steps (same seed, same model: "
-        "the same numbers on the same kind of machine)", steps=len(run.steps), first=run.rewards[0],
-        last=run.rewards[-1])
+lab.see("00.reward", "the mean reward climbs towards 0 within the first few dozen steps. Read the climb, not the "
+        "digits: with the same seed, the start and end differ between machines by tens of points, because CPUs "
+        "with different instruction sets and GPUs round differently and sample different tokens from there on "
+        "(compare the lines below)", steps=len(run.steps), first=run.rewards[0], last=run.rewards[-1],
+        climbed=run.rewards[-1] - run.rewards[0])
 
 # %% [markdown]
 # The reward climbs because the policy learns to stop early (the end-of-turn token) and to prefer short
