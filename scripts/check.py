@@ -71,6 +71,20 @@ def _commit() -> dict:
     return {"commit": head or None, "dirty": bool(dirty) if head else None}
 
 
+def cpu_of(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU's model and the widest vector ISA it has: two 2-core machines with one seed and one commit ended
+    notebook 00 at rewards -20 and -72 and ran it in 37 s and 116 s, and only these tell them apart in a record."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), None)
+    return {"cpu_model": fields.get("model name"), "cpu_isa": isa}
+
+
 def _run(cmd: list[str], timeout_s: float, peaks: dict | None = None, **kwargs):
     """`subprocess.run` in a session of its own, so a timeout ends the whole tree (a vLLM server a
     test started, a notebook's kernel) instead of leaving it on the GPU for the next part. With `peaks`,
@@ -396,7 +410,7 @@ def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
 
     foreign = env is not None
     record = json.loads(path.read_text()) if path.exists() else {}
-    env = env or describe()
+    env = env or {**describe(), **cpu_of()}
     if record.get("env"):  # the items so far ran on the machine the record named: keep that with each of them
         before = machine_label(record["env"])
         for earlier in ("tests", "notebooks"):

@@ -245,6 +245,20 @@ def test_the_kit_digest_follows_the_package_code_only_and_each_item_carries_it(t
     assert json.loads((tmp_path / "check.json").read_text()) == record
 
 
+
+def test_the_record_names_the_cpu_model_and_its_widest_vector_isa(tmp_path):
+    """Two 2-core CPUs gave notebook 00 different rewards and times: a record says which CPU it ran on."""
+    check = load_script("scripts/check.py")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse4_2 avx avx2 fma\n\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse4_2 avx avx2 fma\n")
+    assert check.cpu_of(info) == {"cpu_model": "AMD EPYC 9R14", "cpu_isa": "avx2"}
+    info.write_text("model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx avx2 avx512f avx512bw\n")
+    assert check.cpu_of(info) == {"cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cpu_isa": "avx512f"}
+    assert check.cpu_of(tmp_path / "absent") == {}
+    record = check.merge(tmp_path / "check.json", "tests", {"tests": [{"nodeid": "t::a", "outcome": "passed"}]})
+    assert record["env"]["cpu_model"] == check.cpu_of()["cpu_model"] and "cpu_isa" in record["env"]
+
 PID_TEST = """
 import os, pathlib, time
 

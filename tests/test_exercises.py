@@ -175,8 +175,8 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-# Notebooks the GPU check has not completed at their sources (none: all seven completed with HTML, 00 in run W on an
-# H100 after its lab was made smaller). A source edited since its run goes here until the check runs it again.
+# Notebooks the GPU check has not completed at their sources (none: all seven completed with HTML, 00 last in run Z
+# after its reward box was reworded). A source edited since its run goes here until the check runs it again.
 GPU_NOTEBOOKS_OWED: set[str] = set()
 
 
@@ -203,9 +203,6 @@ def _suite_functions() -> set[str]:
     return {i.split("[")[0] for i in ids}
 
 
-@pytest.mark.xfail(strict=True, reason="owed: test_check.py::test_what_holds_the_gpu_after_a_part_is_polled_until_it_"
-                                       "is_gone_and_named_when_it_stays came after runs W-Y and has no GPU record: "
-                                       "scripts/gpu/README.md, item 1")
 def test_the_gpu_check_ran_every_test_and_none_failed():
     tests = json.loads((REPO_ROOT / "results" / "gpu_check.json").read_text())["tests"]
     assert not tests.get("not_run"), f"{len(tests['not_run'])} tests not run on the GPU"
@@ -219,10 +216,7 @@ def test_the_gpu_check_ran_every_test_and_none_failed():
 
 @pytest.mark.parametrize("name", [
     "cpu_check.json",
-    pytest.param("gpu_check.json", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the GPU check of the package as it is now (5fbe6e0980d662c9): all seven notebooks and 659 tests ran it "
-        "(runs T-Y on an H100); twelve tests last ran earlier packages (test_speed x3, test_timeline x1, test_tp x2, "
-        "test_train x2, test_two_machines x4): scripts/gpu/README.md, item 1"))),
+    "gpu_check.json",
 ])
 def test_the_cpu_and_the_gpu_check_ran_the_package_as_it_is_now(name):
     """Every item of both checks records the package it ran (`kit_sha256`, scripts/check.py's kit_digest over
