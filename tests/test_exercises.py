@@ -175,9 +175,10 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-# Notebooks the GPU check has not completed at their sources (none: all seven completed with HTML, 00 last in run Z
-# after its reward box was reworded). A source edited since its run goes here until the check runs it again.
-GPU_NOTEBOOKS_OWED: set[str] = set()
+# Notebooks the GPU check has not completed at their sources. 00's reward box was reworded after run Z (it no longer
+# says by how much machines differ); the others completed with HTML in run AA. A source edited since its run goes
+# here until the check runs it again.
+GPU_NOTEBOOKS_OWED: set[str] = {"00_quickstart"}
 
 
 @pytest.mark.parametrize("src", [

@@ -128,8 +128,8 @@ fig.update_yaxes(title_text="reward = -|target - len(text)|", secondary_y=False)
 fig.update_yaxes(title_text="tokens", secondary_y=True)
 fig.show()
 lab.see("00.reward", "the mean reward climbs towards 0 within the first few dozen steps. Read the climb, not the "
-        "digits: with the same seed, the start and end differ between machines by tens of points, because CPUs "
-        "with different instruction sets and GPUs round differently and sample different tokens from there on "
+        "digits: with the same seed, the start and the end differ from machine to machine, because CPUs with "
+        "different instruction sets and GPUs round differently and sample different tokens from there on "
         "(compare the lines below)", steps=len(run.steps), first=run.rewards[0], last=run.rewards[-1],
         climbed=run.rewards[-1] - run.rewards[0])
 
