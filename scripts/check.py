@@ -72,8 +72,8 @@ def _commit() -> dict:
 
 
 def cpu_of(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
-    """The CPU's model and the widest vector ISA it has: two 2-core machines with one seed and one commit ended
-    notebook 00 at rewards -20 and -72 and ran it in 37 s and 116 s, and only these tell them apart in a record."""
+    """The CPU's model and the widest vector ISA it has: two 2-core machines, one seed, one notebook source:
+    notebook 00 ended at rewards -20 and -72 and ran in 37 s and 116 s, and only these tell the machines apart."""
     try:
         text = cpuinfo.read_text()
     except OSError:

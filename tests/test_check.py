@@ -245,7 +245,6 @@ def test_the_kit_digest_follows_the_package_code_only_and_each_item_carries_it(t
     assert json.loads((tmp_path / "check.json").read_text()) == record
 
 
-
 def test_the_record_names_the_cpu_model_and_its_widest_vector_isa(tmp_path):
     """Two 2-core CPUs gave notebook 00 different rewards and times: a record says which CPU it ran on."""
     check = load_script("scripts/check.py")
@@ -258,6 +257,7 @@ def test_the_record_names_the_cpu_model_and_its_widest_vector_isa(tmp_path):
     assert check.cpu_of(tmp_path / "absent") == {}
     record = check.merge(tmp_path / "check.json", "tests", {"tests": [{"nodeid": "t::a", "outcome": "passed"}]})
     assert record["env"]["cpu_model"] == check.cpu_of()["cpu_model"] and "cpu_isa" in record["env"]
+
 
 PID_TEST = """
 import os, pathlib, time
