@@ -28,6 +28,7 @@
 
 # %%
 import os
+import warnings
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
@@ -36,6 +37,9 @@ from IPython.display import Markdown, display
 import colo_kit
 
 colo_kit.quiet()
+# On a CPU, vLLM's gloo communicator calls torch's `all_gather_into_tensor`, which this torch marks deprecated: each
+# rank of each launch would print that FutureWarning in red. Forked workers inherit the kernel's filters.
+warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor`", category=FutureWarning)
 from colo_kit.labs import lab
 from colo_kit.parallel import tp
 from colo_kit.env import Machine
