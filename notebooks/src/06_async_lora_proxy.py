@@ -421,7 +421,7 @@ fig = go.Figure()
 for ph in phases:
     fig.add_bar(name=ph, x=[h["step"] for h in steps], y=[h.get(ph, 0) for h in steps])
 fig.add_scatter(name="perf/rollout_wait_s", x=[h["step"] for h in steps], y=[h.get("perf/rollout_wait_s") for h in steps])
-fig.update_layout(barmode="stack", xaxis_title="step", yaxis_title="seconds", height=350,
+fig.update_layout(barmode="stack", xaxis_title="step", xaxis_dtick=1, yaxis_title="seconds", height=350,
                   title="where a step's time goes (TRL's AsyncGRPO metrics, this run)")
 fig.show()
 post_min = {"first run": 3 * 60 + 27, "fifth run": 53}  # quoted, the post
