@@ -175,11 +175,9 @@ def test_the_cpu_check_ran_the_notebook_as_its_source_is_now(src):
         f"results/cpu_check.json ran an older {src.name}; run `make numbers` on a CPU machine"
 
 
-# Notebooks the GPU check has not completed at their sources. 00's reward box was reworded after run Z (it no longer
-# says by how much machines differ); after run AA 03 gained a warnings filter (torch's all_gather_into_tensor notice,
-# printed by every TP rank on a CPU) and 06's step-time chart whole-step ticks; the others completed with HTML in
-# run AA. A source edited since its run goes here until the check runs it again.
-GPU_NOTEBOOKS_OWED: set[str] = {"00_quickstart", "03_tp_tuning", "06_async_lora_proxy"}
+# Notebooks the GPU check has not completed at their sources: none since run AB (00, 03 and 06 at 281f5ed, the commit
+# of their CPU check too). A source edited since its run goes here until the check runs it again.
+GPU_NOTEBOOKS_OWED: set[str] = set()
 
 
 @pytest.mark.parametrize("src", [
