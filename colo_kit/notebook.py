@@ -8,16 +8,15 @@ All on whatever machine this is: a cell needing missing hardware says in one lin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.paths import REPO_ROOT, runs_dir
+from colo_kit.results import measured_times
 
 log = logging.getLogger(__name__)
 
@@ -39,101 +38,9 @@ def parse_source(text: str) -> list[dict]:
     return cells
 
 
-# --- the measured times and peaks a learner reads, from the committed check runs (scripts/check.py) ----------
-
-# A source's header says `**Time** (Run All, measured): {{measured_times}}` and the build writes the measured
-# times there: a typed time would go stale the moment a check runs again.
+# A source's header says `**Time** (Run All, measured): {{measured_times}}` and the build writes the times the
+# committed check runs measured there (`colo_kit.results.measured_times`): a typed time would go stale.
 TIMES = "{{measured_times}}"
-
-
-def source_digest(src: Path) -> str:
-    """A notebook source's sha256 (16 hex digits): a check run records it beside what it measured, and a test
-    compares it with the source as it is now, so a value older than its notebook shows."""
-    return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
-
-
-# The committed check runs: tier -> its file under results/. Each item names the machine it ran on (`machine`,
-# written by scripts/check.py); an item older than that field ran on the machine its file's `env` names.
-CHECKS = {"cpu": "cpu_check.json", "gpu": "gpu_check.json"}
-UNMEASURED = {"cpu": "CPU laptop", "gpu": "1 GPU"}  # a tier with no record yet
-
-
-def machine_label(env: dict) -> str:
-    """A machine as a learner reads it, from a record's `env` (`colo_kit.env.describe`): `1×H200`, `2×H100`, or
-    `CPU laptop (2 cores)` without GPUs. A GPU node lent for a check can be an H100 one day and an H200 the next."""
-    gpus = env.get("gpus") or []
-    if not gpus:
-        return f"CPU laptop ({env.get('cpu_count', '?')} cores)"
-    names = sorted({g.get("name", "GPU").removeprefix("NVIDIA ").split()[0] for g in gpus})
-    return f"{len(gpus)}×{'/'.join(names)}"
-
-
-def measured_runs() -> dict[str, dict[str, dict]]:
-    """{notebook: {"cpu" | "gpu": its record}} from results/cpu_check.json and gpu_check.json, full runs only; each
-    record with its `machine`."""
-    from colo_kit.paths import results_dir
-
-    out: dict[str, dict[str, dict]] = {}
-    for tier, name in CHECKS.items():
-        path = results_dir() / name
-        record = json.loads(path.read_text()) if path.exists() else {}
-        for rec in record.get("notebooks", {}).get("notebooks", []):
-            if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
-                machine = rec.get("machine") or machine_label(record.get("env") or {})
-                out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine}
-    return out
-
-
-def _minutes(rec: dict | None) -> str:
-    return f"~{rec['seconds'] / 60:.1f} min" if rec else "not measured"
-
-
-def measured_times(stem: str) -> str:
-    """What a notebook's header says about its Run All time on each kind of machine, and which run said so."""
-    runs = measured_runs().get(stem, {})
-    times = [f"{runs[t]['machine']} {_minutes(runs[t])}" if t in runs else f"{UNMEASURED[t]}: not measured"
-             for t in CHECKS]
-    where = [f"`results/{name}` at {(runs[t].get('commit') or '?')[:7]}" for t, name in CHECKS.items() if t in runs]
-    return " · ".join(times + ["8 GPUs: not measured"]) + (f" ({', '.join(where)})" if where else "")
-
-
-def refresh_tables(text: str) -> str:
-    """README.md's hardware matrix and INSTRUCTOR.md's schedule and memory tables with the committed check
-    runs' times, peaks and machines written in (`python scripts/check.py refresh`); a test fails while they differ.
-    A header names the machine a column's numbers came from; where a tier's notebooks ran on more than one kind
-    of machine, each cell names its own."""
-    runs = measured_runs()
-    kinds = {t: sorted({r[t]["machine"] for r in runs.values() if t in r}) for t in CHECKS}
-    machines = {t: " and ".join(kinds[t]) or UNMEASURED[t] for t in CHECKS}  # a header: "1×H100 and 1×H200"
-
-    def rec(stem: str, tier: str) -> dict | None:
-        return runs.get(stem, {}).get(tier)
-
-    def mixed(r: dict | None, tier: str) -> str:
-        return f" ({r['machine']})" if r and len(kinds[tier]) > 1 else ""
-
-    def peak(r: dict | None, key: str, tier: str) -> str:
-        return f"{r[key]:.1f} GiB{mixed(r, tier)}" if r and r.get(key) is not None else "not recorded yet"
-
-    def minutes(stem: str, tier: str) -> str:
-        return _minutes(rec(stem, tier)) + mixed(rec(stem, tier), tier)
-
-    out = []
-    for line in text.split("\n"):
-        if m := re.match(r"^(\| \d:\d\d–\d:\d\d \| `(\d\d_\w+)` \| )[^|]*( \|.*)$", line):  # INSTRUCTOR's schedule
-            line = m[1] + " / ".join(minutes(m[2], t) for t in ("cpu", "gpu")) + m[3]
-        elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]* \| )[^|]* \| [^|]*( \|)$", line):  # INSTRUCTOR's memory
-            line = m[1] + f"{peak(rec(m[2], 'cpu'), 'peak_rss_gib', 'cpu')} | " \
-                          f"{peak(rec(m[2], 'gpu'), 'peak_gpu_gib', 'gpu')}" + m[3]
-        elif m := re.match(r"^(\| `(\d\d_\w+)` \| [^|]*?· )[^|]*?( \| [^|]*?· )[^|]*?( \|.*)$", line):  # README
-            line = m[1] + minutes(m[2], "cpu") + m[3] + minutes(m[2], "gpu") + m[4]
-        elif m := re.match(r"^(\| slot \| notebook \| Run All: )[^|]*( \|.*)$", line):  # the schedule's header
-            line = m[1] + f"{machines['cpu']} / {machines['gpu']}" + m[2]
-        elif m := re.match(r"^(\| notebook \| what runs \| peak, )[^|]*( \| peak, )[^|]*( \|)$", line):
-            line = m[1] + machines["cpu"] + m[2] + machines["gpu"] + m[3]
-        line = re.sub(r"(the 1-GPU times below are from )[^.;)]*", lambda m: m[1] + machines["gpu"], line)
-        out.append(line)
-    return "\n".join(out)
 
 
 def build_notebook(src: Path):

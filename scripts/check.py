@@ -20,7 +20,7 @@ time budget keeps what it finished; `--budget-s` stops starting notebooks that w
 
 Each notebook's record carries the peak memory of its process tree (the kernel and what it started): host
 RSS, and on a GPU what NVML says the tree's processes hold; and the digest of the notebook's source it ran
-(`colo_kit.notebook.source_digest`), so a test can tell a record older than its notebook. `refresh` writes the
+(`record.refresh.source_digest`), so a test can tell a record older than its notebook. `refresh` writes the
 records' times and peaks where a learner reads them (`make numbers` runs the check, then `refresh`).
 """
 
@@ -339,7 +339,8 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     `lanes`: lists of notebook numbers; the lanes run at the same time, each one notebook after
     another (a GPU with room for two notebooks' engines checks them in half the time; each record
     says which lane it ran in and beside how many others)."""
-    from colo_kit.notebook import SOURCES, source_digest
+    from colo_kit.notebook import SOURCES
+    from record.refresh import source_digest
 
     by_number = _notebook_numbers()  # main() refused numbers that name no notebook
     lanes = lanes or [sorted(by_number)]
@@ -365,7 +366,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
             if rc not in (0, "timeout"):
                 rec["error_tail"] = tail
             if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
-                from colo_kit.labs.lab import facts_of
+                from record.refresh import facts_of
 
                 rec["facts"] = facts_of(html_dir / p.name)
             if (html_dir / (p.stem + ".html")).exists():  # the HTML copy is what readers open; keep the repo light
@@ -387,7 +388,8 @@ def notebooks_done(path: Path) -> set[str]:
     """The numbers of the notebooks the record at `path` holds as completed with this package and the notebook's
     source as it is now, their HTML copies beside the record (`--resume`: the notebooks part goes on where the last
     call's time limit stopped it, as the tests part does)."""
-    from colo_kit.notebook import SOURCES, source_digest
+    from colo_kit.notebook import SOURCES
+    from record.refresh import source_digest
 
     kit, html = kit_digest(), path.with_suffix("")
     records = {n["notebook"]: n for n in (json.loads(path.read_text()).get("notebooks") or {}).get("notebooks", [])}
@@ -406,7 +408,7 @@ def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
     earlier run; the others are kept with the commit and the machine they ran on. `env`: the machine of a result
     made elsewhere (`merge --from`), which keeps its own commit."""
     from colo_kit.env import describe
-    from colo_kit.notebook import machine_label
+    from colo_kit.results import machine_label
 
     foreign = env is not None
     record = json.loads(path.read_text()) if path.exists() else {}
@@ -455,7 +457,7 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
     """Fold a record made on another machine (a GPU node's, brought back by the device tool) into the one at `path`:
     its items replace the same items and keep the commit, package and machine they ran on, each named `run`; the
     executed notebooks' HTML comes along; `runs` says what ran and how it ended."""
-    from colo_kit.notebook import machine_label
+    from colo_kit.results import machine_label
 
     src = json.loads(source.read_text())
     record = json.loads(path.read_text()) if path.exists() else {}
@@ -529,7 +531,8 @@ def prune(path: Path) -> list[str]:
 def refresh() -> int:
     """The committed records' times and peaks written where a learner reads them: each notebook's header (built
     from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
-    from colo_kit.notebook import build_all, refresh_tables
+    from colo_kit.notebook import build_all
+    from record.refresh import refresh_tables
 
     for nb in build_all():
         print(f"[check] built {nb.relative_to(REPO)}")

@@ -1,4 +1,4 @@
-"""One configuration of `colo_kit.memory.speed`'s chain in this process, or the merge of several into one JSON.
+"""One configuration of `record.speed`'s chain in this process, or the merge of several into one JSON.
 
     python scripts/speed_bench.py run --config spg8 --model qwen2.5-1.5b --seeds 0,1 --budget-s 45 --out part.json
     python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh200.json [--into results/speed_1xh200.json]
@@ -25,7 +25,7 @@ def run(args) -> int:
     colo_kit.setup()
     from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
     from colo_kit.env import commit, describe
-    from colo_kit.memory.speed import STOP_PAST_FRACTION, run_seed
+    from record.speed import STOP_PAST_FRACTION, run_seed
 
     reuse_engines()
     out = Path(args.out)
@@ -55,7 +55,7 @@ def _key(record: dict) -> tuple:
 
 
 def merge(args) -> int:
-    from colo_kit.memory.race import summarize
+    from record.race import summarize
 
     records, parts, old = [], [], {}
     if args.into and Path(args.into).exists():
@@ -63,7 +63,7 @@ def merge(args) -> int:
         records, parts = old.get("records", []), old.get("parts", [])
     for path in args.parts:
         part = json.loads(Path(path).read_text())
-        # each record knows the commit it ran at: the summary compares only records of one race (colo_kit.memory.race.race)
+        # each record knows the commit it ran at: the summary compares only records of one race (record.race.race)
         part["records"] = [{**r, "commit": r.get("commit") or part.get("commit")} for r in part["records"]]
         # a configuration run again at the same commit, budget and learning rate replaces its earlier records
         keys = {_key(r) for r in part["records"]}
@@ -75,8 +75,8 @@ def merge(args) -> int:
     for r in records:
         by_model.setdefault(r["model"], []).append(r)
     result = {"note": args.note or (old.get("note") if args.into and Path(args.into).exists() else None),
-              "benchmark": "colo_kit.memory.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
-              "method": __import__("colo_kit.memory.speed", fromlist=["x"]).__doc__,
+              "benchmark": "record.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
+              "method": __import__("record.speed", fromlist=["x"]).__doc__,
               "summary": {m: summarize(rs) for m, rs in by_model.items()}, "parts": parts, "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -92,11 +92,11 @@ def main(argv=None) -> int:
     r.add_argument("--model", default="tiny")
     r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
     r.add_argument("--budget-s", type=float, default=45.0)
-    r.add_argument("--learning-rate", type=float, default=None, help="instead of the task's (colo_kit.memory.speed.TASK)")
+    r.add_argument("--learning-rate", type=float, default=None, help="instead of the task's (record.speed.TASK)")
     r.add_argument("--max-completion-length", type=int, default=None, help="instead of the task's")
     r.add_argument("--stop-past-threshold", action="store_true",
                    help="also stop a seed once its running mean reward is past the race's threshold "
-                        "(colo_kit.memory.speed.STOP_PAST_FRACTION of its first generation's)")
+                        "(record.speed.STOP_PAST_FRACTION of its first generation's)")
     r.add_argument("--out", required=True)
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="*", help="part JSONs; none with --into: summarize that file's records again")

@@ -66,7 +66,7 @@ CASES = [
     (["plan", "--host-mem-gib", "nan"], "host_mem_gib=nan"),
     (["plan", "--gpus", "0"], "gpus=0"),
     (["plan", "--model", "qwen2.5-72b", "--gpus", "8", "--tp", "3"], "vllm_tensor_parallel_size=3"),
-    (["plan", "--validate", "--out", "/proc/nope/v.json"], "--out /proc/nope/v.json"),
+    (["plan", "--recommend", "--out", "/proc/nope/r.yaml"], "--out /proc/nope/r.yaml"),
     (["build-model", "--seed", "-3"], "--seed -3: give a whole number from 0 to 2**32 - 1"),
     (["build-model", "nope"], "preset 'nope': choose one of qwen2.5-0.5b, qwen2.5-1.5b,"),
     (["run-notebooks", "/no/such.ipynb"], "/no/such.ipynb: no such notebook"),

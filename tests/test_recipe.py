@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 from colo_kit.paths import REPO_ROOT
-from colo_kit.memory import race
+from record import race
 from colo_kit.memory.planner import SAFE_FRACTION
 from colo_kit.memory.recipe import recipe, to_yaml
 
@@ -107,7 +107,7 @@ def test_recipe_peak_is_within_10pct_of_the_h200_run_of_its_settings():
     """The recipe for 1.5B on one H200 is the race's `cispo_b16` configuration (batch 16, 8 steps per generation,
     CISPO, no checkpointing, u 0.3, no sleep, one-call push): its seed-0 NVML peak, measured, against the recipe's
     prediction."""
-    from colo_kit.memory import speed
+    from record import speed
 
     r = recipe(model="qwen2.5-1.5b", per_device_train_batch_size=8, max_completion_length=256)
     chosen = {k: v for k, v, _ in r["fields"]}

@@ -1,5 +1,5 @@
 """The kit's proxy vs vllm-router (scripts/router_compare.py): the committed evidence read back through
-`colo_kit.async_lora.router_compare.router_table`, every number traced to its place in the JSON; and, slow, the capability
+`record.router_compare.router_table`, every number traced to its place in the JSON; and, slow, the capability
 checks run against the kit's proxy on stand-in replicas (vllm-router is not in the kit's environment: its part
 runs only where `VLLM_ROUTER_BIN` names one)."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from colo_kit.paths import REPO_ROOT
-from colo_kit.async_lora.router_compare import CHECKS, lookup, router_table
+from record.router_compare import CHECKS, lookup, router_table
 
 RESULT = REPO_ROOT / "results" / "router_vs_proxy_cpu.json"
 ROUTERS = {"proxy_affinity", "vllm_router", "round_robin"}

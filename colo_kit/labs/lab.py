@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colo_kit.notebook import CHECKS, UNMEASURED, measured_runs
+from colo_kit.results import CHECKS, UNMEASURED, measured_runs
 
 
 @dataclass(frozen=True)
@@ -232,19 +232,19 @@ def check(key: str, answer) -> None:
 # "What you should see": your numbers beside the ones measured on each kind of machine
 # ---------------------------------------------------------------------------------------------
 
-FACT_KEY = "colo_kit_fact"  # display metadata scripts/check.py collects from executed notebooks
+FACT_KEY = "colo_kit_fact"  # the box's values ride along as output metadata, which the check runs record
 
 
 def measured_facts(key: str) -> dict[str, dict]:
-    """{tier: {"label", "values", "source", "commit"}} for `key` from the committed check runs
-    (`notebook.measured_runs`); `label` is the machine the value was measured on."""
+    """{tier: {"label", "values", "source", "date"}} for `key` from the committed check runs
+    (`colo_kit.results.measured_runs`); `label` is the machine the value was measured on."""
     out = {}
     for runs in measured_runs().values():
         for tier, rec in runs.items():
             fact = (rec.get("facts") or {}).get(key)
             if fact is not None:
                 out[tier] = {"label": rec["machine"], "values": fact, "source": f"results/{CHECKS[tier]}",
-                             "commit": (rec.get("commit") or "")[:7]}
+                             "date": (rec.get("date") or "")[:10]}
     return out
 
 
@@ -269,22 +269,11 @@ def see(key: str, what: str, **values) -> None:
     measured = measured_facts(key)
     for tier in CHECKS:
         m = measured.get(tier)
-        lines.append(f"- measured on {m['label']}: {fmt(m['values'])} (`{m['source']}`, commit {m['commit']})" if m
+        when = f", {m['date']}" if m and m["date"] else ""
+        lines.append(f"- measured on {m['label']}: {fmt(m['values'])} (`{m['source']}`{when})" if m
                      else f"- measured on {UNMEASURED[tier]}: not recorded yet (`scripts/check.py` records it)")
     display(Markdown("\n".join(lines)), metadata={FACT_KEY: {key: _plain(values)}})
 
 
 def _plain(values: dict) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()}
-
-
-def facts_of(executed_notebook) -> dict:
-    """The `see` values an executed notebook (a path or a notebook node) recorded."""
-    import nbformat
-
-    nb = nbformat.read(executed_notebook, as_version=4) if not hasattr(executed_notebook, "cells") else executed_notebook
-    facts = {}
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            facts.update(output.get("metadata", {}).get(FACT_KEY, {}))
-    return facts

@@ -1,7 +1,6 @@
 """`colo-kit plan`: the memory planner (`colo_kit.memory.planner`) as a command.
 
     colo-kit plan --model qwen2.5-72b --gpus 8 --zero-stage 3 --sleep-level 2
-    colo-kit plan --validate          # measured vs predicted peaks, written under results/runs/
     colo-kit plan --model qwen2.5-1.5b --recommend --out recipe.yaml   # GRPOConfig fields for TrlParser
 """
 
@@ -11,7 +10,6 @@ import json
 from dataclasses import dataclass, field
 
 from colo_kit.memory.planner import Plan, plan_report
-from colo_kit.memory.planner_validation import write_validation
 
 
 def _format(report: dict) -> str:
@@ -67,10 +65,8 @@ class PlanCommand:
     """What `colo-kit plan` does with the `Plan` its other flags describe."""
 
     json: bool = field(default=False, metadata={"help": "print the report as JSON"})
-    validate: bool = field(default=False, metadata={"help": "compare with the measured peaks and write the table to --out"})
     out: str | None = field(default=None, metadata={
-        "help": "--validate's JSON (default results/runs/planner_validation.json; the committed "
-                "results/planner_validation.json changes only when named here) or --recommend's YAML"})
+        "help": "--recommend's YAML"})
     num_generations: int = field(default=8, metadata={"help": "G, written into --recommend's recipe"})
     recommend: bool = field(default=False, metadata={
         "help": "write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "
@@ -88,17 +84,6 @@ def cli_main(argv: list[str]) -> int:
     # every field of the planner's Plan is a flag (--per-device-train-batch-size, --zero-stage, --tp, ...)
     plan, args = parse_dataclasses((Plan, PlanCommand), argv, prog="colo-kit plan", description=(
         "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."))
-    if args.validate:
-        from colo_kit.commands import writable_file
-        from colo_kit.paths import runs_dir
-
-        path = write_validation(writable_file(args.out or runs_dir() / "planner_validation.json", "--out"))
-        table = json.loads(path.read_text())
-        for r in table["rows"]:
-            print(f"{r['row']:<44} measured {r['measured_gib']:6.1f}  predicted {r['predicted_gib']:6.1f} GiB  "
-                  f"error {r['error']:+.1%}")
-        print(f"max |error| {table['max_abs_error']:.1%}; wrote {path}")
-        return 0
     try:
         report = plan_report(plan)
     except ValueError as exc:

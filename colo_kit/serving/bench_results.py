@@ -3,10 +3,9 @@ attached, and its throughput charts."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from colo_kit.paths import results_dir
+from colo_kit.results import load as load_result  # noqa: F401 — notebook 01 reads the committed sweeps here
 from colo_kit.grpo.timeline import Timeline
 
 
@@ -75,12 +74,6 @@ def write_plots(result: dict, path: str | Path) -> Path:
     path.write_text("\n".join(f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
                                for i, f in enumerate(figs)))
     return path
-
-
-def load_result(name: str) -> dict | None:
-    """A committed results JSON (e.g. "pingpong_gpu"), or None when absent."""
-    p = results_dir() / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
 
 
 def attach_model(result: dict) -> dict:

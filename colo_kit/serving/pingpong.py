@@ -242,32 +242,3 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
     fig.update_layout(title=title, xaxis_title="per-device batch", yaxis_title="colocate / server",
                       legend_orientation="h")
     return fig
-
-
-def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
-    """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
-    without a committed ping-pong sweep: generation per call at 8, 64 and 256 completions, training (no checkpointing) at
-    batch 8 and 32, and TRL's weight push, from the learning-rate-5e-3 runs (completions stayed at the 256-token limit).
-    Assumed, and named in `notes`: a server generates as fast as the colocated engine (a server's 0.9 of the GPU against
-    0.3 only adds KV cache these batches do not need) and its weight sync costs what the colocated push did."""
-    from colo_kit.memory.race import first_race, race
-
-    key = first_race(result, "qwen2.5-1.5b", learning_rate)
-    configs = result["summary"]["qwen2.5-1.5b"][key]["configs"]
-    recs = {(r["config"], r["seed"]): r for r in result["records"] if r["model"] == "qwen2.5-1.5b" and race(r) == key}
-    gen_points, train_points = [], []
-    for name in ("trl_defaults", "spg8", "batch32"):
-        rec = recs[(name, 0)]
-        per_gen = rec["completions_per_generation"]
-        gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
-    for name in ("no_grad_ckpt", "batch32"):
-        rec = recs[(name, 0)]
-        batch = rec["grpo_config"]["per_device_train_batch_size"]
-        train_points.append((batch, configs[name]["phase_s_per_step"]["training"]))
-    fixed, per_sample = _line(train_points)
-    push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
-    notes = ["measured on one H200 (results/speed_1xh200.json); a server generates as fast as the colocated engine "
-             "did, and its weight sync costs what the colocated push did (assumptions)"]
-    return PhaseCosts(gen_points=_merge_points(gen_points), train_fixed_s=fixed, train_per_sample_s=per_sample,
-                      sync_server_s=push, sync_colocate_s=push, tokens_per_sample=256.0,
-                      source="results/speed_1xh200.json", notes=notes)

@@ -46,6 +46,7 @@ import colo_kit
 
 colo_kit.quiet()
 from colo_kit.labs import lab
+from colo_kit import results
 from colo_kit.serving import bench, pingpong
 from colo_kit.env import Machine, vllm_version
 from colo_kit.parallel.launch import free_port
@@ -242,8 +243,9 @@ if committed["pingpong_gpu"]:
     costs, source = pingpong.fit_costs(data["runs"], data.get("gen_probe", [])), "results/pingpong_gpu.json"
     measured = data["settings"]["model"]
 else:
-    costs = pingpong.costs_from_speed(json.loads((REPO_ROOT / "results" / "speed_1xh200.json").read_text()))
-    source, measured = "results/speed_1xh200.json (H200, measured)", "qwen2.5-1.5b"
+    h200 = results.shown("01.h200_costs")
+    costs = pingpong.PhaseCosts(**h200["costs"])
+    source, measured = results.footnote(h200), "qwen2.5-1.5b"
     display(Markdown("costs for the projections: " + "; ".join(costs.notes)))
 pd.DataFrame(costs.gen_points, columns=["completions", "generation s (one call)"])
 

@@ -375,10 +375,11 @@ show()
 # %%
 import pandas as pd
 
-from colo_kit.memory import race, speed
+from colo_kit import results
 
-speed_result = json.loads((results_dir() / "speed_1xh200.json").read_text())
-pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed", "ran at", "configuration"])
+speed_shown = results.shown("04.speed")
+print(results.footnote(speed_shown))
+pd.DataFrame(speed_shown["rows"]).set_index(["learning rate", "s per seed", "configuration"])
 
 # %% [markdown]
 # What the table says, and what it does not:
@@ -586,7 +587,9 @@ pd.DataFrame(race.table(speed_result)).set_index(["learning rate", "s per seed",
 # past the threshold).
 
 # %%
-pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning rate", "s per seed", "ran at", "configuration"])
+speed_7b = results.shown("04.speed_7b")
+print(results.footnote(speed_7b))
+pd.DataFrame(speed_7b["rows"]).set_index(["learning rate", "s per seed", "configuration"])
 
 # %% [markdown]
 # Measured (`results/speed_1xh200.json`). Read the newest race first: the defaults and the recipe as it now is
@@ -667,8 +670,9 @@ pd.DataFrame(race.table(speed_result, model="qwen2.5-7b")).set_index(["learning 
 # 1.5B model, 256 tokens per completion, one process per variant (measured, `results/gen_latency_1xh200.json`).
 
 # %%
-latency = json.loads((results_dir() / "gen_latency_1xh200.json").read_text())
-pd.DataFrame(speed.latency_table(latency))
+latency = results.shown("04.latency")
+print(results.footnote(latency))
+pd.DataFrame(latency["rows"])
 
 # %% [markdown]
 # - **8, 16 or 32 sequences take the same time**: 0.68–0.77 s for 256 decoding steps, about 2.9 ms a step, far
@@ -709,14 +713,11 @@ hand = estimate(**fast, vllm_gpu_memory_utilization=u_by_hand)
 print(f"by hand, u = {u_by_hand}: peak {hand['peak_gib_per_gpu']:.1f} GiB per GPU of {planner.H200_GIB} -> "
       f"{'fits' if hand['fits'] else 'out of memory'} (modelled)")
 at_03 = estimate(**fast, vllm_gpu_memory_utilization=0.3)["peak_gib_per_gpu"]
-for config, how in [("batch32", "steps_per_generation=8"), ("batch32_on_policy", "on-policy")]:
-    # the newest race's seed 0: merges append, and only records from f024d00 on carry PyTorch's own peaks
-    anchor = [r for r in speed_result["records"] if r["config"] == config and r["seed"] == 0][-1]
-    torch_peak = anchor.get("torch_peak_gib") or {}
-    print(f"the same plan at u = 0.3, {how}, at {anchor['commit']}: NVML peak {anchor['nvml_peak_gib']:.1f} GiB, "
-          f"PyTorch allocated {torch_peak.get('allocated', float('nan')):.1f} and reserved "
-          f"{torch_peak.get('reserved', float('nan')):.1f} (measured, results/speed_1xh200.json); "
-          f"planner {at_03:.1f} GiB (modelled)")
+peaks = results.shown("04.peaks_at_0.3")
+for row, how in zip(peaks["rows"], ["steps_per_generation=8", "on-policy"]):
+    print(f"the same plan at u = 0.3, {how}: NVML peak {row['nvml_peak_gib']:.1f} GiB, PyTorch allocated "
+          f"{row['torch_allocated_gib']:.1f} and reserved {row['torch_reserved_gib']:.1f} GiB "
+          f"({results.footnote(peaks)}); planner {at_03:.1f} GiB (modelled)")
 rec = recommend(**fast)
 print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {rec['peak_gib_per_gpu']:.1f} GiB, "
       f"{SAFE:.0%} of the GPU at most (modelled)")

@@ -383,9 +383,11 @@ print(f"shared preamble of {sp['affinity']['settings']['shared_prefix_tokens']} 
 # added over sending straight to a replica, in ms, on stand-in replicas where the router's own cost shows).
 
 # %%
-from colo_kit.async_lora.router_compare import router_table
+from colo_kit import results
 
-router = pd.DataFrame(router_table(json.loads((results_dir() / "router_vs_proxy_cpu.json").read_text())))
+router_shown = results.shown("06.router")
+print(results.footnote(router_shown))
+router = pd.DataFrame(router_shown["rows"])
 router["row"] = router["what"] + router["workload"].fillna("").map(lambda w: f" · {w}" if w else "")
 shown = router[~router["what"].str.startswith(("wall time", "busiest"))]
 shown.pivot_table(index="row", columns="label", values="value", aggfunc="first").fillna("")

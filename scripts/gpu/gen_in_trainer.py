@@ -5,7 +5,7 @@ trainer the recipe's generation of 128 took 2.1 s (TRL's `vLLM.generate` timer, 
 32f45d7), with the same sampling settings; that engine kept TRL's default length, the model's own 32,768 tokens,
 where `gen_latency.py` sizes its engine for 64 + 256 (the recipe now sizes it for the longest prompt plus the
 completion, `vllm_max_model_length`). This trains one configuration of
-`colo_kit.memory.speed` for a short budget with `vllm.LLM.generate` wrapped: each call's wall time, the
+`record.speed` for a short budget with `vllm.LLM.generate` wrapped: each call's wall time, the
 completion tokens it made, and the pauses of Python's garbage collector inside it (`gc.callbacks`); one call (the
 third) also runs under cProfile. One child process per garbage-collector mode:
 
@@ -40,7 +40,7 @@ MODES = ("on", "off")
 def one_mode(mode: str, a) -> dict:
     import vllm
 
-    from colo_kit.memory.speed import run_seed
+    from record.speed import run_seed
 
     calls, pauses, profiled = [], [], {}
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TRL's colocate defaults against the kit's chain of knobs (colo_kit.memory.speed), one process per configuration
+# TRL's colocate defaults against the kit's chain of knobs (record.speed), one process per configuration
 # and seed, on one GPU: the same model, prompts, completion length, G and learning rate; each configuration trains
 # for SPEED_BUDGET_S seconds per seed. Writes results/speed_1xh200.json (merged into what is there, a
 # configuration run again replacing its earlier records) and copies it and the log to $OUT/.

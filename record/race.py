@@ -1,4 +1,4 @@
-"""Who won the race, and by how much: the judgment of `colo_kit.memory.speed`'s records (notebook 04's speed table).
+"""Who won the race, and by how much: the judgment of `record.speed`'s records (notebook 04's speed table).
 A faster token is not a faster lesson: each configuration's steady-state tokens/s, and its wall time and generations
 to one reward threshold, as ratios to TRL's defaults of the same race (learning rate, budget per seed, commit) and
 seed; runs of another day, budget or code are not compared.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from colo_kit.memory.speed import (ADDS, NAMES, RECIPE, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
+from record.speed import (ADDS, NAMES, RECIPE, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
                                     switch_total, window_mean)
 
 

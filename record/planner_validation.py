@@ -1,5 +1,5 @@
 """The memory planner (`colo_kit.memory.planner`) against peaks measured on H200s: the measured rows, the three
-constants fitted to them, and the table of every row's error that `colo-kit plan --validate` writes
+constants fitted to them, and the table of every row's error that `python -m record.planner_validation` writes
 (`results/planner_validation.json`; notebook 04 shows it)."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def fit_constants(rows: list[dict] | None = None) -> dict:
 def reserve_ratios(results_dir: Path | None = None) -> list[dict]:
     """PyTorch's reserved minus allocated peak per GiB of the planner's activations and logits, in each one-H200 race
     record with those peaks (results/speed_1xh200.json): their median, not NVML, sets FITTED["ALLOCATOR_RESERVE"]."""
-    from colo_kit.memory.speed import planner_estimate_for_record
+    from record.speed import planner_estimate_for_record
     from colo_kit.paths import results_dir as _rd
 
     result = json.loads((Path(results_dir or _rd()) / "speed_1xh200.json").read_text())
@@ -119,3 +119,26 @@ def write_validation(path: Path | None = None) -> Path:
     table["env"] = {k: v for k, v in describe().items() if k in ("python", "versions")}
     path.write_text(json.dumps(table, indent=1) + "\n")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m record.planner_validation [--out PATH]`: print each row's error; write the table to --out (default
+    results/runs/planner_validation.json; the committed results/planner_validation.json changes only when named)."""
+    import argparse
+
+    from colo_kit.paths import runs_dir
+
+    parser = argparse.ArgumentParser(prog="python -m record.planner_validation", description=main.__doc__)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    path = write_validation(args.out or runs_dir() / "planner_validation.json")
+    table = json.loads(path.read_text())
+    for r in table["rows"]:
+        print(f"{r['row']:<44} measured {r['measured_gib']:6.1f}  predicted {r['predicted_gib']:6.1f} GiB  "
+              f"error {r['error']:+.1%}")
+    print(f"max |error| {table['max_abs_error']:.1%}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

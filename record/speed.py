@@ -9,7 +9,7 @@ learning rate for a fixed wall-time budget per seed (`run_seed`), and records st
 weight push, CUDA warm-up and the allocator's growth), the step split from TRL's own profiling timers
 (`colo_kit.grpo.timeline`), NVML's peak beside the planner's, and the reward curve against wall time.
 
-`colo_kit.memory.race` judges the records against a threshold fixed by rule, not read off a run: half the distance
+`record.race` judges the records against a threshold fixed by rule, not read off a run: half the distance
 from where TRL's defaults (seed 0) start to the best reward (0, exactly `target_length` characters), reached when the
 running mean over >= 64 completions gets there. A random-weight model under the length reward often *collapses* onto
 one repeated short token (reward stuck near -236, zero spread in the group) instead of learning to stop early, and

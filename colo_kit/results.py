@@ -1,0 +1,73 @@
+"""The lessons' one window on the lab record: a committed result by name, and where a number comes from.
+
+Every measured number a notebook shows is read here from a JSON under `results/` (the runs that wrote them, and the
+code that judges them, live in `record/`, outside the kit). A number comes with one footnote: the machine, the date and
+the file; how it was reached stays in the record.
+"""
+
+from __future__ import annotations
+
+import json
+
+from colo_kit.paths import results_dir
+
+LESSONS = "lessons.json"  # what the lessons show from the large records, derived by `make numbers` (record/lessons.py)
+CHECKS = {"cpu": "cpu_check.json", "gpu": "gpu_check.json"}  # one Run All of every notebook per kind of machine
+UNMEASURED = {"cpu": "CPU laptop", "gpu": "1 GPU"}  # a kind with no record yet
+
+
+def load(name: str) -> dict | None:
+    """`results/<name>.json` (e.g. "pingpong_cpu"), or None when it is not committed."""
+    path = results_dir() / f"{name.removesuffix('.json')}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def shown(key: str) -> dict:
+    """One entry of `results/lessons.json` (e.g. "04.speed"): what a lesson shows, with its `source`, `machine` and
+    `date`."""
+    entries = load(LESSONS) or {}
+    if key not in entries:
+        raise KeyError(f"results/{LESSONS} has no {key!r}; `make numbers` derives it from the records")
+    return entries[key]
+
+
+def footnote(entry: dict) -> str:
+    """Where a shown number comes from, in one line: "measured on 1×H200, 2026-12-01 (results/speed_1xh200.json)"."""
+    when = f", {entry['date']}" if entry.get("date") else ""
+    return f"measured on {entry.get('machine') or 'the machine the file names'}{when} ({entry['source']})"
+
+
+def machine_label(env: dict) -> str:
+    """A machine as a learner reads it, from a record's `env` (`colo_kit.env.describe`): `1×H200`, `2×H100`, or
+    `CPU laptop (2 cores)` without GPUs."""
+    gpus = env.get("gpus") or []
+    if not gpus:
+        return f"CPU laptop ({env.get('cpu_count', '?')} cores)"
+    names = sorted({g.get("name", "GPU").removeprefix("NVIDIA ").split()[0] for g in gpus})
+    return f"{len(gpus)}×{'/'.join(names)}"
+
+
+def measured_runs() -> dict[str, dict[str, dict]]:
+    """{notebook: {"cpu" | "gpu": its Run All record}} from the committed check runs, whole runs only, each with the
+    `machine` it ran on."""
+    out: dict[str, dict[str, dict]] = {}
+    for tier, name in CHECKS.items():
+        record = load(name) or {}
+        for rec in record.get("notebooks", {}).get("notebooks", []):
+            if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
+                machine = rec.get("machine") or machine_label(record.get("env") or {})
+                out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine}
+    return out
+
+
+def minutes(rec: dict | None) -> str:
+    return f"~{rec['seconds'] / 60:.1f} min" if rec else "not measured"
+
+
+def measured_times(stem: str) -> str:
+    """A notebook header's Run All times on each kind of machine, with the files they come from."""
+    runs = measured_runs().get(stem, {})
+    times = [f"{runs[t]['machine']} {minutes(runs[t])}" if t in runs else f"{UNMEASURED[t]}: not measured"
+             for t in CHECKS]
+    where = [f"`results/{name}`" for t, name in CHECKS.items() if t in runs]
+    return " · ".join(times + ["8 GPUs: not measured"]) + (f" ({', '.join(where)})" if where else "")

@@ -1,0 +1,120 @@
+"""What the lessons show from the large records, derived once and kept small: `results/lessons.json`.
+
+The notebooks read a number through `colo_kit.results.shown(key)`; the code that judges a record (who won a race,
+by how much, what a phase cost) lives here, in the record, and runs when the record changes (`make numbers`, or
+`python -m record.lessons --out results/lessons.json`). Each entry names its `source` file, the `machine` it ran
+on and the `date` that file was last written, for the lesson's one-line footnote.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from colo_kit.paths import REPO_ROOT, results_dir
+from colo_kit.results import machine_label
+from colo_kit.serving.pingpong import PhaseCosts, _line, _merge_points
+from record import race, speed
+from record.router_compare import router_table
+
+
+def file_date(path: Path) -> str | None:
+    """The day `path` was last committed (YYYY-MM-DD), or None outside git."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(path)], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
+    """H200 phase costs of a colocated 1.5B step from `results/speed_1xh200.json` (measured), for a machine
+    without a committed ping-pong sweep: generation per call at 8, 64 and 256 completions, training (no checkpointing) at
+    batch 8 and 32, and TRL's weight push, from the learning-rate-5e-3 runs (completions stayed at the 256-token limit).
+    Assumed, and named in `notes`: a server generates as fast as the colocated engine (a server's 0.9 of the GPU against
+    0.3 only adds KV cache these batches do not need) and its weight sync costs what the colocated push did."""
+    from record.race import first_race, race
+
+    key = first_race(result, "qwen2.5-1.5b", learning_rate)
+    configs = result["summary"]["qwen2.5-1.5b"][key]["configs"]
+    recs = {(r["config"], r["seed"]): r for r in result["records"] if r["model"] == "qwen2.5-1.5b" and race(r) == key}
+    gen_points, train_points = [], []
+    for name in ("trl_defaults", "spg8", "batch32"):
+        rec = recs[(name, 0)]
+        per_gen = rec["completions_per_generation"]
+        gen_points.append((per_gen, configs[name]["phase_s_per_step"]["generation"] * rec["steps_per_generation"]))
+    for name in ("no_grad_ckpt", "batch32"):
+        rec = recs[(name, 0)]
+        batch = rec["grpo_config"]["per_device_train_batch_size"]
+        train_points.append((batch, configs[name]["phase_s_per_step"]["training"]))
+    fixed, per_sample = _line(train_points)
+    push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
+    notes = ["measured on one H200 (results/speed_1xh200.json); a server generates as fast as the colocated engine "
+             "did, and its weight sync costs what the colocated push did (assumptions)"]
+    return PhaseCosts(gen_points=_merge_points(gen_points), train_fixed_s=fixed, train_per_sample_s=per_sample,
+                      sync_server_s=push, sync_colocate_s=push, tokens_per_sample=256.0,
+                      source="results/speed_1xh200.json", notes=notes)
+
+
+def _entry(results: Path, name: str, machine: str | None = None, **shown) -> dict:
+    path = results / f"{name}.json"
+    env = json.loads(path.read_text()).get("env") if machine is None else None
+    return {**shown, "source": f"results/{name}.json", "machine": machine or machine_label(env or {}),
+            "date": file_date(path)}
+
+
+def current_race(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
+    """The newest race of `model` that ran TRL's defaults beside the others: the one table a lesson shows (the
+    earlier races stay in the record's summary)."""
+    rows = race.table(result, model)  # the newest race first
+    key = next((r["learning rate"], r["s per seed"], r["ran at"]) for r in rows if r["configuration"] == "trl_defaults")
+    return [{k: v for k, v in r.items() if k != "ran at"} for r in rows
+            if (r["learning rate"], r["s per seed"], r["ran at"]) == key]
+
+
+def peaks_at(result: dict, configs=("batch32", "batch32_on_policy")) -> list[dict]:
+    """The newest seed-0 record of each batch-32 configuration: NVML's peak and PyTorch's own, at u = 0.3."""
+    rows = []
+    for config in configs:
+        anchor = [r for r in result["records"] if r["config"] == config and r["seed"] == 0][-1]
+        torch_peak = anchor.get("torch_peak_gib") or {}
+        rows.append({"config": config, "nvml_peak_gib": anchor["nvml_peak_gib"],
+                     "torch_allocated_gib": torch_peak.get("allocated"), "torch_reserved_gib": torch_peak.get("reserved")})
+    return rows
+
+
+def build(results: Path | None = None) -> dict:
+    """Every entry the lessons read, from the committed records under `results`."""
+    results = Path(results or results_dir())
+    sp = json.loads((results / "speed_1xh200.json").read_text())
+    latency = json.loads((results / "gen_latency_1xh200.json").read_text())
+    router = json.loads((results / "router_vs_proxy_cpu.json").read_text())
+    return {
+        "01.h200_costs": _entry(results, "speed_1xh200", "1×H200", costs=costs_from_speed(sp).to_dict()),
+        "04.speed": _entry(results, "speed_1xh200", "1×H200", rows=current_race(sp)),
+        "04.speed_7b": _entry(results, "speed_1xh200", "1×H200", rows=current_race(sp, "qwen2.5-7b")),
+        "04.peaks_at_0.3": _entry(results, "speed_1xh200", "1×H200", rows=peaks_at(sp)),
+        "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
+                                                                              for r in speed.latency_table(latency)]),
+        "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from record.store import write_json_atomic
+
+    parser = argparse.ArgumentParser(prog="python -m record.lessons", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=results_dir() / "lessons.json")
+    args = parser.parse_args(argv)
+    shown = build()
+    write_json_atomic(args.out, shown)
+    print(f"wrote {len(shown)} entries to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
