@@ -29,10 +29,12 @@ test-fast: venv
 	$(BIN)/python -m pytest -v -m "not slow and not notebook"
 
 # Every measured time and peak a learner reads, from one check run here: the notebooks executed as Run All runs
-# them (into results/gpu_check.json where there is a GPU, else results/cpu_check.json), then the notebooks'
-# headers, README.md's hardware matrix and docs/INSTRUCTOR.md's tables rewritten from what it measured.
+# them (into results/gpu_check.json where there is a GPU, else results/cpu_check.json), what the lessons show from
+# the large records (results/lessons.json), then the notebooks' headers, README.md's hardware matrix and
+# docs/INSTRUCTOR.md's tables rewritten from what it measured.
 numbers: venv
 	$(BIN)/python scripts/check.py notebooks --json results/$(TIER)_check.json
+	$(BIN)/python -m record.lessons --out results/lessons.json
 	$(BIN)/python scripts/check.py refresh
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
