@@ -112,13 +112,13 @@ def write_validation(path: Path | None = None) -> Path:
     """results/planner_validation.json: measured vs predicted peak per row, the error, the constants."""
     from colo_kit.env import describe
     from colo_kit.paths import results_dir
+    from record.store import write_json_atomic
 
     path = Path(path or results_dir() / "planner_validation.json")
     table = validation_table()
     table["note"] = _measured()["note"]
     table["env"] = {k: v for k, v in describe().items() if k in ("python", "versions")}
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return path
+    return write_json_atomic(path, table)
 
 
 def main(argv: list[str] | None = None) -> int:
