@@ -26,8 +26,10 @@ def _lab_script(**make_vars) -> str:
                      .replace(".venv/bin/jupyter lab", f"{sys.executable} -m jupyterlab") for ln in lines)
 
 
-def _kernel_language_info() -> dict:
-    """What the kernel reports about its language on connecting (its kernel_info reply), asked of a real kernel."""
+@pytest.fixture(scope="module")
+def kernel_language_info() -> dict:
+    """What the kernel reports about its language on connecting (its kernel_info reply), asked of a real kernel:
+    one kernel for the module, as its reply is the same each time."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -55,16 +57,23 @@ def test_a_working_copy_outside_lab_names_is_refused_before_anything_is_deleted(
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and f"LAB_DIR={lab_dir}: use lab or lab-NAME" in proc.stderr
     assert (tmp_path / "notebooks" / "00_quickstart.ipynb").read_text() == "{}"
+
+
+def test_a_working_copy_under_a_lab_name_is_made_with_the_kernels_language_info(tmp_path, kernel_language_info):
+    """`make lab-reset LAB_DIR=lab-alice`: a name the check above lets through gets its copies. (Run once here,
+    not after each refused name: what it does does not depend on them.)"""
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_quickstart.ipynb").write_text("{}")
     ok = subprocess.run(["make", "-f", str(REPO_ROOT / "Makefile"), "lab-reset", "LAB_DIR=lab-alice",
                          f"BIN={Path(sys.executable).parent}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     copy = json.loads((tmp_path / "lab-alice" / "00_quickstart.ipynb").read_text())
-    assert copy == {"metadata": {"language_info": _kernel_language_info()}}
+    assert copy == {"metadata": {"language_info": kernel_language_info}}
     assert " lab-alice/" in _lab_script(LAB_DIR="lab-alice")
 
 
 @pytest.mark.slow
-def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_alone(tmp_path):
+def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_alone(tmp_path, kernel_language_info):
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed in this environment")
     import httpx
 
@@ -95,7 +104,7 @@ def test_make_lab_serves_a_working_copy_with_the_token_and_leaves_the_notebooks_
         assert (tmp_path / "lab" / "00_quickstart.ipynb").read_text() == "{}"
         copy, tracked = (json.loads((tmp_path / d / "06_async_lora_proxy.ipynb").read_text()) for d in ("lab", "notebooks"))
         # the copy is the notebook, with what this kernel will report about its language already in its metadata
-        assert copy["metadata"].pop("language_info") == _kernel_language_info() != tracked["metadata"].pop("language_info")
+        assert copy["metadata"].pop("language_info") == kernel_language_info != tracked["metadata"].pop("language_info")
         assert copy == tracked
         import psutil
 
