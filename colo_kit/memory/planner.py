@@ -1,17 +1,10 @@
 """Memory planner: will this GRPO run fit on these GPUs, and with which settings? Notebook 04.
 
-The question behind TRL's colocate OOM reports (#2688, #3128): the colocated vLLM engine and the trainer share each
-GPU, so `vllm_gpu_memory_utilization`, the sleep level, vLLM's TP, the ZeRO stage and CPU offload decide together
-whether a step fits. This estimates a `GRPOTrainer` step's per-GPU memory by part in its generation phase (the awake
-engine's `u × GPU memory` beside the trainer's kept state) and training phase (the engine asleep or still holding
-its share), and recommends the cheapest settings that fit.
-
-What TRL 1.16 really keeps (read in its source): a model given by path loads in **float32** unless
-`model_init_kwargs={"dtype": ...}` (`bf16=True` is autocast): 16 bytes per parameter with AdamW;
-`gradient_checkpointing` defaults to **True**; log-probs use a fused, chunked LM head
-(`trl.kernels.ChunkedLogProbFunction`: a `4096 × 32768` tile and an fp32 LM-head gradient, never the whole logits);
-sleep mode sleeps at level 2 and calls `torch.cuda.empty_cache()` before each wake-up. Which constant below is set
-from a physical fact and which fitted, and every measured row's error: `results/planner_validation.json`.
+The engine and the trainer share each GPU (TRL's colocate OOM reports #2688, #3128), so the engine's share, the sleep
+level, vLLM's TP, the ZeRO stage and offload decide together whether a step fits. This estimates a step's per-GPU
+memory by part in its generation and training phases and recommends the cheapest settings that fit. What TRL keeps:
+a model given by path loads in float32 (16 bytes per parameter with AdamW), checkpointing is on by default, log-probs
+use a chunked LM head (`trl.kernels.ChunkedLogProbFunction`), sleep is level 2 with `empty_cache()` before waking.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ GIB = 2**30
 # What CUDA reports as total memory on one H200 (nvidia-smi: 143,771 MiB, less the driver's share).
 H200_GIB = 139.8
 
-# ---- set from physical facts -------------------------------------------------------------------
+# ---- set from physical facts ----
 TOKEN_TILE = 4096          # TRL's chunked log-prob: tokens per tile (trl/kernels/chunked_logprob.py)
 VOCAB_TILE = 32768         # ... and vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
 WEIGHT_SYNC_BUFFERS_GIB = 2.0   # server mode: vLLM's packed NCCL broadcast, 2 buffers of 1 GiB
@@ -34,31 +27,20 @@ VLLM_ASLEEP_GIB = 0.25     # what a sleeping engine still holds (CUDA graph pool
 VLLM_OVERHEAD_GIB = 1.5    # inside u × memory but not KV: activation headroom + CUDA graphs (vLLM's profiler)
 SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under 92% of the GPU
 
-# ---- fitted to the measured rows (see results/planner_validation.json and fit_constants) ---------
+# ---- fitted to the measured peaks (record.planner_validation) ----
 FITTED = {
-    # per process: CUDA context, cuBLAS/cuDNN workspaces, and vLLM's buffers outside its budget
-    "CUDA_CONTEXT_GIB": 0.5,
-    # per process with a communicator (world size > 1, or server mode's NCCL link to vLLM)
-    "NCCL_GIB": 0.25,
-    # fraction of the step's freed memory that empty_cache() cannot hand back before vLLM wakes up
-    # (allocator segments pinned by tensors allocated among them, e.g. the optimizer states)
+    "CUDA_CONTEXT_GIB": 0.5,  # per process: CUDA context, cuBLAS workspaces, vLLM's buffers outside its budget
+    "NCCL_GIB": 0.25,  # per process with a communicator (world size > 1, or server mode's link to vLLM)
+    # the share of a step's freed memory empty_cache() cannot hand back (segments pinned by live tensors)
     "KEPT_AFTER_EMPTY_CACHE": 0.2,
-    # PyTorch's caching allocator's reserve above its live tensors in a step, per byte of activations and logits
-    # (freed blocks later requests cannot reuse): the median of its own peaks, `planner_validation.reserve_ratios`,
-    # not fitted to NVML; 0.44-0.63 where activations are large, but 0.13-0.14 in 5 of 6 CISPO runs at batch >= 16
+    # the caching allocator's reserve above its live tensors, per byte of activations and logits (median of its peaks)
     "ALLOCATOR_RESERVE": 0.6,
 }
 
 
 def _finite_positive(value) -> bool:
-    import math
-
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
-
-# =================================================================================================
-# The settings of a run
-# =================================================================================================
 
 def _help(text: str, **more) -> dict:
     """A field's `colo-kit plan --help` line (HfArgumentParser reads `metadata`)."""
@@ -133,15 +115,9 @@ class Plan:
         return self
 
 
-# =================================================================================================
-# The estimate
-# =================================================================================================
-
 def _activation_bytes_per_token(m: Preset, plan: Plan) -> float:
-    """Bytes autograd keeps per token for the backward pass (bf16 autocast over the training dtype). Per layer without
-    checkpointing: both RMSNorms (fp32 input and normalised copy), the bf16 casts feeding q/k/v/o and the MLP, q/k/v
-    after RoPE, the attention output, and the MLP's gate, up, SiLU and product (4 × intermediate). With checkpointing
-    only each layer's input is kept, plus one layer recomputed in backward (its tensors and their gradients)."""
+    """Bytes autograd keeps per token for backward: per layer the norms, the bf16 casts, q/k/v, attention output and
+    the MLP's four intermediates; with checkpointing only each layer's input, plus one layer recomputed."""
     h, i, kv = m.hidden_size, m.intermediate_size, m.kv_dim
     resid = 4 if plan.train_dtype == "float32" else 2
     casts = 3 if plan.train_dtype == "float32" else 1   # an fp32 model casts its input once per linear
@@ -299,10 +275,6 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     }
 
 
-# =================================================================================================
-# Recommendation
-# =================================================================================================
-
 def max_safe_utilization(plan: Plan) -> float:
     """The highest vllm_gpu_memory_utilization whose predicted peak stays under SAFE_FRACTION of the GPU.
     The peak is linear in u in each phase, so two estimates give the slope."""
@@ -430,6 +402,3 @@ def parts_figure(report: dict, title: str | None = None):
     fig.update_layout(barmode="stack", yaxis_title="GiB per GPU", height=420,
                       title=title or f"{report['model']}: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU, {verdict}")
     return fig
-
-
-# Checked against measured peaks in colo_kit.memory.planner_validation (results/planner_validation.json).

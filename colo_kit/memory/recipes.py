@@ -1,10 +1,6 @@
-"""Launch configs as data: the accelerate + DeepSpeed ZeRO-3 recipe of the 72B experiment, and DDP (notebook 04).
-
-The post scaled colocated GRPO to Qwen2.5-Math-72B with DeepSpeed ZeRO stage 3, `"offload_optimizer": {"device":
-"cpu"}`, `"overlap_comm": true` and `"contiguous_gradients": true`, launched with Accelerate. `colo-kit plan ...
---write-configs` writes those files for the planned model and GPU count: configs/deepspeed/zero3_offload.json ("auto"
-where the Trainer fills values), configs/accelerate/zero3_<model>_<N>gpu.yaml, and ddp_<N>gpu.yaml for models that
-fit without ZeRO.
+"""Launch configs as data: the post's accelerate + DeepSpeed ZeRO-3 recipe for Qwen2.5-Math-72B (CPU optimizer
+offload, overlap_comm, contiguous_gradients), DDP, and the launch line of every node (notebook 04).
+`colo-kit plan ... --write-configs` writes them under configs/.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offloa
     zero = {
         "stage": zero_stage,
         "offload_optimizer": {"device": "cpu" if offload_optimizer else "none", "pin_memory": True},
-        # Communication of one bucket overlaps the computation of the next (the post's setting).
-        "overlap_comm": True,
-        # Gradients copied into one contiguous buffer as they are produced: no fragmentation at reduce time.
-        "contiguous_gradients": True,
+        "overlap_comm": True,  # one bucket's communication overlaps the next one's computation (the post's setting)
+        "contiguous_gradients": True,  # one contiguous gradient buffer: no fragmentation at reduce time
         "reduce_bucket_size": "auto",
     }
     if zero_stage == 3:
@@ -40,8 +34,7 @@ def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offloa
             "stage3_param_persistence_threshold": "auto",
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
-            # Save a normal bf16 checkpoint at the end instead of ZeRO shards.
-            "stage3_gather_16bit_weights_on_model_save": True,
+            "stage3_gather_16bit_weights_on_model_save": True,  # a plain bf16 checkpoint, not ZeRO shards
         })
     config = {
         "bf16": {"enabled": "auto"},
@@ -54,9 +47,7 @@ def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offloa
         "wall_clock_breakdown": False,
     }
     if offload_optimizer:
-        # DeepSpeed's own AdamW, which becomes DeepSpeedCPUAdam when offloaded (DeepSpeed refuses torch's AdamW
-        # with offload). "auto" takes lr, betas, eps and weight decay from GRPOConfig. Without offload the
-        # Trainer's torch AdamW is used: nothing to compile.
+        # DeepSpeed's AdamW becomes DeepSpeedCPUAdam when offloaded (DeepSpeed refuses torch's AdamW with offload)
         config["optimizer"] = {"type": "AdamW",
                                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
     return config
@@ -78,8 +69,7 @@ def accelerate_config(num_processes: int, deepspeed_config_file: str | None = No
         "use_cpu": False,
     }
     if deepspeed_config_file:
-        # With a DeepSpeed file, mixed precision, stage and offload live in the JSON only: accelerate refuses
-        # the same settings in both places.
+        # precision, stage and offload live in the JSON only: accelerate refuses them in both places
         base.update({"distributed_type": "DEEPSPEED",
                      "deepspeed_config": {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": True,
                                           "deepspeed_multinode_launcher": "standard"}})
@@ -136,10 +126,7 @@ def write_configs(model: str, gpus: int, offload_optimizer: bool = True, offload
     return {"deepspeed": ds_path, "accelerate_zero3": z3, "accelerate_ddp": ddp}
 
 
-
-# Multi-node: the command each node runs. accelerate starts one torchrun agent per machine; the agents meet at
-# node 0's address and number the processes machine by machine (global rank = machine_rank * per_node + local).
-
+# Multi-node: accelerate starts one torchrun agent per machine; they meet at node 0 (rank = machine_rank * per_node + local).
 SLURM_NODE_RANK = '"$SLURM_NODEID"'
 SLURM_HEAD_NODE = '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
 
@@ -148,11 +135,9 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
                   script: str = "train.py", script_args: list[str] | tuple[str, ...] = (),
                   main_process_ip: str = "<node 0 address>", main_process_port: int = 29500,
                   launch_args: list[str] | tuple[str, ...] = ()) -> dict:
-    """The `accelerate launch` line of every node of a `gpus`-process run over ceil(gpus / gpus_per_node) machines:
-    {"machines", "num_processes", "per_node": argv per machine, "lines": as shell lines, "srun": one SLURM line whose
-    `$SLURM_NODEID` and head host each node's shell expands}. `--num_processes` is the total over all machines.
-    `launch_args` go before the script (on a CPU `--mixed_precision no`: the YAML's bf16 would otherwise turn on
-    autocast although GRPOConfig says fp32; measured in scripts/two_machines.py)."""
+    """The `accelerate launch` line of every node of a `gpus`-process run: {"machines", "num_processes", "per_node"
+    (argv per machine), "lines", "srun" (one SLURM line each node's shell expands)}. `launch_args` go before the script
+    (on a CPU `--mixed_precision no`, or the YAML's bf16 turns on autocast)."""
     import shlex
 
     if not isinstance(gpus, int) or gpus < 1:
@@ -184,42 +169,29 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
             "srun": f"srun --nodes {machines} --ntasks-per-node 1 bash -c {shlex.quote(inner)}"}
 
 
-# Server mode across nodes (TRL's 72B recipe): one node runs `trl vllm-serve`, the others train. The trainers reach
-# the server over HTTP at vllm_server_host:vllm_server_port (generation), and for the weight sync the server's workers
-# join an NCCL group whose rendezvous the trainer's main process hosts on training node 0 at vllm_group_port.
-
+# Server mode across nodes (TRL's 72B recipe): one node runs `trl vllm-serve`, the others train and reach it over HTTP;
+# for the weight sync the server's workers join an NCCL group hosted on training node 0 at vllm_group_port.
 TRL_SERVER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port")
 
 SERVER_MODE_WHY = {
-    "server_node": "`trl vllm-serve` on a node of its own: all its GPUs generate, none train. --tensor_parallel_size "
-                   "splits the model over that node's GPUs (one node at most: vLLM's multiproc backend does not span "
-                   "machines). --host 0.0.0.0: listen on every interface, so the training nodes reach it by the node's "
-                   "address (127.0.0.1 would only answer the node itself). --port: what the trainers' vllm_server_port "
-                   "names. TRL 1.16's vllm-serve execs `vllm serve` with the NCCL weight-transfer engine and "
-                   "VLLM_SERVER_DEV_MODE=1 (the weight-update endpoints).",
-    "training_nodes": "node_commands' accelerate lines for the training GPUs only: --num_machines counts the training "
-                      "nodes, not the vLLM node, and --num_processes is their total. The GRPOConfig fields travel as "
-                      "the script's flags (a script that parses GRPOConfig with TrlParser takes them as they are).",
+    "server_node": "`trl vllm-serve` on a node of its own, all its GPUs generating: --tensor_parallel_size splits the "
+                   "model over that node's GPUs (vLLM's multiproc backend does not span machines), --host 0.0.0.0 "
+                   "answers the training nodes, not only the node itself.",
+    "training_nodes": "node_commands' accelerate lines for the training GPUs only (--num_machines does not count the "
+                      "vLLM node); the GRPOConfig fields travel as the script's flags, as TrlParser reads them.",
     "use_vllm": "generate with vLLM, not transformers' generate.",
     "vllm_mode": "'server': ask the vLLM node over HTTP instead of building an engine in each training process.",
-    "vllm_server_host": "the vLLM node's address, as the training nodes reach it. TRL's default is 0.0.0.0, which on a "
-                        "training node means that node itself: TRL would wait vllm_server_timeout (240 s) for a server "
-                        "that is not there.",
-    "vllm_server_port": "the port of `trl vllm-serve --port`; it must be open from training node 0 to the vLLM node "
-                        "(only the main process talks to the server: TRL gathers the prompts there).",
-    "vllm_group_port": "the weight sync's NCCL rendezvous. The trainer's main process is rank 0 of that group and hosts "
-                       "it at its own address (vLLM's get_ip(): the interface of the default route, or VLLM_HOST_IP) "
-                       "and this port, so it must be free on training node 0 and open from the vLLM node to it; it "
-                       "must also differ from accelerate's --main_process_port, which lives on the same node.",
-    "vllm_server_base_url": "TRL 1.16 reads vllm_server_base_url first: when set, VLLMGeneration ignores "
-                            "vllm_server_host/vllm_server_port; when None (the default, and this recipe) it builds "
-                            "http://{vllm_server_host}:{vllm_server_port}. Either names the same server; the kit's "
-                            "run_grpo(vllm_server_base_url=...) sets the base URL. The group port has no base-URL form.",
-    "slurm": "one job of training nodes + 1: the last host of the allocation serves, the first ones train. Two job "
-             "steps, because the two sides run different programs on different nodes: the server step starts first "
-             "and in the background, the script waits for its /health (a 72B load takes longer than TRL's 240 s "
-             "vllm_server_timeout), then the training step runs one accelerate launcher per node; when it ends the "
-             "server step is ended too (a server never exits by itself and would hold the job until its time limit).",
+    "vllm_server_host": "the vLLM node's address: TRL's default 0.0.0.0 means, on a training node, that node itself, "
+                        "where TRL would wait vllm_server_timeout (240 s) for a server that is not there.",
+    "vllm_server_port": "the port of `trl vllm-serve --port`, open from training node 0 (whose main process alone "
+                        "talks to the server) to the vLLM node.",
+    "vllm_group_port": "the weight sync's NCCL rendezvous, hosted by the trainer's main process on training node 0: "
+                       "free there, open from the vLLM node, and not accelerate's --main_process_port.",
+    "vllm_server_base_url": "TRL 1.16 reads vllm_server_base_url first and then ignores vllm_server_host/port; this "
+                            "recipe leaves it None, so TRL builds http://{vllm_server_host}:{vllm_server_port}.",
+    "slurm": "one job of training nodes + 1 (the last host serves): the server step starts in the background, the "
+             "script waits for its /health (a 72B load outlasts TRL's 240 s timeout), runs the training step, then "
+             "ends the server step, which would otherwise hold the job until its time limit.",
 }
 
 
@@ -235,13 +207,9 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
                          vllm_group_port: int = 51216,
                          script: str = "train.py", *, server_args: list[str] | tuple[str, ...] = (),
                          health_timeout_s: int = 1800, **launch) -> dict:
-    """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train over
-    training_gpus / gpus_per_node nodes and one more node runs `trl vllm-serve` with `server_tp` GPUs.
-
-    Returns "nodes", "server_node" ({"argv", "line"}, TRL 1.16's flag names, `server_args` appended), "training_nodes"
-    (`node_commands`, the script given the GRPOConfig fields as flags), "grpo_config" and "grpo_config_args" (those
-    fields, and as the flags TrlParser reads), "server_url", "slurm" ({"server_step", "training_step", "sbatch"}) and
-    "why" (SERVER_MODE_WHY). `launch`: node_commands' other keywords; its script_args go before the GRPOConfig flags."""
+    """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train and one more node runs
+    `trl vllm-serve` with `server_tp` GPUs. Returns the server's and training nodes' lines, the GRPOConfig fields (and
+    as flags), a SLURM batch script and "why" (SERVER_MODE_WHY); `launch`: node_commands' other keywords."""
     import shlex
 
     for name, value, least in (("training_gpus", training_gpus, 1), ("server_tp", server_tp, 1),
@@ -275,8 +243,7 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
                              script_args=user_args + grpo_args, **launch)
     machines = training["machines"]
 
-    # SLURM: the same lines with the hosts as each node's shell variables (exported by the batch script; srun
-    # passes the environment on), the node rank as SLURM gives it
+    # SLURM: the same lines with the hosts as shell variables each node expands, the node rank as SLURM gives it
     slurm_launch = {**launch, "main_process_ip": '"$MAIN_NODE"'}
     slurm_grpo = grpo_args[:5] + ['"$VLLM_NODE"'] + grpo_args[6:]
     argv = node_commands(model, training_gpus, gpus_per_node, script=script, script_args=user_args + slurm_grpo,
