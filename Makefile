@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast numbers lab lab-reset clean-venv data
+.PHONY: venv demo test test-fast numbers numbers-status lab lab-reset clean-venv data
 
 venv: $(STAMP)
 
@@ -36,6 +36,14 @@ numbers: venv
 	$(BIN)/python scripts/check.py notebooks --json results/$(TIER)_check.json
 	$(BIN)/python -m record.lessons --out results/lessons.json
 	$(BIN)/python scripts/check.py refresh
+
+# How fresh the numbers are: for each results file a learner reads, the machine and commit that measured it and how
+# many commits changed the code it measures since; each notebook's Run All records; the runs and goals still owed.
+# A report, not a test: git and the JSON files only, in seconds. STATUS_ARGS=--json for machines, --markdown for README.
+# The venv is built if missing, never rebuilt here (order-only).
+STATUS_ARGS ?=
+numbers-status: | $(STAMP)
+	$(BIN)/python -m record.status $(STATUS_ARGS)
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
 # JupyterLab's autosaves land there (ignored by git), never in the tracked notebooks. `make lab-reset` puts

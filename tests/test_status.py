@@ -1,0 +1,142 @@
+"""The freshness report (`record.status`, `make numbers-status`): it runs on the committed records, names every
+results file a notebook reads, counts the commits after a record with real git, and survives a malformed record.
+A report, not a gate: nothing here asserts that a record is fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from colo_kit.paths import REPO_ROOT
+from colo_kit.results import CHECKS, LESSONS
+from record import status
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, root=REPO_ROOT) -> str:
+    out = subprocess.run([sys.executable, "-m", "record.status", "--root", str(root), *args], cwd=REPO_ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def committed() -> tuple[str, dict]:
+    """The report on this clone's committed records: the text table and the --json one."""
+    return _cli(), json.loads(_cli("--json"))
+
+
+def notebooks_read() -> set[str]:
+    """Every results file the notebooks' sources name or read a shown number from, found here by grep."""
+    lessons = json.loads((REPO_ROOT / "results" / LESSONS).read_text())
+    names: set[str] = set()
+    for src in (REPO_ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"):
+        text = src.read_text()
+        names |= set(re.findall(r"results/(\w+\.json)", text)) | set(re.findall(r'results_dir\(\) / "(\w+\.json)"', text))
+        names |= {f"{n}.json" for n in re.findall(r'results\.load\("(\w+?)(?:\.json)?"', text)}
+        for key in re.findall(r'results\.shown\("([^"]+)"\)', text):
+            names |= {LESSONS, lessons[key]["source"].removeprefix("results/")}
+        if "{{measured_times}}" in text:  # the header's Run All times come from the check runs
+            names |= set(CHECKS.values())
+    return names
+
+
+def test_the_report_names_every_results_file_a_notebook_reads(committed):
+    text, rep = committed
+    expected = notebooks_read()
+    assert {"speed_1xh200.json", "lessons.json", "cpu_check.json"} <= expected  # the grep found the usual ones
+    reported = {f["file"] for f in rep["files"]}
+    for name in expected:
+        assert name in text, f"{name}: a notebook reads it, the report does not name it"
+        present = (REPO_ROOT / "results" / name).exists()
+        assert (name in reported) if present else any(o.startswith(f"results/{name}:") for o in rep["owed"]), name
+
+
+def test_the_report_covers_every_committed_record_and_each_notebooks_run_all(committed):
+    text, rep = committed
+    on_disk = {p.name for p in (REPO_ROOT / "results").glob("*.json")}
+    assert {f["file"] for f in rep["files"]} | {p.split(":")[0].removeprefix("results/") for p in rep["problems"]} \
+        == on_disk
+    for f in rep["files"]:
+        assert f["machine"] and set(f) >= {"commit", "date", "commits_after", "read_by", "in_clone"}
+    stems = {p.stem for p in (REPO_ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py")}
+    for tier, name in CHECKS.items():
+        if (REPO_ROOT / "results" / name).exists():
+            runs = {r["notebook"] for r in rep["notebook_runs"] if r["tier"] == tier}
+            missing = stems - runs
+            assert all(any(m[:2] in o for o in rep["owed"]) for m in missing), missing
+    assert all(len(line) <= 130 for line in text.splitlines())
+
+
+def test_json_and_markdown_parse(committed):
+    _, rep = committed
+    assert set(rep) == {"files", "notebook_runs", "owed", "problems"}
+    md = _cli("--markdown").splitlines()
+    assert md[0].startswith("| results file |") and md[1].startswith("|---")
+    assert all(line.startswith("| ") for line in md[2:md.index("")])
+
+
+def _git(root, *args) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture()
+def repo(tmp_path):
+    """A real git repository: a record committed at one commit, then a change to the code it measures."""
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@example.com")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "bench.py").write_text("x = 1\n")
+    (tmp_path / "other.txt").write_text("a\n")
+    (tmp_path / "results" / "x.json").write_text(json.dumps({"env": {"cpu_count": 2}}))
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "record")
+    measured = _git(tmp_path, "rev-parse", "HEAD")
+    (tmp_path / "code" / "bench.py").write_text("x = 2\n")
+    _git(tmp_path, "commit", "-q", "-am", "code change")
+    return tmp_path, measured
+
+
+def test_commits_after_counts_only_the_code_a_record_measures(repo):
+    root, measured = repo
+    assert status.commits_after(root, measured, ("code",)) == 1
+    assert status.commits_after(root, measured, ("code/bench.py",)) == 1
+    assert status.commits_after(root, measured, ("other.txt",)) == 0
+    assert status.commits_after(root, _git(root, "rev-parse", "HEAD"), ("code",)) == 0
+    assert status.commits_after(root, "0123456789abcdef", ("code",)) is None  # not in this clone: no crash
+    row = next(f for f in status.report(root)["files"] if f["file"] == "x.json")
+    assert row["commit"] == measured[:len(row["commit"])] and row["in_clone"] and row["machine"].startswith("CPU")
+
+
+def test_a_commit_not_in_this_clone_is_said_not_raised(repo):
+    root, _ = repo
+    (root / "results" / "y.json").write_text(json.dumps({"commit": "0123456789abcdef", "env": {"cpu_count": 2}}))
+    text = _cli(root=root)
+    assert re.search(r"^y\.json .*" + re.escape(status.NOT_IN_CLONE), text, re.M), text
+
+
+def test_a_malformed_record_gets_one_line_and_the_report_goes_on(repo):
+    root, _ = repo
+    (root / "results" / "broken.json").write_text('{"env": {"cpu_count": 2}, ')
+    text = _cli(root=root)
+    assert len([line for line in text.splitlines() if "broken.json" in line]) == 1
+    assert re.search(r"^x\.json ", text, re.M)  # the good record is still reported
+    rep = json.loads(_cli("--json", root=root))
+    assert [p for p in rep["problems"] if "broken.json" in p] and "x.json" in {f["file"] for f in rep["files"]}
+
+
+def test_the_makefile_runs_the_report():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert re.search(r"^numbers-status:", makefile, re.M)
+    assert "numbers-status" in next(line for line in makefile.splitlines() if line.startswith(".PHONY"))
+    out = subprocess.run(["make", "-n", "numbers-status"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "record.status" in out.stdout, out.stdout + out.stderr
