@@ -140,3 +140,12 @@ def test_the_makefile_runs_the_report():
     out = subprocess.run(["make", "-n", "numbers-status"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "record.status" in out.stdout, out.stdout + out.stderr
+
+
+def test_readmes_copy_of_the_report_does_not_count_as_reading_a_record(repo):
+    root, _ = repo
+    copy = "## How fresh are the numbers\n\n| `x.json` | CPU laptop (2 cores) | 0 |\n"
+    (root / "README.md").write_text(f"# kit\n\n{copy}\n## Tests\n\nnothing here\n")
+    assert next(f for f in status.report(root)["files"] if f["file"] == "x.json")["read_by"] == []
+    (root / "README.md").write_text(f"# kit\n\n{copy}\n## Tests\n\nmeasured in `results/x.json`\n")
+    assert next(f for f in status.report(root)["files"] if f["file"] == "x.json")["read_by"] == ["README"]
