@@ -2,6 +2,5 @@
 
 TRL's AsyncGRPOTrainer with the post's rank-1 LoRA, adapters published through a shared folder (async_grpo, lora);
 vLLM replicas started from a notebook, each asking for a key (replicas, replica_auth); the routing proxy in front of
-them, with prefix affinity and adapter broadcast (proxy*, routing; `colo-kit proxy`); the proxy against
-vllm-router (router_compare).
+them, with prefix affinity and adapter broadcast (proxy*, routing; `colo-kit proxy`).
 """

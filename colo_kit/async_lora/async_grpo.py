@@ -14,9 +14,8 @@ from colo_kit.async_lora.lora import published_versions
 
 
 class TorchVarlenAttention:
-    """`flash_attn_varlen_func` in plain PyTorch, for the CUDA-only `kernels-community/flash-attn3` that tree
-    attention fetches from the Hub. Each packed segment attends causally to its root-to-segment path
-    (bottom-right aligned, as FA does with more keys than queries). Slow, exact, enough for a tiny model."""
+    """`flash_attn_varlen_func` in plain PyTorch, for the CUDA-only FA3 kernel tree attention fetches from the Hub:
+    each packed segment attends causally, bottom-right aligned as FA does. Slow, exact, enough for a tiny model."""
 
     @staticmethod
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -42,12 +41,8 @@ class TorchVarlenAttention:
 
 @contextmanager
 def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
-    """Make TRL 1.16's AsyncGRPOTrainer run on a CPU within a `with` block, replacing exactly what stops it:
-    1. `tree_fa3` attention: `packing._flash_attn()` fetches the FA3 CUDA kernel from the Hub -> `TorchVarlenAttention`;
-    2. `get_peak_flops_per_device` asks CUDA for the device name (MFU metrics) -> None, so TRL skips MFU;
-    3. the tiny tokenizer's reduced Qwen2 template has no response template TRL knows -> TRL's Qwen2.5 one (only
-       to parse tool calls), on this tokenizer object only.
-    Yields what was patched; TRL's functions are restored when the block ends."""
+    """Make TRL's AsyncGRPOTrainer run on a CPU within a `with` block, replacing exactly what stops it (the FA3
+    kernel, the peak-FLOPs lookup, the tiny tokenizer's missing response template); yields what was patched."""
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
     done, saved = [], []
@@ -85,9 +80,8 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
 
 
 class BearerRequests:
-    """The `requests` module of trl/experimental/async_grpo/vllm_client.py (`requests_module`) with
-    `Authorization: Bearer <token>` on every call. Everything else (`requests.ConnectionError`, ...) is that
-    module's own, so TRL's `except` clauses still catch what they did."""
+    """The `requests` module of trl/experimental/async_grpo/vllm_client.py with `Authorization: Bearer <token>` on
+    every call; everything else is that module's own, so TRL's `except` clauses still catch what they did."""
 
     def __init__(self, token: str, requests_module):
         self._authorization = f"Bearer {token}"
@@ -113,10 +107,8 @@ class BearerRequests:
 
 
 def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
-    """TRL's rollout loop (`loop_cls`) whose generation requests carry `Authorization: Bearer $token_env`.
-    It runs in the rollout worker's spawned child, which reads the token from its environment: nothing secret
-    is pickled. TRL makes the loop's aiohttp session in `_run_loops` without headers and uses it from `_post`
-    only (trl/experimental/async_grpo/async_rollout_worker.py), so `_post` puts the header on it."""
+    """TRL's rollout loop whose requests carry `Authorization: Bearer $token_env`, read in the spawned child from its
+    environment so nothing secret is pickled; TRL's session is used from `_post` only, so `_post` adds the header."""
     loop = loop_cls(**kwargs)
     authorization = f"Bearer {os.environ.get(token_env, '')}"
     post = loop._post
@@ -131,10 +123,8 @@ def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
 
 @contextmanager
 def trl_client_auth(token_env: str) -> Iterator[None]:
-    """Make TRL 1.16's AsyncGRPOTrainer send `Authorization: Bearer $token_env` (the proxy's `--client-token-env`)
-    within a `with` block: the trainer's `VLLMClient` (its `requests` becomes `BearerRequests`) and the rollout
-    worker's spawned child (its `_loop_cls`, pickled by reference, wrapped by `bearer_rollout_loop`). TRL's objects
-    are restored when the block ends; build and train the trainer inside it (`train()` spawns the worker)."""
+    """Make TRL's AsyncGRPOTrainer send the proxy's client token within a `with` block, from the trainer's
+    `VLLMClient` and from the rollout worker's child; build and train the trainer inside it."""
     token = os.environ.get(token_env, "")
     if not token:
         raise ValueError(f"token_env={token_env!r}: the variable is missing or empty; export the proxy's client token "
@@ -155,10 +145,8 @@ def trl_client_auth(token_env: str) -> Iterator[None]:
 
 @contextmanager
 def drained_worker_stop() -> Iterator[None]:
-    """While TRL's `AsyncRolloutWorker.stop` waits for its child, read what the child still sends (never to be
-    trained on): at `max_steps` the trainer stops reading the queues, and a child must flush what it put on a
-    `multiprocessing.Queue` before it exits, so with the pipe full TRL's `stop` waits 15 s, warns "Child did not
-    exit within 15s" and terminates it."""
+    """While TRL's `AsyncRolloutWorker.stop` waits for its child, drain what the child still sends: a child must flush
+    its `multiprocessing.Queue` before it exits, so with the pipe full `stop` waits 15 s and terminates it."""
     import queue
     import threading
 
@@ -193,9 +181,8 @@ def drained_worker_stop() -> Iterator[None]:
 
 
 def prompt_word_reward(completions, prompts=None, **_):
-    """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a
-    completion's words that appear in its prompt. It varies between samples of a random-weight
-    model, unlike the length reward (random weights never stop before max_tokens)."""
+    """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a completion's words
+    that appear in its prompt, which varies between samples of a random-weight model."""
     out = []
     for i, c in enumerate(completions):
         text = c[-1]["content"] if isinstance(c, list) else str(c)
@@ -207,8 +194,7 @@ def prompt_word_reward(completions, prompts=None, **_):
 
 
 def _bar_without_log_lines(trainer) -> None:
-    """Keep the progress bar but not the log dict (some 60 metrics) transformers' ProgressCallback writes under
-    it each step outside a notebook front end; the numbers stay in `trainer.state.log_history`."""
+    """Keep the progress bar but not the 60-metric dict ProgressCallback prints each step outside a notebook."""
     from transformers.trainer_callback import ProgressCallback
 
     class BarOnly(ProgressCallback):
@@ -236,8 +222,7 @@ def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.P
     tok = AutoTokenizer.from_pretrained(model)
     cpu = not has_cuda()
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
-    # A progress bar, as GRPOTrainer's runs show: transformers turns it off (and prints each step's dict
-    # instead) whenever its logger is quieter than WARNING, as colo_kit.quiet() sets it.
+    # transformers turns the bar off whenever its logger is quieter than WARNING, as colo_kit.quiet() sets it
     config.setdefault("disable_tqdm", False)
     args = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=max_steps, num_generations=num_generations,
                            per_device_train_batch_size=per_device_train_batch_size,

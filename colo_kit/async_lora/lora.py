@@ -1,11 +1,9 @@
 """Adapter-only sync for async GRPO: the slot arithmetic, the replica launch recipe, the probe. Notebook 06.
 
-Every `weight_sync_steps` TRL's `AsyncGRPOTrainer` saves the post's rank-1 LoRA (alpha 2) to
-`<output_dir>/.vllm_lora/trl-policy-v{N}` (staged under a dot name, then one atomic rename) and POSTs the path to
-`/v1/load_lora_adapter`; rollout workers request `model="trl-policy-v{N}"`. A rank-1 adapter of a 1.5B model is a
-few MB, so a bucket mounted at the same path in every job carries it instead of NCCL. TRL does the publishing;
-this module adds the launch recipe, the slot and sleep checks, and a probe that every replica serves the version
-(behind a proxy, a load that reached one replica only is otherwise invisible).
+Every `weight_sync_steps` TRL's `AsyncGRPOTrainer` publishes the post's rank-1 LoRA to
+`<output_dir>/.vllm_lora/trl-policy-v{N}` and POSTs the path to `/v1/load_lora_adapter`: a few MB through a shared
+folder instead of NCCL. This module adds the launch recipe, the slot and sleep checks, and a probe that every replica
+serves the version (behind a proxy, a load that reached one replica only is otherwise invisible).
 """
 
 from __future__ import annotations
@@ -46,14 +44,11 @@ def published_versions(output_dir: str | os.PathLike) -> list[int]:
     return sorted(out)
 
 
-# ---------------------------------------------------------------------------------------------
-# Slot and rank arithmetic
-# ---------------------------------------------------------------------------------------------
+# ---- Slot and rank arithmetic ----
 
 def max_loras_for(max_staleness: int) -> int:
-    """Adapter slots a replica needs: the current policy, `max_staleness` older ones still named
-    by in-flight rollouts, and one more because each sync loads the new version before it
-    unloads the oldest."""
+    """Adapter slots a replica needs: the current policy, `max_staleness` older ones in flight, and one more because
+    each sync loads the new version before it unloads the oldest."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness={max_staleness}: must be >= 0 (TRL's default is 4)")
     return max_staleness + 2
@@ -70,8 +65,7 @@ def check_slots(max_loras: int, max_staleness: int) -> None:
 
 
 def vllm_lora_ranks() -> tuple[int, ...]:
-    """The `--max-lora-rank` values vLLM builds stacked buffers for, read from vLLM itself
-    (`vllm.config.lora.MaxLoRARanks`), else from TRL's copy of the list."""
+    """The `--max-lora-rank` values vLLM accepts (`vllm.config.lora.MaxLoRARanks`, else TRL's copy of the list)."""
     try:
         import typing
 
@@ -88,8 +82,7 @@ def vllm_lora_ranks() -> tuple[int, ...]:
 
 
 def max_lora_rank_for(adapter_rank: int) -> int:
-    """Round a LoRA rank up to a `--max-lora-rank` vLLM accepts (any other value fails engine
-    construction; a larger one only costs buffer memory)."""
+    """Round a LoRA rank up to a `--max-lora-rank` vLLM accepts (a larger one only costs buffer memory)."""
     if adapter_rank < 1:
         raise ValueError(f"LoRA rank {adapter_rank}: must be >= 1 (the post uses 1)")
     for r in vllm_lora_ranks():
@@ -100,9 +93,7 @@ def max_lora_rank_for(adapter_rank: int) -> int:
 
 
 def check_sleep_level(sleep_level: int | None, adapter_only: bool = True) -> None:
-    """Refuse level-2 sleep with adapter-only sync: level 2 discards the weights and nothing re-sends the base
-    weights, so a woken replica would run every `trl-policy-vN` on garbage. Level 1 (weights offloaded to CPU)
-    is safe; so is level 2 with merged-weight sync, which resends every weight (the first post's colocate setup)."""
+    """Refuse level-2 sleep with adapter-only sync, which never re-sends the base weights level 2 discards."""
     if sleep_level in (None, 0, 1):
         return
     if sleep_level != 2:
@@ -113,9 +104,7 @@ def check_sleep_level(sleep_level: int | None, adapter_only: bool = True) -> Non
                          "Use sleep_level=1 (weights kept in CPU memory), no sleep, or merged-weight sync.")
 
 
-# ---------------------------------------------------------------------------------------------
-# The launch recipe
-# ---------------------------------------------------------------------------------------------
+# ---- The launch recipe ----
 
 @dataclass
 class ReplicaLaunch:
@@ -146,11 +135,8 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
                    gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
                    enforce_eager: bool | None = None, max_logprobs: int = 100, python: str | None = None,
                    extra_args: list[str] | None = None) -> ReplicaLaunch:
-    """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters.
-    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` exposes `/v1/load_lora_adapter`; `VLLM_SERVER_DEV_MODE=1` serves
-    `/server_info`, `/pause` and `/resume`, which TRL calls. The key `api_key_env` names goes into the replica's
-    environment as `VLLM_API_KEY`, never onto its command line (`ps` shows it); vLLM checks it under `/v1` only,
-    so `replica_auth.ReplicaAuthMiddleware` asks for it on every path but `/health` too."""
+    """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters (VLLM_SERVER_DEV_MODE serves the
+    `/pause` and `/resume` TRL calls). The API key goes into the environment, never the command line `ps` shows."""
     max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
     check_slots(max_loras, max_staleness)
     check_sleep_level(sleep_level, adapter_only=True)
@@ -187,9 +173,7 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
     return ReplicaLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The probe
-# ---------------------------------------------------------------------------------------------
+# ---- The probe ----
 
 class AdapterMismatch(RuntimeError):
     pass
@@ -197,9 +181,8 @@ class AdapterMismatch(RuntimeError):
 
 def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | None = None, *,
                    token: str | None = None, generate: bool = True, timeout_s: float = 60.0) -> list[dict]:
-    """Check that every replica serves `lora_name` (from `lora_path`, if given): listed by `GET /v1/models`
-    (`{"id": name, "root": path, "parent": base}`) and, with `generate`, resolved by a one-token completion.
-    Returns one report per replica; raises `AdapterMismatch` listing the replicas that do not."""
+    """Check that every replica serves `lora_name` (from `lora_path`, if given): listed by `GET /v1/models` and, with
+    `generate`, resolved by a one-token completion; raises `AdapterMismatch` listing the replicas that do not."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -236,9 +219,7 @@ def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | Non
     return reports
 
 
-# ---------------------------------------------------------------------------------------------
-# The publish/load cycle, driven from outside the trainer
-# ---------------------------------------------------------------------------------------------
+# ---- The publish/load cycle, driven from outside the trainer ----
 
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
     """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""

@@ -1,19 +1,10 @@
 """The routing proxy of the second post: several vLLM replicas that TRL sees as one server. Notebook 06.
 
-TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`); this aiohttp proxy beside the trainer stands for
-the replicas. It decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`.
-
-- **Who may use it.** On loopback any local process (TRL's client sends no credentials); elsewhere only with
-  `client_token_env` (401 without the token). Upstream requests carry the replicas' own token, health polls only a
-  challenge (`replica_auth`), so a process that takes a dead replica's port learns nothing.
-- **Slow clients.** A request's head must arrive within `client_timeout_s`, its body within as long again, so idle
-  sockets cannot use up file descriptors (aiohttp 3.14.4 and later: older releases leave a silent socket open).
-- **Forwarding.** `routing.ROUTES` only; bodies over `max_body_mb` get 413 before they are read whole; long prompts
-  are hashed off the event loop, so one does not stall `/health`. A completion goes to the replica holding its
-  longest known prefix, within a bound on load; a broadcast to every healthy replica.
-- **Faults.** A failed request fails over alone; a replica whose health polls fail is dropped (its in-flight
-  requests fail over at once) and caught up (adapters, pause state) when it answers again. A client that hangs up
-  closes its upstream connection, so vLLM aborts the request.
+TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`); this aiohttp proxy stands for the replicas. It
+decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`. Clients off loopback need
+`client_token_env`; health polls send only a challenge (`replica_auth`). A completion goes to the replica holding its
+longest known prefix within a bound on load, a state change to every replica; a failed request fails over alone, a
+replica whose polls fail is dropped and caught up when it answers again.
 """
 
 from __future__ import annotations
@@ -35,15 +26,13 @@ log = logging.getLogger("colo_kit.async_lora.proxy")
 
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (well under a millisecond)
 
-# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the ones aiohttp recomputes
-# and the client's credentials (replaced by the replicas' own upstream).
+# one hop's headers (RFC 9110 7.6.1), those aiohttp recomputes, and the client's credentials
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
 
 
 class RoutingProxy:
-    """The proxy as an object: `await start()`, `await stop()`; or `start_in_thread()` from sync
-    code (notebooks, tests), which returns once it is serving."""
+    """The proxy: `await start()`, `await stop()`, or `start_in_thread()` from notebooks and tests."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config.validate()
@@ -81,13 +70,9 @@ class RoutingProxy:
         self.keyer = PrefixKeyer(self.config.block_size, self.config.max_prefix_blocks, self.config.tokenizer)
         app = web.Application(client_max_size=int(self.config.max_body_mb * 2**20))
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        # aiohttp's keep-alive timer starts when a connection opens and closes it if no whole request
-        # head has come when it fires (web_protocol.py: connection_made, _process_keepalive): our head
-        # timeout. It also closes idle keep-alive connections, as vLLM's uvicorn does after 5 s, so
-        # clients already cope. Lingering (draining an unread body after the answer) is bounded too.
-        # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
-        # connection, and vLLM aborts a request whose connection closes (aiohttp's default since 3.9
-        # is to let the handler run on: the replica kept generating for nobody).
+        # keepalive_timeout is also the head timeout (aiohttp closes a connection with no whole head by then), so
+        # silent sockets cannot use up file descriptors; handler_cancellation lets a client that hangs up close the
+        # upstream connection, and vLLM aborts the request instead of generating for nobody
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      keepalive_timeout=self.config.client_timeout_s,
                                      lingering_time=min(10.0, self.config.client_timeout_s))

@@ -2,9 +2,6 @@
 
     colo-kit proxy --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 \\
         --token-env VLLM_API_KEY --adapter-root /mnt/bucket/run1/.vllm_lora
-
-Every field of `ProxyConfig` but the tokens is a flag (`--port`, ...); bad flags are refused before anything is
-served, with one line naming the value and the fix (exit 2).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The routing proxy's settings (`colo_kit.async_lora.proxy`), checked before anything is served. Notebook 06.
-
-`validate()` refuses a bad value with one line that names it and the fix (a replica URL that is not a server root,
-a missing token variable, a non-loopback address without a client token, an adapter root of `/`).
-"""
+"""The routing proxy's settings (`colo_kit.async_lora.proxy`), checked before anything is served. Notebook 06."""
 
 from __future__ import annotations
 
@@ -13,15 +9,13 @@ from dataclasses import dataclass, field
 
 from colo_kit.async_lora.routing import replica_base
 
-MAX_BODY_MB = 1024  # the proxy holds a whole body in memory; aiohttp needs the limit as an int of bytes
-
+MAX_BODY_MB = 1024  # the proxy holds a whole body in memory
 
 
 @dataclass
 class ProxyConfig:
-    # Every init field is a flag of `colo-kit proxy` (colo_kit.async_lora.proxy_cli), its help in `metadata`, so a
-    # setting is written once. The tokens are not init fields: validate() reads them from the variables named by
-    # --token-env and --client-token-env, so a secret is never typed on a command line.
+    # Every init field is a flag of `colo-kit proxy`; the tokens are read from the variables --token-env and
+    # --client-token-env name, so a secret is never typed on a command line.
     replicas: list[str] = field(default_factory=list, metadata={
         "aliases": ["--replica"], "action": "extend", "metavar": "URL",
         "help": "a vLLM server's root URL; repeat the flag, once per replica"})
@@ -71,7 +65,6 @@ class ProxyConfig:
             raise ValueError("no replicas: pass at least one --replica http://HOST:PORT (a vLLM OpenAI server)")
         clean, upstream = [], {}
         for url in self.replicas:
-            # validated before, a shown URL maps back to the real one
             shown, base = replica_base(self.upstream_urls.get(url, str(url)), self.token_env)
             clean.append(shown)
             upstream[shown] = base

@@ -50,12 +50,11 @@ class Replica:
         return self.proof is None or self.proof.trusted
 
     async def probe(self, session, *, challenge: bool, timeout_s: float, failures_to_drop: int) -> bool:
-        """One health poll: True when it answered 200 and, once it has proved that it holds the
-        replicas' key, proved it again (colo_kit.async_lora.replica_auth)."""
+        """One health poll: True when it answered 200 and, once it has proved it holds the replicas' key, proved it
+        again. It sends no credentials, only a fresh challenge: a process that took a dead replica's port learns
+        nothing."""
         import aiohttp
 
-        # No credentials: vLLM serves /health without them, and a process that took over a dead
-        # replica's port must not be handed the replicas' token; with a token, a fresh challenge.
         nonce = new_challenge() if challenge else None
         try:
             timeout = aiohttp.ClientTimeout(total=min(5.0, timeout_s))
@@ -73,7 +72,7 @@ class Replica:
             self.last_error = type(exc).__name__
             self.failed_polls += 1
             return False
-        if nonce is not None and not self.proof.verify(nonce, answer):  # colo_kit.async_lora.replica_auth.KeyProof
+        if nonce is not None and not self.proof.verify(nonce, answer):
             self.last_error = ("answers /health without the proof of the replicas' key it gave before: another "
                                "process on its port? Not sent the token; restart the replica")
             self.failed_polls = failures_to_drop
@@ -83,8 +82,7 @@ class Replica:
 
     def take_out(self, why: str, *, drop: bool = False) -> None:
         """Out of rotation until a health poll finds it well; with `drop` (health polls failed) the requests waiting
-        on it fail over now. One request's failure does not drop it: the others may still be answered (one 503
-        once re-sent four six-second requests that were being served)."""
+        on it fail over now, while one request's failure leaves the others on it to be answered."""
         was_healthy = self.healthy
         self.healthy = False
         self.dead.set()
@@ -99,8 +97,7 @@ class Replica:
 
     @asynccontextmanager
     async def waiting_on(self):
-        """While the block awaits this replica, `take_out(drop=True)` cancels it and the block raises
-        Retryable instead; a cancellation from elsewhere (the server shutting down) propagates."""
+        """While the block awaits this replica, `take_out(drop=True)` cancels it and the block raises Retryable."""
         me = asyncio.current_task()
         self.waiting.add(me)
         try:
@@ -116,8 +113,8 @@ class Replica:
 
 
 class Broadcaster:
-    """What every replica must see (adapter loads and unloads, pause, resume, cache resets), and what
-    each holds, so that a replica that comes back is caught up. Sends through its `proxy`."""
+    """What every replica must see (adapter loads and unloads, pause, resume, cache resets), and what each holds, so
+    that a replica that comes back is caught up."""
 
     def __init__(self, proxy):
         self.proxy = proxy
@@ -194,8 +191,7 @@ class Broadcaster:
         return web.Response(status=first[0], text=first[1], content_type=content_type(first[1]))
 
     async def holds(self, rep: Replica, name, lora_path) -> bool:
-        """Whether `rep` serves adapter `name` from `lora_path` (`/v1/models` lists each adapter with its
-        path): "already loaded" is success for the same adapter only, not for a stale one of that name."""
+        """Whether `rep` serves adapter `name` from `lora_path`: "already loaded" is success for the same adapter only."""
         p = self.proxy
         status, text = await p._send(rep.url, "GET", "/v1/models", b"", p._upstream_headers(), p.config.upstream_timeout_s)
         try:

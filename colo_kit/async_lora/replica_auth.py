@@ -1,15 +1,9 @@
 """A replica's own port, guarded: the API key on every path, and a proof that a replica holds it. Notebook 06.
 
-vLLM checks its API key only under `/v1`, `/v2`, `/inference` and `/cohere` (vllm/entrypoints/serve/middleware/
-authenticate.py, GUARDED_PREFIX), yet a dev-mode replica, which TRL needs, also serves `/collective_rpc` (any
-method of its workers), `/pause`, `/server_info` and more to any local process: the proxy's refusal of
-`/collective_rpc` means nothing if a caller can go round it. `ReplicaAuthMiddleware` (vLLM's `--middleware`, added
-by `lora.replica_launch`) asks for the key on every path but `/health`.
-
-When a replica dies any local process can bind its port, and catching it up when `/health` answers again would
-hand that process the replicas' token. So each health poll carries a fresh challenge, answered with
-HMAC-SHA256(key, challenge and port); a replica that proved the key once must prove it on every poll to be taken
-back. The port is in the proof so a newcomer cannot relay the challenge to another replica of the same host.
+vLLM checks its key only under `/v1` and a few other prefixes (serve/middleware/authenticate.py), yet a dev-mode
+replica also serves `/collective_rpc` and `/pause` to any local process: `ReplicaAuthMiddleware` asks for the key on
+every path but `/health`. A process that binds a dead replica's port must not be handed the token, so each health poll
+carries a fresh challenge answered with HMAC-SHA256(key, port, challenge).
 """
 
 from __future__ import annotations
@@ -62,9 +56,8 @@ def _header(scope, name: str) -> str | None:
 
 
 class ReplicaAuthMiddleware:
-    """`Authorization: Bearer <key>` on every path but `OPEN_PATHS` (401 otherwise, as vLLM answers on `/v1`), and
-    the proof of the key on `/health` when asked. The key is `key`, else `VLLM_API_KEY`; without one, and for
-    CORS preflights (OPTIONS carry no credentials), everything passes, as in vLLM's own check."""
+    """`Authorization: Bearer <key>` on every path but `OPEN_PATHS`, and the proof of the key on `/health` when asked;
+    without a key, and for CORS preflights, everything passes, as in vLLM's own check."""
 
     def __init__(self, app, key: str | None = None):
         self.app = app
@@ -104,8 +97,7 @@ class ReplicaAuthMiddleware:
 
 
 class KeyProof:
-    """The proxy's side, for one replica: trust on first proof. One that never proved the key (a plain
-    `vllm serve --api-key`, without the middleware) is trusted as before, with one warning."""
+    """The proxy's side, for one replica: trust on first proof; one that never proved the key is trusted with a warning."""
 
     def __init__(self, key: str, base_url: str, shown: str | None = None):
         self.key = key
@@ -115,8 +107,7 @@ class KeyProof:
         self.trusted = True  # False while what answers on the port cannot prove the key it proved before
 
     def verify(self, challenge: str, answer: str | None) -> bool:
-        """Whether a poll's answer to `challenge` lets the replica be trusted (and log once why, if
-        it is trusted without a proof)."""
+        """Whether a poll's answer to `challenge` lets the replica be trusted."""
         if proof_ok(self.key, self.port, challenge, answer):
             self.proves = self.trusted = True
         elif self.proves:

@@ -1,8 +1,7 @@
 """vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment. Notebook 06.
 
-`launch_replicas()` starts N vLLM servers (~20-60 s each on CPU, ~75-105 s on a GPU) and stops them all on exit,
-even on error. `measure_prefix_hits()` sends GRPO-shaped traffic to a proxy or router and reads the hit rate the
-replicas themselves count, in tokens (scripts/router_compare.py uses it too).
+`launch_replicas()` starts N vLLM servers and stops them all on exit, even on error; `measure_prefix_hits()` sends
+GRPO-shaped traffic to a proxy or router and reads the hit rate the replicas themselves count, in tokens.
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ class ReplicaSet:
         self.startup_s: list[float] = []
 
     def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
-        """Start every replica and wait for `/health`; replicas that share a GPU start one after another, because
-        vLLM sizes its KV cache from the memory it sees free while it profiles, and two engines profiling one
-        GPU at once each count the other's growth as their own."""
+        """Start every replica and wait for `/health`; replicas that share a GPU start one after another (vLLM sizes
+        its KV cache from the free memory it sees while profiling, and would count the other's growth as its own)."""
         import atexit
 
         from colo_kit.procs import child_env
@@ -95,8 +93,7 @@ class ReplicaSet:
 
 
 def _check_gpu_share(launch: ReplicaLaunch) -> None:
-    """A replica bound for a GPU whose share another process holds: one line now (`colo_kit.gpu_free`), not the
-    replica's "Engine core initialization failed" in its log a minute later."""
+    """Refuse a replica whose GPU share another process holds now, not with an engine failure in its log later."""
     gpu = launch.env.get("CUDA_VISIBLE_DEVICES", "")
     if not gpu.isdigit() or "--gpu-memory-utilization" not in launch.argv:
         return
@@ -106,8 +103,7 @@ def _check_gpu_share(launch: ReplicaLaunch) -> None:
 
 
 def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
-    """Indices of the replicas to start together: all at once, unless two share a GPU; then each
-    wave holds at most one replica per GPU."""
+    """Indices of the replicas to start together: at most one replica per GPU in each wave."""
     waves: list[list[int]] = []
     for i, launch in enumerate(launches):
         gpu = launch.env.get("CUDA_VISIBLE_DEVICES")
@@ -121,9 +117,8 @@ def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
 
 
 def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
-    """Where `n` replicas go: `{"gpu": index or None, "gpu_memory_utilization": u}` each, one GPU each when there
-    are enough (the post's layout), else shared round-robin at an equal part of 0.9 (0.85 alone); `share_gib`
-    caps each share (a small model beside a trainer). vLLM refuses to start when the share is not free."""
+    """Where `n` replicas go (`{"gpu", "gpu_memory_utilization"}` each): one GPU each when there are enough (the post's
+    layout), else shared round-robin at an equal part of 0.9; `share_gib` caps each share."""
     from colo_kit.env import Machine
 
     machine = machine or Machine.here()
@@ -142,15 +137,13 @@ def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = 
 
 
 def replica_counters(url: str, token: str | None = None) -> dict:
-    """{'hits': tokens, 'queries': tokens, 'requests': finished requests} summed over the replica's
-    engines, read from its Prometheus `/metrics` with prometheus_client's parser."""
+    """{'hits': tokens, 'queries': tokens, 'requests': finished requests} from the replica's Prometheus `/metrics`."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
-    # vLLM v1 names them vllm:prefix_cache_{hits,queries}; older releases also had a
-    # vllm:gpu_prefix_cache_* pair (deprecated). Use the first family present, never both.
+    # vLLM v1's vllm:prefix_cache_*, else older releases' vllm:gpu_prefix_cache_*, never both
     found: dict[str, dict[str, float]] = {"": {}, "gpu_": {}}
     requests = 0.0
     for family in text_string_to_metric_families(text):
@@ -168,9 +161,8 @@ def replica_counters(url: str, token: str | None = None) -> dict:
 
 def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
                      interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
-    """The replicas' counters once they account for the `requests` just answered: vLLM hands a request its
-    final output before its stats logger records that step. Read until the finished requests have grown by
-    `requests` since `before` and two reads in a row agree; after `deadline_s`, the last read."""
+    """The replicas' counters once they count the `requests` just answered (vLLM answers before its stats logger
+    records the step): read until they have and two reads agree, or `deadline_s` passes."""
     deadline = time.monotonic() + deadline_s
     last = None
     while True:
@@ -186,9 +178,8 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
                         token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
                         max_tokens: int = 4, seed_rng: random.Random | None = None,
                         timeout_s: float = 600.0) -> dict:
-    """Send `prompts` as GRPO groups to `url` (each as `group_size` n=1 requests at once, as TRL's rollout worker
-    does); return the per-replica deltas of `replica_counters` (in the order of `replica_urls`), each request's
-    latency in seconds, and the wall time. `token` reads /metrics; resetting the caches is the caller's part."""
+    """Send `prompts` as GRPO groups to `url` (`group_size` n=1 requests at once, as TRL's rollout worker does);
+    return the per-replica deltas of `replica_counters`, each request's latency in seconds, and the wall time."""
     import asyncio
 
     import aiohttp
@@ -229,8 +220,7 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
                                max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
                                token: str | None = None, timeout_s: float = 600.0) -> dict:
     """Send `groups` GRPO groups of random token-id prompts through the proxy, caches reset first; return the
-    replicas' prefix-cache hit rate (cached / queried prompt tokens, summed over replicas). With
-    `shared_prefix_tokens` every prompt starts with the same tokens (a system prompt, a few-shot preamble)."""
+    replicas' prefix-cache hit rate in tokens. `shared_prefix_tokens`: a preamble every prompt starts with."""
     import httpx
 
     rng = random.Random(seed)
@@ -255,13 +245,10 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
 
 def compare_routing(replica_urls: list[str], model: str, *, token_env: str | None = None, block_size: int = 16,
                     policies=("round_robin", "affinity"), **experiment) -> dict:
-    """The prefix-cache hit rate of the same GRPO traffic under each routing policy: one proxy per
-    policy in front of the same replicas, caches reset before each run."""
-    import os as _os
-
+    """The prefix-cache hit rate of the same GRPO traffic under each routing policy, one proxy per policy."""
     from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
 
-    token = _os.environ.get(token_env) if token_env else None
+    token = os.environ.get(token_env) if token_env else None
     out = {}
     for policy in policies:
         proxy = RoutingProxy(ProxyConfig(replicas=list(replica_urls), port=0, token_env=token_env,

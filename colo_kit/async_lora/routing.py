@@ -1,16 +1,12 @@
 """How the proxy of the second post decides, without any I/O; `colo_kit.async_lora.proxy` serves it. Notebook 06.
 
-- **Routes.** `ROUTES` lists what TRL 1.16's `AsyncGRPOTrainer` and an OpenAI client call (grep `server_url}/` in
-  trl/experimental/async_grpo/ and `base_url}/` in trl/generation/vllm_client.py), and whether each is routed,
-  broadcast (it changes state), answered by any replica or by the proxy. Anything else is 404, `/collective_rpc`
-  in particular (it runs any method of a dev-mode replica's workers). Paths are normalised first, so no spelling
-  of a state-changing route slips past the broadcast.
-- **Prefix affinity.** vLLM keys each cached KV block by the chain of blocks before it, salted with the adapter's
-  name; `PrefixKeyer` computes the same chain and `PrefixIndex` finds a request's longest known one, so prompts
-  sharing a prefix go where it is cached. An unseen chain is placed by rendezvous hashing under a bound on load
-  (`choose_replica`: "consistent hashing with bounded loads", Mirrokni et al. 2018).
-- **Adapter loads and credentials.** A replica loads whatever path it is given, so `vet_adapter_load` lets through
-  only paths inside `--adapter-root`; `bearer_ok` checks a client's header as vLLM does.
+- **Routes.** `ROUTES`: what TRL's `AsyncGRPOTrainer` and an OpenAI client call, and whether each is routed,
+  broadcast (it changes state), answered by any replica or by the proxy; anything else is 404.
+- **Prefix affinity.** `PrefixKeyer` computes vLLM's prefix-cache chain (salted with the adapter's name) and
+  `PrefixIndex` finds a request's longest known one; an unseen chain is placed by rendezvous hashing under a bound
+  on load ("consistent hashing with bounded loads", Mirrokni et al. 2018).
+- **Adapter loads and credentials.** `vet_adapter_load` lets through only paths inside `--adapter-root`;
+  `bearer_ok` checks a client's header as vLLM does.
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/update_weights"): BROADCAST,
     ("POST", "/finish_weight_update"): BROADCAST,
 }
-NEVER = frozenset({"/collective_rpc"})  # named so a test can check it stays out of ROUTES
+NEVER = frozenset({"/collective_rpc"})  # it runs any method of a dev-mode replica's workers
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -72,10 +68,6 @@ def route_kind(method: str, path: str) -> str | None:
         return None
     return ROUTES.get((method.upper(), path))
 
-
-# ---------------------------------------------------------------------------------------------
-# Prefix chains
-# ---------------------------------------------------------------------------------------------
 
 class PrefixKeyer:
     """A request body -> the hashes of its prompt's leading full blocks, each over every block
@@ -108,18 +100,15 @@ class PrefixKeyer:
     def _text_chain(self, text: str, salt: bytes) -> list[bytes]:
         if self._tok is not None:
             return self._ids_chain(self._leading_ids(text), salt)
-        # A stand-in for tokens: UTF-8 bytes in blocks of 4 x block_size (about 4 bytes per token).
-        # It keeps what routing needs: one prompt, one chain; a shared leading text, shared blocks.
+        # without a tokenizer, UTF-8 bytes in blocks of 4 x block_size stand in for tokens: a shared text, shared blocks
         data = text.encode("utf-8", "surrogatepass")
         width = 4 * self.block_size
         n_full = min(len(data) // width, self.max_prefix_blocks)
         return self._chain([data[i * width:(i + 1) * width] for i in range(n_full)] or [data], salt)
 
     def _leading_ids(self, text: str) -> list[int]:
-        """The token ids of `text`'s first `max_prefix_blocks` blocks, from a bounded prefix of it: whole, a 10 MB
-        prompt held the event loop for 17 s (with default parallelism encode holds the GIL) and four 15 MB prompts
-        took 5 GB. The cut is 4 characters a token, doubled while too few, plus a block, so a word the cut splits
-        is not used; prompts that share a prefix are cut alike."""
+        """The token ids of `text`'s first `max_prefix_blocks` blocks, encoded from a bounded prefix (a whole 10 MB
+        prompt held the event loop for 17 s): 4 characters a token plus a block, doubled while too few."""
         need = self.block_size * self.max_prefix_blocks
         chars = 4 * (need + self.block_size)
         while True:
@@ -216,14 +205,9 @@ def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, in
     return min(healthy, key=lambda r: inflight.get(r, 0)), False
 
 
-# ---------------------------------------------------------------------------------------------
-# Adapter loads
-# ---------------------------------------------------------------------------------------------
-
 def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | None]:
-    """(why a `/v1/load_lora_adapter` body must not reach the replicas, None) or (None, the resolved
-    lora_path to forward). Forwarding the path as checked, not as given, leaves no `..` or symlink
-    for the replica to resolve differently later."""
+    """(why a `/v1/load_lora_adapter` body must not reach the replicas, None) or (None, the resolved lora_path to
+    forward: as checked, so no `..` or symlink is left for the replica to resolve differently)."""
     if adapter_root is None:
         return ("adapter loads are refused: start the proxy with --adapter-root DIR, the shared directory "
                 "the trainer publishes its adapters under (TRL: <output_dir>/.vllm_lora)"), None
@@ -247,9 +231,8 @@ def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | 
 
 
 def already_done(path: str, status: int | None, text: str) -> bool:
-    """Whether a replica's refusal of a broadcast says it is already in the state asked for (so a retry
-    converges, not 502 forever): vLLM answers a second load of a name 400 "... has already been loaded", and
-    an unload of a name it does not hold 404 "... cannot be found" (vllm/entrypoints/openai/models/serving.py)."""
+    """Whether a replica's refusal of a broadcast says it is already in the state asked for, so a retry converges
+    (vllm/entrypoints/openai/models/serving.py: 400 "has already been loaded", 404 "cannot be found")."""
     if path == "/v1/load_lora_adapter":
         return status == 400 and "has already been loaded" in text
     if path == "/v1/unload_lora_adapter":
@@ -262,14 +245,9 @@ def check_adapter_load(body, adapter_root: str | None) -> str | None:
     return vet_adapter_load(body, adapter_root)[0]
 
 
-# ---------------------------------------------------------------------------------------------
-# Credentials
-# ---------------------------------------------------------------------------------------------
-
 def bearer_ok(header: str | None, token: str) -> bool:
-    """Whether an `Authorization` header carries `token`. As vLLM's own check (vllm/entrypoints/serve/
-    middleware/authenticate.py): the scheme in any case (RFC 7235 2.1: `bearer` is `Bearer`), and the
-    tokens' SHA-256 compared in constant time, so a wrong token's timing tells nothing of the right one."""
+    """Whether an `Authorization` header carries `token`, checked as vLLM does (serve/middleware/authenticate.py):
+    the scheme in any case (RFC 7235), the tokens' SHA-256 compared in constant time."""
     scheme, _, given = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
@@ -286,8 +264,7 @@ def redact_url(url: str) -> str:
 
 
 def replica_base(url: str, token_env: str | None = None) -> tuple[str, str]:
-    """A `--replica` URL as (shown, base): the server root to send requests to, and the same with its
-    password as `***`; ValueError naming the fix when it is not a server root."""
+    """A `--replica` URL as (shown with its password as `***`, the server root to send requests to)."""
     shown = redact_url(url)
     try:
         parts = urlsplit(url)
@@ -301,8 +278,7 @@ def replica_base(url: str, token_env: str | None = None) -> tuple[str, str]:
     if parts.path not in ("", "/") or parts.query:
         raise ValueError(f"bad replica URL {shown!r}: give the server root (no path), e.g. {redact_url(base)}")
     if token_env and (parts.username is not None or parts.password is not None):
-        # aiohttp refuses a request with both (ValueError: Cannot combine AUTHORIZATION header with AUTH
-        # argument or credentials encoded in URL): say so at start, not as a 500 per request
+        # aiohttp refuses a request with both: say so at start, not as a 500 per request
         raise ValueError(f"replica URL {shown!r} with --token-env {token_env}: the URL's user:password and the "
                          "token would both be the Authorization header; drop one (vLLM's --api-key wants --token-env)")
     return redact_url(base), base
