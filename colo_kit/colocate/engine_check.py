@@ -1,10 +1,8 @@
 """The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
 colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled] [--push]`.
 
-Every process builds a `ColocatedEngine`, generates greedily (with `--sampled`, also samples the whole TP
-group's prompts at temperature 1) and prints one JSON line per rank: rank, seed, TP size, token ids. At TP 2
-the two ranks are one model: the same seed (`rank // tp`), the same group completions, each rank its own
-slice. `tests/test_engine.py` compares the ranks' lines.
+Every process builds a `ColocatedEngine`, generates and prints one JSON line per rank; at TP 2 the two ranks are one
+model: the same seed (`rank // tp`), the same group completions, each rank its own slice.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""One colocated vLLM engine for several TRL trainers in one process: an engine start costs 50-90 s on a GPU,
-so a sweep (colo_kit.serving.bench), the speed chain's seeds (colo_kit.memory.speed) and a break-it lab
-(colo_kit.labs.pitfalls) let successive trainers share the identical engine TRL would build again."""
+"""One colocated vLLM engine for several TRL trainers in one process: an engine start costs 50-90 s on a GPU, so a
+sweep or a break-it lab lets successive trainers share the identical engine TRL would build again (notebook 02)."""
 
 from __future__ import annotations
 
@@ -13,12 +12,9 @@ ENGINE_BUILDS: list = []  # every engine built through reuse_engines, in order
 
 
 def reuse_engines() -> None:
-    """Let successive GRPOTrainers in this process share a colocated vLLM engine. TRL's `LLM(...)` is keyed by
-    every argument but `max_num_seqs`; the cached engine is returned when its `max_num_seqs` is large enough (run
-    the largest batch first). Each trainer pushes its weights at its first step. Sleep-mode engines are never
-    shared (TRL sleeps them right after building them). vLLM's model-parallel groups are process-global, so closing
-    any engine destroys them under the cached one ("pipeline model parallel group is not initialized"): a cached
-    engine is handed out only while they live."""
+    """Let successive GRPOTrainers in this process share a colocated vLLM engine, keyed by every `LLM(...)` argument
+    but `max_num_seqs` (run the largest batch first). Sleep-mode engines are never shared, and a cached engine is
+    handed out only while vLLM's process-global model-parallel groups live."""
     from trl.generation import vllm_generation
 
     if getattr(vllm_generation, "_colo_kit_real_LLM", None) is not None:

@@ -1,11 +1,9 @@
 """Sleep that releases only the KV cache, the weights staying mapped on the GPU (notebook 04).
 
-vLLM 0.26's two sleep levels both unmap the weights (level 1 to CPU and back, level 2 discarded and pushed again),
-paying to move weights that need not move when only the KV cache is in the trainer's way; mapping memory back
-costs about 5.6 ms per GB (vLLM #45648). unsloth's "standby" patches vLLM's allocator for this, and vLLM added
-`release_kv_cache_memory()` after 0.26 (PR #44890). Here, with 0.26's own pieces: `sleep(level=0)` pauses the
-scheduler, the `kv_cache`-tagged `CuMemAllocator` allocations are unmapped, and the executor is marked asleep
-with only `kv_cache`, so vLLM's own `wake_up(tags=["kv_cache"])` maps it back and resumes. NVIDIA GPUs only.
+Both of vLLM's sleep levels unmap the weights too, which need not move when only the KV cache is in the trainer's way
+(mapping memory back costs about 5.6 ms per GB, vLLM #45648; vLLM later added `release_kv_cache_memory()`, #44890).
+Here `sleep(level=0)` pauses the scheduler, the `kv_cache`-tagged allocations are unmapped and the executor is marked
+asleep with only `kv_cache`, so vLLM's own `wake_up(tags=["kv_cache"])` maps it back. NVIDIA GPUs only.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ def engine_core(llm):
 
 
 def kv_sleep(llm, pause=None) -> int:
-    """Release the engine's KV cache and keep its weights; returns the bytes unmapped. `pause` is vLLM's own
-    `LLM.sleep` when `llm.sleep` has been replaced by one that calls this (`use_kv_sleep`)."""
+    """Release the engine's KV cache and keep its weights; returns the bytes unmapped. `pause`: vLLM's own sleep."""
     executor = engine_core(llm).model_executor
     if executor.is_sleeping:
         raise RuntimeError(f"the engine is already asleep ({sorted(executor.sleeping_tags)}): wake it before "

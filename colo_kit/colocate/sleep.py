@@ -1,13 +1,9 @@
 """Sleep mode: give a colocated engine's GPU memory back to the trainer between generations (notebook 02).
 
-Post 1 ("Scaling to 72B") sleeps at level 2, discarding weights and KV cache (level 1 offloads the weights to CPU
-memory): GRPO changes the weights every step anyway. Waking is by tag: `weights`, the push, then `kv_cache`.
-After a level-2 wake the weights must come from the trainer (vLLM's `reload_weights` reloads the checkpoint from
-disk, TRL #5312) and the buffers (rotary tables, norm statistics) be restored too (vLLM #16564 lost them): a
-snapshot kept on the GPU, outside vLLM's sleep pool, is copied back after each push, and a greedy probe checks
-it. `ColocatedEngine.close` avoids vLLM #16993's segfault at exit. Memory is read from NVML (PyTorch's counters
-over-count under sleep mode). vLLM's CPU engine has no sleep mode (it warns and keeps everything), so on a CPU
-this module raises `SleepModeUnavailable` rather than pretend.
+Post 1 sleeps at level 2, discarding weights and KV cache, since GRPO changes the weights every step anyway. Waking
+is by tag: `weights`, the push from the trainer (not vLLM's `reload_weights`, which reads the checkpoint, TRL #5312),
+the buffers restored from a copy outside the sleep pool (vLLM #16564), then `kv_cache`. Memory is read from NVML.
+vLLM's CPU engine has no sleep mode, so on a CPU this raises `SleepModeUnavailable` rather than pretend.
 """
 
 from __future__ import annotations
@@ -42,9 +38,7 @@ class SelfCheckFailed(AssertionError):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# NVML memory
-# ---------------------------------------------------------------------------------------------
+# ---- NVML memory ----
 
 def _nvml_handle(device):
     """The NVML handle of a torch CUDA device, by PCI bus id (CUDA_VISIBLE_DEVICES renumbers for torch only)."""
@@ -75,9 +69,7 @@ def device_memory_gib(device) -> dict:
             "total_gib": round(info.total / 2**30, 3)}
 
 
-# ---------------------------------------------------------------------------------------------
-# The manager
-# ---------------------------------------------------------------------------------------------
+# ---- The manager ----
 
 class SleepManager:
     """Sleep and wake a `ColocatedEngine` built with `ColocateSettings(vllm_enable_sleep_mode=True)`.
@@ -89,8 +81,7 @@ class SleepManager:
     """
 
     def __init__(self, engine, level: int = 2, self_check: bool = False, *, platform_check: bool = True):
-        # platform_check=False: for an engine whose `llm.sleep`/`wake_up` are provided by something else
-        # than vLLM's CUDA allocator (the kit's tests drive this class's logic on a CPU that way)
+        # platform_check=False: for an engine whose sleep and wake_up are not vLLM's (tests on a CPU)
         if platform_check and not has_cuda():
             raise SleepModeUnavailable.for_this_platform("SleepManager")
         if level not in (1, 2):
@@ -103,8 +94,7 @@ class SleepManager:
 
         self.engine, self.level, self.self_check_enabled = engine, level, self_check
         self.device = engine.device
-        # Our own copy of the buffers, allocated after the engine (outside its sleep pool), so it
-        # survives level 2 and restoring it is a device-to-device copy (vLLM #16564).
+        # a copy of the buffers outside the engine's sleep pool survives level 2 (vLLM #16564)
         with torch.no_grad():
             self.buffers = {name: b.detach().clone() for name, b in engine.vllm_model.named_buffers()}
         self.stages: list[dict] = []
@@ -211,13 +201,10 @@ class SleepManager:
         return result
 
 
-# ---------------------------------------------------------------------------------------------
-# Reference numbers for the notebooks
-# ---------------------------------------------------------------------------------------------
+# ---- Reference numbers for the notebooks ----
 
 def h200_reference() -> dict:
-    """The committed GPU benchmark (results/engine_bench.json) labelled with its vLLM, or a note naming the
-    script that measures it."""
+    """The committed GPU benchmark (results/engine_bench.json) labelled with its vLLM, or how to measure it."""
     path = results_dir() / "engine_bench.json"
     if path.exists():
         data = json.loads(path.read_text())
@@ -228,9 +215,7 @@ def h200_reference() -> dict:
                       "results/engine_bench.json"}
 
 
-# ---------------------------------------------------------------------------------------------
-# Charts (notebook 02)
-# ---------------------------------------------------------------------------------------------
+# ---- Charts (notebook 02) ----
 
 def memory_figure(stages: list[dict], title: str = "GPU memory at each stage (NVML)"):
     """Stacked used/free GiB per stage, in the order the stages happened."""

@@ -1,13 +1,8 @@
-"""Loading new weights into a running vLLM engine, on a GPU and on vLLM's CPU build.
+"""Loading new weights into a running vLLM engine, on a GPU and on vLLM's CPU build (notebook 02).
 
-On a CPU `load_weights` is more than `model.load_weights(...)`: vLLM-CPU repacks each linear weight for its GEMM
-kernels after loading and keeps the packed copy in a closure, so a later load fails (`'Parameter' object has no
-attribute 'weight_loader'`, vLLM-CPU 0.31) or is never seen by the kernel; vLLM's layer-wise reload
-(`model_runner.reload_weights(weights_iterator=...)`) re-runs that processing, for every tensor in one call. It
-processes a tied parameter for one of its layers only (documented in vllm/model_executor/model_loader/reload):
-with tied embeddings (Qwen2.5 0.5B/1.5B, the kit's tiny model) the LM head kept its stale copy and generation
-drifted from the trainer (an exploratory run: a 2-nat log-prob gap in 20 steps, GRPO's importance ratios at 0),
-so the head is re-tied and re-processed after every load.
+vLLM-CPU repacks each linear weight for its kernels after loading, so a plain `load_weights` later fails or goes
+unseen; its layer-wise `reload_weights` re-runs that processing, but for one layer of a tied parameter only, so with
+tied embeddings (Qwen2.5 0.5B/1.5B, the tiny model) the LM head is re-tied and re-processed after every load.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ def model_runner(llm):
 
 
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load `(name, tensor)` pairs (Hugging Face names) into the engine's model, then reset the
-    prefix cache (cached KV blocks were computed with the old weights)."""
+    """Load `(name, tensor)` pairs (Hugging Face names) into the engine's model, then reset the prefix cache."""
     load_into_runner(model_runner(llm), named_tensors)
     llm.reset_prefix_cache()
 
@@ -38,8 +32,7 @@ def load_into_runner(runner, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         _refresh_tied_lm_head(runner.get_model())
     else:
-        # GPU: vLLM's per-layer loaders stay in place, so a plain load works; one call for all
-        # tensors instead of one per tensor.
+        # on a GPU vLLM's per-layer loaders stay in place: a plain load, one call for all tensors
         runner.get_model().load_weights(list(named_tensors))
 
 
@@ -56,8 +49,7 @@ def _refresh_tied_lm_head(model) -> None:
 
 
 def shutdown(llm) -> None:
-    """Stop an in-process engine and free its memory while CUDA is still alive (an engine collected at
-    interpreter exit, after CUDA, is how vLLM #16993's segfault happened)."""
+    """Stop an in-process engine and free its memory while CUDA is still alive (vLLM #16993's segfault at exit)."""
     import gc
 
     engine = getattr(llm, "llm_engine", None)
@@ -76,9 +68,8 @@ def shutdown(llm) -> None:
 
 
 def make_room_for_an_engine() -> None:
-    """Before this process builds another engine: collect unreferenced engines and hand PyTorch's cached GPU
-    blocks back to the driver (vLLM checks at start-up that its share is free, and a dropped engine's 0.3 of an
-    H200 still counts as used while cached), then give the engine its own CUDA-graph pool."""
+    """Before this process builds another engine: collect dropped engines, hand PyTorch's cached blocks back to the
+    driver (vLLM checks at start-up that its share is free), then give the engine its own CUDA-graph pool."""
     import gc
 
     gc.collect()
@@ -88,11 +79,9 @@ def make_room_for_an_engine() -> None:
 
 
 def fresh_cuda_graph_pool() -> bool:
-    """Give the next engine of this process its own CUDA-graph pool; True if the old one was dropped. vLLM captures
-    every engine's graphs into one process-wide handle (`Platform._global_graph_pool`), which PyTorch keeps listing
-    once released, so after an earlier engine is gone the next capture fails: `it->second->use_count > 0 INTERNAL
-    ASSERT FAILED at CUDACachingAllocator.cpp` (H200, vLLM 0.26: a cell run twice, a test suite). A new handle
-    makes a new pool."""
+    """Give the next engine of this process its own CUDA-graph pool; True if the old one was dropped. vLLM's one
+    process-wide pool (`Platform._global_graph_pool`) fails the next capture (`use_count > 0 INTERNAL ASSERT`) once
+    an earlier engine is gone."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
@@ -104,8 +93,7 @@ def fresh_cuda_graph_pool() -> bool:
 
 @contextmanager
 def stdout_with_fd():
-    """vLLM silences C-level prints while making its groups by dup2-ing `sys.stdout.fileno()`, which a Jupyter
-    kernel's stdout may lack (io.UnsupportedOperation: fileno): use the process's real stdout meanwhile."""
+    """Use the process's real stdout while vLLM dup2s `sys.stdout.fileno()`, which a Jupyter kernel's stdout lacks."""
     import sys
 
     try:
