@@ -1,16 +1,10 @@
 """Multi-process cells (notebook 03): run a function on every GPU of the node (or 2 CPU processes) from a notebook
 through torch elastic's `elastic_launch` and get each rank's return value, without losing the kernel. It adds:
-- fork when safe, else spawn: forked workers cannot use CUDA once the kernel made a CUDA context ("Cannot
-  re-initialize CUDA in forked subprocess", accelerate #1751/#3925) and inherit a kernel's `Accelerator` as a
-  world of one; forking stays the default because workers inherit the kernel's imports (vLLM takes 10-60 s to
-  import on a busy CPU). As with any spawn, a launching script needs an `if __name__ == "__main__":` guard;
-- a free rendezvous port per launch: a fixed one (`notebook_launcher`'s 29500) hangs or fails a second launch
-  while the first one's port is in TIME_WAIT (TRL #3979);
-- per-rank logs at the file-descriptor level (vLLM and gloo log from C++), and a worker's exception as one
-  `WorkerError` naming the rank, the kernel alive;
-- CPU really means 2 processes: without `cpu=True`, `PartialState()` on a GPU-less machine makes every process a
-  world of one (accelerate's `_prepare_backend`), and `accelerate launch --cpu --num_processes 2` runs ONE process
-  (measured here); so each worker initialises `PartialState(cpu=True)`.
+- fork when safe (workers inherit the kernel's slow imports), else spawn: a forked worker cannot use CUDA once the
+  kernel made a CUDA context (accelerate #1751/#3925);
+- a free rendezvous port per launch: a fixed one fails a second launch while the first is in TIME_WAIT (TRL #3979);
+- per-rank logs at the file-descriptor level (vLLM and gloo log from C++), a worker's exception as one `WorkerError`;
+- `PartialState(cpu=True)` in each worker: without it every CPU process is a world of one.
 """
 
 from __future__ import annotations
@@ -68,8 +62,7 @@ class LaunchResult:
 
 
 def kernel_problems() -> list[str]:
-    """Why forking this process would break the workers; empty when safe. Never touches the GPU: it reads
-    `torch.cuda.is_initialized()`, a flag, and only if torch is already imported."""
+    """Why forking this process would break the workers; empty when safe (it never touches the GPU itself)."""
     problems = []
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -87,8 +80,7 @@ _FIX = ("Fix: restart the kernel and keep every GPU call (models, trainers, torc
 
 
 class _Worker:
-    """What each process runs: the process group, then the function. Pickled (for spawn) by
-    cloudpickle, so a function defined in a notebook cell travels by value."""
+    """What each process runs: the process group, then the function (cloudpickled, so a notebook's function travels)."""
 
     def __init__(self, function: Callable, args: tuple, cpu: bool):
         self.function, self.args, self.cpu = function, args, cpu
@@ -103,8 +95,7 @@ class _Worker:
 
     @staticmethod
     def _streams_to_log() -> None:
-        """elastic put the rank's log files behind fds 1 and 2 (see `_Fd`), but in a forked Jupyter kernel
-        `sys.stdout` still sends through the kernel's sockets: point Python and pre-fork log handlers at the fds."""
+        """Point `sys.stdout`, `sys.stderr` and pre-fork log handlers at fds 1 and 2, where elastic put the logs."""
         old = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *(getattr(s, "_stream", None)
                                                                            for s in (sys.stdout, sys.stderr)))
         sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -117,9 +108,7 @@ class _Worker:
 
     @staticmethod
     def _detach_from_kernel() -> None:
-        """A forked worker still holds the kernel's IPython shell: progress bars and widgets (tqdm.auto,
-        transformers' notebook callback) would send through the kernel's sockets ("attempted to send message from
-        fork", per update). Silence that channel and drop the shell: display() falls back to text in the log."""
+        """Drop the kernel's IPython shell a forked worker inherits, whose widgets would send through its sockets."""
         ipython = sys.modules.get("IPython")
         shell = ipython.get_ipython() if ipython is not None else None
         if shell is None:
@@ -143,7 +132,6 @@ class _Worker:
         try:
             from accelerate.state import AcceleratorState, PartialState
 
-            # A forked worker inherits the kernel's (empty) accelerate state; start from nothing.
             AcceleratorState._reset_state(True)
             if self.cpu:
                 os.environ["ACCELERATE_USE_CPU"] = "true"  # Accelerator()/TrainingArguments follow suit
@@ -165,9 +153,8 @@ class _Worker:
 
 
 class _Fd:
-    """The kernel's `sys.stdout`/`sys.stderr` during a launch, with fileno() 1 and 2. elastic redirects a worker's
-    output by dup2-ing the log over `sys.stdout.fileno()`: in a Jupyter kernel that is the kernel's copy of its
-    terminal, or an error (no fd under pytest), and fds 1 and 2, where C++ writes, would escape the log."""
+    """The kernel's `sys.stdout`/`sys.stderr` with fileno() 1 and 2 during a launch, so elastic's dup2 of the log
+    catches what C++ writes there (a Jupyter kernel's own stdout has another fd, or none)."""
 
     def __init__(self, stream, fd: int):
         self._stream, self._fd = stream, fd
@@ -193,8 +180,7 @@ def _read(path: str | None, lines: int = 30) -> str:
 
 
 def _worker_error(exc, run_dir: Path, ended: list, timeout_s: float | None) -> WorkerError:
-    """`WorkerError` for the rank that failed first: a Python exception (recorded by elastic) before a
-    rank that was killed, then the lowest rank."""
+    """`WorkerError` for the rank that failed first, a Python exception before a kill."""
     failures = exc.failures  # {global rank: ProcessFailure}; `record` leaves {"message": {...}} for an exception
     recorded = {r: f.error_file_data.get("message") for r, f in failures.items()}
     rank = min(failures, key=lambda r: (not isinstance(recorded[r], dict), failures[r].timestamp, r))
@@ -216,8 +202,8 @@ def _worker_error(exc, run_dir: Path, ended: list, timeout_s: float | None) -> W
 
 
 def _end_on_timeout(timeout_s: float, before: set, ended: list, done: threading.Event) -> None:
-    """After `timeout_s`, SIGTERM the workers this launch started, then SIGKILL those alive 10 s later: a worker
-    blocked in a collective runs no Python signal handler. elastic sees them die and raises ChildFailedError."""
+    """After `timeout_s`, SIGTERM the workers this launch started, then SIGKILL those alive 10 s later (a worker
+    blocked in a collective runs no Python signal handler)."""
     if done.wait(timeout_s):
         return
     workers = [p for p in multiprocessing.active_children() if p not in before]
@@ -237,15 +223,11 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
            fresh_process: bool | str = "auto", echo: bool | str = True, timeout_s: float | None = None,
            preimport: tuple[str, ...] = (), port: int | None = None,
            run_dir: str | Path | None = None) -> LaunchResult:
-    """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU); return each
-    rank's return value (plain data: it is pickled back). Inside `function` torch.distributed is initialised
-    through `PartialState` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, so vLLM's
-    `external_launcher` and TRL's trainers join that group.
-    `fresh_process`: "auto" forks when the kernel is safe to fork, else spawns (the function cloudpickled); True
-    spawns; False raises `KernelNotSafe`. `timeout_s`: end the workers and raise `WorkerError` after this long.
-    `echo`: True tees every worker line into the cell, "brief" only stderr, False none (logs stay in `run_dir`).
-    `preimport`: modules the kernel imports before forking, for the workers to inherit (one that initialises CUDA
-    on import makes the launch spawn). `port`: the rendezvous port (default: a free one, never fixed: TRL #3979).
+    """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU) with torch.distributed
+    initialised, so vLLM's `external_launcher` and TRL's trainers join it; return each rank's return value.
+    `fresh_process`: "auto" forks when safe, else spawns; True spawns; False raises `KernelNotSafe`.
+    `echo`: True tees every worker line into the cell, "brief" only stderr. `preimport`: modules to import before
+    forking, for the workers to inherit.
     """
     if not callable(function):
         raise TypeError(f"function={function!r} is not callable: pass the function itself, e.g. launch(train, 2)")
@@ -295,13 +277,11 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
                           max_restarts=0, monitor_interval=0.1, start_method=method,
                           logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.ALL, tee=tee),
                           log_line_prefix_template="[rank ${rank}] ")
-    # elastic logs a report of a failed worker and the ranks it ends (WorkerError says it all) and leaves
-    # its SIGTERM/SIGINT handlers in the launcher (a kernel interrupt would then raise SignalException).
+    # elastic's failure reports are quieted (WorkerError says it all) and its signal handlers removed afterwards
     quiet = {name: logging.getLogger(name).level for name in ("torch.distributed.elastic", "torch.distributed.launcher",
                                                               "torch.multiprocessing.spawn")}
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-    # LaunchConfig asks torch.cuda.is_available(); without the NVML check that initialises CUDA here
-    # and every forked worker fails with "Cannot re-initialize CUDA" (seen on an H200: notebook 03).
+    # LaunchConfig asks torch.cuda.is_available(), which without the NVML check initialises CUDA before the fork
     nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     done, ended = threading.Event(), []

@@ -1,13 +1,9 @@
 """Tensor-parallel (TP) tuning for colocated generation (notebook 03): post 1, experiments 2 and 4.
 
-The post swept `vllm_tensor_parallel_size` with colocated GRPO on 8 GPUs: more TP was slower for Qwen2.5-1.5B
-("avoid sharding small models") and faster for 7B, up to 1.73x. `generation_sweep` and `grpo_sweep` measure the
-same on one node through `colo_kit.parallel.launch` (on a CPU: a functional demo, not a speed result). Why the
-trend flips (`kv_room`): TP adds two all-reduces per layer per forward, which a 1.5B model's small matrices do
-not pay back; colocated, vLLM gets only `vllm_gpu_memory_utilization` of each GPU (0.3 in the post), a third of
-it taken by the 7B bf16 weights (15 GB), so at TP 2 (half the weights per GPU) the KV cache gets 2.5x the tokens
-(the planner says) and each memory-bound decode step reads half the weights. A 1.5B model's weights (3 GB)
-barely dent 0.3 x 141 GB: there is no room to win.
+The post found more TP slower for Qwen2.5-1.5B ("avoid sharding small models") and faster for 7B, up to 1.73x;
+`generation_sweep` and `grpo_sweep` measure the same on one node (on a CPU: a functional demo, not a speed result).
+Why the trend flips: TP adds two all-reduces per layer, which a 1.5B model's small matrices do not pay back, while
+7B's weights fill a third of the engine's 0.3 share, so at TP 2 its KV cache gets 2.5x the tokens (`kv_room`).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from colo_kit.env import has_cuda
 from colo_kit.models import resolve_model
 from colo_kit.paths import results_dir
 
-# What the post reports (BRIEF.md, post 1). The post gives the 7B peak; for 1.5B only the direction.
+# What post 1 reports: the 7B peak, and for 1.5B only the direction.
 POST_REFERENCE = {
     "qwen2.5-1.5b": {"trend": "slower with more TP", "max_speedup": None,
                      "says": "Experiment 2 (1.5B, colocate): more TP is slower (communication overhead); "
@@ -32,17 +28,15 @@ POST_REFERENCE = {
     "setup": "8 GPUs, TRL colocate, vllm_gpu_memory_utilization=0.3 (post 1)",
 }
 GPU_RESULTS = "tp_gpu.json"
-# Colocated GRPO on 2 H200s, shared by scripts/gpu/tp_tuning.sh and notebook 03: bf16 weights and
-# Adam states (TRL loads a model path in fp32, and 7B in fp32 beside a 0.3 engine does not fit one
-# H200: see colo_kit.memory.planner), gradient checkpointing, 16 completions per GPU in groups of 8.
+# Colocated GRPO on 2 H200s (scripts/gpu/tp_tuning.sh, notebook 03): bf16, since 7B in fp32 beside a 0.3 engine
+# does not fit one H200 (colo_kit.memory.planner).
 GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_train_batch_size=16, num_generations=8, max_completion_length=256,
                          model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=True)
-# On a CPU the kernel imports vLLM once and every forked worker inherits it (importing it costs each
-# worker 10-60 s on 2 busy cores). On a GPU the workers import it themselves: nothing that might
-# touch CUDA runs in the kernel.
 def _preimport() -> tuple[str, ...]:
-    """What a CPU launch's workers import before the fork (vLLM's import is slow; each worker would pay it)."""
+    """What a CPU launch imports before the fork (10-60 s a worker otherwise); on a GPU nothing may touch CUDA first."""
     return ("vllm", "vllm.entrypoints.llm", "colo_kit.colocate.engine") if not has_cuda() else ()
+
+
 CPU_LABEL = "functional demo on CPU (tiny model, gloo): proves the code path, not a speed result"
 
 
@@ -74,19 +68,15 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-# ---------------------------------------------------------------------------------------------
-# vLLM-CPU's TP all-reduce buffers: one name per launch
-# ---------------------------------------------------------------------------------------------
+# ---- vLLM-CPU's TP all-reduce buffers: one name per launch ----
 
 def _shm_tag() -> str:
     return f"colo-kit-{os.environ.get('MASTER_PORT', '0')}"
 
 
 def unique_cpu_shm_names() -> None:
-    """Append this launch's rendezvous port to vLLM-CPU's TP all-reduce shared-memory names, which name only the
-    TP group (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under external_launcher, vLLM-CPU 0.31): a worker exiting
-    without destructors (forked, crashed) leaves the files, and every later TP=2 run on the machine fails with
-    `create shm in SHMManager failed. errno: 17` (measured here). `remove_cpu_shm` cleans up after the launch."""
+    """Append this launch's rendezvous port to vLLM-CPU's TP shared-memory names, which name only the TP group: a
+    worker that exits without destructors leaves the files, and every later TP=2 run fails with `errno: 17`."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -117,9 +107,7 @@ def remove_cpu_shm(port: int) -> list[str]:
     return removed
 
 
-# ---------------------------------------------------------------------------------------------
-# Generation only
-# ---------------------------------------------------------------------------------------------
+# ---- Generation only ----
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 1000) -> list[list[int]]:
     """Token-id prompts in the learned range of the kit's tokenizer (ids keep the prompt length exact)."""
@@ -214,8 +202,7 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
 
 
 def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> dict:
-    """One launch of `worker(*args_for(tp))` on every rank per TP size, each on a fresh rendezvous
-    port (whose CPU shared-memory names are removed after it); {tp: summarize(ranks' results)}."""
+    """One launch of `worker(*args_for(tp))` on every rank per TP size, each on a fresh port; {tp: summary}."""
     from colo_kit.parallel.launch import free_port, launch
 
     out = {}
@@ -231,16 +218,12 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Colocated GRPO with TRL
-# ---------------------------------------------------------------------------------------------
+# ---- Colocated GRPO with TRL ----
 
 def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
                 max_completion_length: int, vllm_gpu_memory_utilization: float, overrides: dict,
                 vllm_enforce_eager: bool = False) -> dict:
-    """One rank of a TRL colocate run at `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`).
-    `vllm_enforce_eager=True` (`run_grpo`'s; TRL has no option for it) saves 50-90 s per engine start on a GPU, at
-    some decode speed."""
+    """One rank of a TRL colocate run at `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`)."""
     import torch.distributed as dist
 
     from colo_kit.grpo.train import run_grpo
@@ -295,9 +278,7 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Ratios, the reference, the "why", the charts
-# ---------------------------------------------------------------------------------------------
+# ---- Ratios, the reference, the "why", the charts ----
 
 def tp_ratio(sweep: dict, key: str) -> float | None:
     """TP 2 over TP 1 from one sweep: throughput ratio for generation, speed-up (t1/t2) for GRPO."""
@@ -318,8 +299,7 @@ def load_gpu_results(path: Path | None = None) -> dict | None:
 
 def kv_room(models=("qwen2.5-1.5b", "qwen2.5-7b"), tp_sizes=(1, 2), gpus: int = 2,
             vllm_gpu_memory_utilization: float = 0.3) -> list[dict]:
-    """Per GPU: vLLM's share, the engine's weights and the KV-cache tokens that fit, by TP (from the
-    planner, for an H200). The 'room for KV cache' half of the why."""
+    """Per GPU and TP: the engine's weights and the KV-cache tokens that fit (the planner, an H200): the room."""
     from colo_kit.memory.planner import estimate
 
     rows = []
@@ -335,8 +315,7 @@ def kv_room(models=("qwen2.5-1.5b", "qwen2.5-7b"), tp_sizes=(1, 2), gpus: int = 
 
 
 def allreduce_bytes_per_token(model: str, tp: int) -> int:
-    """Bytes each GPU sends per generated token for TP's all-reduces (bf16, two per layer, ring:
-    2 (tp-1)/tp of the hidden vector each). The 'communication' half of the why."""
+    """Bytes each GPU sends per generated token for TP's all-reduces (bf16, two per layer, ring): the communication."""
     from colo_kit.memory.planner import model_shape
 
     if tp == 1:
@@ -358,8 +337,7 @@ def ratios_table(gpu: dict | None) -> list[dict]:
 
 
 def expected_step_speedup(generation_speedup: float, generation_share: float) -> float:
-    """Whole-step speed-up from a generation speed-up g when a share f of the step generates: 1 / ((1 - f) + f / g).
-    In the ping-pong view (`colo_kit.serving.pingpong`) generation and training take turns and TP changes only gen."""
+    """Whole-step speed-up from a generation speed-up g when a share f of the step generates: 1 / ((1 - f) + f / g)."""
     if not 0 <= generation_share <= 1:
         raise ValueError(f"generation_share={generation_share!r} must be in [0, 1] (the fraction of a step spent generating)")
     if generation_speedup <= 0:
