@@ -10,8 +10,10 @@ this machine, recorded with hardware, versions and commit.
     python scripts/check.py refresh     # the notebooks' headers, README.md and docs/INSTRUCTOR.md from the records
 
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
-item keeps the commit it ran at). Executed notebooks are kept as HTML beside the JSON
-(`results/gpu_check/NN_*.html`) for readers without the hardware. Without `--json` the record goes
+item keeps the commit it ran at; a notebook the budget left out replaces no record of one that ran). Every file it
+writes (the record, the HTML copies, refresh's notebooks and docs) is replaced whole or not at all, merges into one
+record take turns, and a malformed record is named in one line (record/store.py). Executed notebooks are kept as
+HTML beside the JSON (`results/gpu_check/NN_*.html`) for readers without the hardware. Without `--json` the record goes
 to results/runs/check.json. `scripts/gpu/check.sh` runs both parts on a GPU node; on a laptop the
 same command measures the CPU tier.
 
@@ -30,7 +32,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,40 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+# every record, notebook and doc this script writes goes through record.store: whole or not at all, merges one at a
+# time, a malformed record named in one line (RecordError)
+from record.store import RecordError, load_record, locked, write_json_atomic, write_text_atomic  # noqa: E402
+
+ITEM_KEYS = {"tests": ("nodeid", "outcome"), "notebooks": ("notebook", "status")}  # each item's name and result
+
+
+def check_shape(record: dict, where: str, fix: str) -> dict:
+    """`record` when it has the shape this script writes (each part an object whose list holds items with a name and
+    a result, `runs` a list); else RecordError naming `where`, the first problem and `fix`. Checked before anything is
+    written: a brought-back item without a name was written into the record before the KeyError it caused."""
+    for part, keys in ITEM_KEYS.items():
+        section = record.get(part)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise RecordError(f'{where}: "{part}" is a {type(section).__name__}, not an object; {fix}')
+        items = section.get(part) or []
+        if not isinstance(items, list):
+            raise RecordError(f'{where}: "{part}"."{part}" is a {type(items).__name__}, not a list; {fix}')
+        for i, item in enumerate(items):
+            missing = [k for k in keys if not isinstance(item, dict) or not isinstance(item.get(k), str) or not item[k]]
+            if missing:
+                raise RecordError(f'{where}: {part} item {i} has no "{missing[0]}" ({str(item)[:80]}); {fix}')
+    if not isinstance(record.get("runs") or [], list):
+        raise RecordError(f'{where}: "runs" is a {type(record["runs"]).__name__}, not a list; {fix}')
+    return record
+
+
+def read_record(path: Path) -> dict:
+    """The record at `path` ({} when there is none yet), checked (`check_shape`)."""
+    fix = f"restore it (git checkout -- {path}) or move it away"
+    return check_shape(load_record(path, fix=fix), str(path), fix)
 
 
 def _git(*args: str) -> str:
@@ -392,7 +427,7 @@ def notebooks_done(path: Path) -> set[str]:
     from record.refresh import source_digest
 
     kit, html = kit_digest(), path.with_suffix("")
-    records = {n["notebook"]: n for n in (json.loads(path.read_text()).get("notebooks") or {}).get("notebooks", [])}
+    records = {n["notebook"]: n for n in (read_record(path).get("notebooks") or {}).get("notebooks", [])}
     done = set()
     for number, nb in _notebook_numbers().items():
         rec = records.get(nb.stem) or {}
@@ -404,14 +439,23 @@ def notebooks_done(path: Path) -> set[str]:
 
 
 def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
-    """Put `result` into the record at `path`: items this run made replace the same items of an
-    earlier run; the others are kept with the commit and the machine they ran on. `env`: the machine of a result
-    made elsewhere (`merge --from`), which keeps its own commit."""
+    """Put `result` into the record at `path` (`merge_into`), read and written under the record's lock, the file
+    replaced whole: two merges at once each wrote the record it had read, and one's items were lost."""
+    with locked(path):
+        record = merge_into(read_record(path), part, result, env)
+        write_json_atomic(path, record)
+    return record
+
+
+def merge_into(record: dict, part: str, result: dict, env: dict | None = None) -> dict:
+    """`record` with `result` in it: items this run made replace the same items of an
+    earlier run; the others are kept with the commit and the machine they ran on. A notebook this run did not run
+    (the budget left it out) replaces no item of one that ran: the part names it in `not_run`. `env`: the machine of
+    a result made elsewhere (`merge --from`), which keeps its own commit."""
     from colo_kit.env import describe
     from colo_kit.results import machine_label
 
     foreign = env is not None
-    record = json.loads(path.read_text()) if path.exists() else {}
     env = env or {**describe(), **cpu_of()}
     if record.get("env"):  # the items so far ran on the machine the record named: keep that with each of them
         before = machine_label(record["env"])
@@ -422,13 +466,20 @@ def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
                    "env": env, "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
     result = {**result, **_commit()} if not foreign else result
     key = "tests" if part == "tests" else "notebooks"
-    old = record.get(part, {})
+    old = record.get(part) or {}
     kit = kit_digest() if not foreign else None  # a foreign item's package is the one it ran, not this one's
     for item in result[key]:
-        item.setdefault("commit", result["commit"])
+        item.setdefault("commit", result.get("commit"))  # a brought-back part may name no commit of its own
         item.setdefault("machine", machine_label(env))
         if kit:
             item.setdefault("kit_sha256", kit)
+    if key == "notebooks" and old.get(key):
+        ran = {item["notebook"] for item in old[key] if item.get("status") != "not run"}
+        left_out = [item for item in result[key] if item.get("status") == "not run" and item["notebook"] in ran]
+        if left_out:  # "not run" says nothing about the notebook: the record of the run that ran it stays
+            result[key] = [item for item in result[key] if item not in left_out]
+            result.update(not_run=sorted(item["notebook"] for item in left_out),
+                          not_run_reason=left_out[0].get("reason") or "not run")
     if old.get(key):
         mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
         kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]
@@ -448,19 +499,34 @@ def merge(path: Path, part: str, result: dict, env: dict | None = None) -> dict:
             result.update(not_run=missing, not_run_reason=reason)
             result["counts"]["not run"] = len(missing)
     record[part] = result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
-def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> dict:
+def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> tuple[dict, list[dict]]:
     """Fold a record made on another machine (a GPU node's, brought back by the device tool) into the one at `path`:
     its items replace the same items and keep the commit, package and machine they ran on, each named `run`; the
-    executed notebooks' HTML comes along; `runs` says what ran and how it ended."""
+    executed notebooks' HTML comes along; `runs` says what ran and how it ended. Returns the record and the `runs`
+    entries this call added (none: nothing new, nothing written). The record is read and written once, under its
+    lock; `source` is checked first (`check_shape`), so a bad item writes nothing."""
+    with locked(path):
+        record = read_record(path)
+        before = len(record.get("runs") or [])
+        record, html = _merge_from(record, source, run, ended)
+        folded = (record.get("runs") or [])[before:]
+        if folded:
+            write_json_atomic(path, record)
+    for src in html:  # after the record: a record that could not be written leaves the HTML as it was too
+        write_text_atomic(path.with_suffix("") / src.name, src.read_bytes())
+    return record, folded
+
+
+def _merge_from(record: dict, source: Path, run: str, ended: str | None) -> tuple[dict, list[Path]]:
+    """`merge_from`'s work on the record in memory: the record, and the HTML copies to bring along."""
     from colo_kit.results import machine_label
 
-    src = json.loads(source.read_text())
-    record = json.loads(path.read_text()) if path.exists() else {}
+    fix = "give the JSON scripts/check.py wrote there"
+    src = check_shape(load_record(source, fix=fix), f"--from {source}", fix)
+    html = []
     for part in ("tests", "notebooks"):
         result = dict(src.get(part) or {})
         # a device record that began as a copy of this one (`--resume`) still holds what earlier runs made, and a
@@ -471,12 +537,10 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
         if not made:
             continue
         made = result[part] = [{**item, "run": run} for item in made]
-        record = merge(path, part, result, env=src.get("env"))
+        record = merge_into(record, part, result, env=src.get("env"))
         for nb in made if part == "notebooks" else []:
-            html = source.with_suffix("") / f"{nb['notebook']}.html"
-            if html.exists():
-                path.with_suffix("").mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(html, path.with_suffix("") / html.name)
+            if (copy := source.with_suffix("") / f"{nb['notebook']}.html").exists():
+                html.append(copy)
         record.setdefault("runs", []).append(
             {"run": run, "commit": result.get("commit"), "part": part, "machine": machine_label(src.get("env") or {}),
              "seconds": result.get("seconds"),
@@ -486,8 +550,7 @@ def merge_from(path: Path, source: Path, run: str, ended: str | None = None) -> 
              "ended": ended or str(
                  {n["notebook"]: n["status"] for n in made} if part == "notebooks" else
                  {o: sum(t["outcome"] == o for t in made) for o in sorted({t["outcome"] for t in made})})})
-        path.write_text(json.dumps(record, indent=1) + "\n")
-    return record
+    return record, html
 
 
 def _made(item: dict) -> tuple:
@@ -501,13 +564,18 @@ def prune(path: Path) -> list[str]:
     pytest collects the suite here: a merge keeps every item it does not replace, so such a record would stay, with
     the package it ran, for ever. The suite's parametrizations do not depend on the machine, so a collection on a
     laptop names the node ids a GPU node runs. Returns the node ids dropped; `runs` lists them."""
+    read_record(path)  # a malformed record is named before the collection's minute, and again under the lock
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     suite = {line.strip() for line in out.stdout.splitlines() if "::" in line}
     if out.returncode != 0 or not suite:
         raise SystemExit(f"prune: pytest could not collect the suite (exit {out.returncode}); fix the collection "
                          f"error first:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    record = json.loads(path.read_text())
+    with locked(path):
+        return _prune(path, read_record(path), suite)
+
+
+def _prune(path: Path, record: dict, suite: set[str]) -> list[str]:
     tests = record.get("tests") or {}
     gone = sorted(t["nodeid"] for t in tests.get("tests", []) if t["nodeid"] not in suite)
     if gone:
@@ -524,33 +592,51 @@ def prune(path: Path) -> list[str]:
         record.setdefault("runs", []).append({"run": "prune", "part": "tests",
                                               "ended": f"dropped the records of {len(gone)} tests the suite no "
                                                        f"longer has: {', '.join(n[:200] for n in gone)}"})
-        path.write_text(json.dumps(record, indent=1) + "\n")
+        write_json_atomic(path, record)
     return gone
 
 
 def refresh() -> int:
     """The committed records' times and peaks written where a learner reads them: each notebook's header (built
     from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
-    from colo_kit.notebook import build_all
+    from colo_kit import notebook
     from record.refresh import refresh_tables
 
-    for nb in build_all():
+    # colo_kit.notebook.build_all's loop, each file replaced whole: a plain write under a full disk cut a notebook
+    for src in sorted(notebook.SOURCES.glob("[0-9][0-9]_*.py")):
+        nb, text = notebook.NOTEBOOKS / (src.stem + ".ipynb"), notebook.notebook_text(src)
+        if not nb.exists() or nb.read_text(encoding="utf-8") != text:
+            write_text_atomic(nb, text)
         print(f"[check] built {nb.relative_to(REPO)}")
     for doc in (REPO / "README.md", REPO / "docs" / "INSTRUCTOR.md"):
-        text = doc.read_text()
+        text = doc.read_text(encoding="utf-8")
         if (new := refresh_tables(text)) != text:
-            doc.write_text(new)
+            write_text_atomic(doc, new)
             print(f"[check] rewrote {doc.relative_to(REPO)}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the value and the fix, instead of the usage text; exit 2 as argparse
+        print(f"check.py: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except RecordError as exc:  # a malformed record, or one that could not be written: one line, not a traceback
+        print(f"check.py: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["tests", "notebooks", "refresh", "merge", "prune"])
     ap.add_argument("--from", dest="source", type=Path, help="merge: a record made on another machine (a GPU node's)")
     ap.add_argument("--run", help="merge: the name its items and its `runs` entry get, e.g. S")
@@ -581,15 +667,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("merge needs --json (the record to update), --from (the other machine's record) and --run")
         if not a.source.is_file():
             ap.error(f"--from {a.source}: no such record; give the JSON the other machine wrote")
-        try:
-            src = json.loads(a.source.read_text())
-        except json.JSONDecodeError as exc:
-            ap.error(f"--from {a.source}: not JSON ({exc}); give the JSON the other machine wrote")
+        fix = "give the JSON scripts/check.py wrote there"
+        src = check_shape(load_record(a.source, fix=fix), f"--from {a.source}", fix)  # every item, before a write
         if not any((src.get(part) or {}).get(part) for part in ("tests", "notebooks")):
-            ap.error(f"--from {a.source}: no tests or notebooks in it; give the JSON scripts/check.py wrote there")
-        before = len(json.loads(Path(a.json).read_text()).get("runs", [])) if Path(a.json).exists() else 0
-        record = merge_from(Path(a.json), a.source, a.run, a.ended)
-        folded = record.get("runs", [])[before:]
+            ap.error(f"--from {a.source}: no tests or notebooks in it; {fix}")
+        _, folded = merge_from(Path(a.json), a.source, a.run, a.ended)
         print(f"[check] run {a.run} -> {a.json}: " + ("; ".join(f"{r['part']} {r['ended']}" for r in folded) or
               "nothing new (every item in it is in the record already)"))
         return 0
@@ -607,13 +689,14 @@ def main(argv: list[str] | None = None) -> int:
     probe.mkdir(parents=True, exist_ok=True)
     if not os.access(probe, os.W_OK):
         ap.error(f"--json {path}: {probe} is not writable; pick a writable path")
+    record = read_record(path)  # a malformed record is named now, not after the run it would have lost
     if a.part == "tests":
         done = set()
         if a.resume and path.exists():
             # by the package a test ran, not the commit: a later commit that changed only tests, scripts or results
             # keeps what the earlier calls of the check recorded (the same rule as the records' own test)
-            part, kit = json.loads(path.read_text()).get("tests", {}), kit_digest()
-            done = {t["nodeid"] for t in part.get("tests", []) if t.get("kit_sha256") == kit}
+            part, kit = record.get("tests") or {}, kit_digest()
+            done = {t["nodeid"] for t in part.get("tests") or [] if t.get("kit_sha256") == kit}
             print(f"[check] --resume: {len(done)} tests already recorded with this package ({kit})", flush=True)
         result = run_tests(extra, a.budget_s, a.parallel, done, per_file=a.per_file)
     else:
@@ -644,8 +727,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[check] tests: {part['counts']} in {result['seconds']} s -> {path}")
         bad = part["counts"].get("failed", 0) + part["counts"].get("error", 0)
     else:
-        bad = sum(n["status"] != "completed" for n in part["notebooks"])
-        print(f"[check] notebooks: {len(part['notebooks']) - bad} of {len(part['notebooks'])} completed -> {path}")
+        # this run's notebooks: one it did not run leaves an earlier completed record in place, and still counts here
+        bad = sum(n["status"] != "completed" for n in result["notebooks"])
+        held = sum(n["status"] == "completed" for n in part["notebooks"])
+        print(f"[check] notebooks: {len(result['notebooks']) - bad} of {len(result['notebooks'])} completed this run "
+              f"({held} of {len(part['notebooks'])} completed in the record) -> {path}")
     return 1 if bad else 0
 
 

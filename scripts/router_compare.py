@@ -27,13 +27,17 @@ What it is not: a throughput benchmark. The tiny model has random weights; two r
 
     bash scripts/router_compare.sh        (~4 min on 2 cores; installs vllm-router into its own venv under /tmp)
     python scripts/router_compare.py --router-bin PATH/vllm-router [--parts stub,vllm] [--out FILE]
+
+The record goes to results/runs/router_vs_proxy_cpu.json (ignored by git), a part not run keeping the committed
+record's numbers. The committed results/router_vs_proxy_cpu.json changes only when named with --out, and only by a run
+whose parts all finished: a failed run's record goes to results/runs/ instead (record.store.publish).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -497,12 +501,25 @@ def merged_capabilities(out: dict) -> dict:
     return table
 
 
-def main(argv=None) -> int:
-    from colo_kit.commands import writable_file
-    from colo_kit.env import describe
-    from colo_kit.paths import results_dir
+PARTS = ("stub", "vllm")
+NAME = "router_vs_proxy_cpu.json"
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def main(argv=None) -> int:
+    from colo_kit.commands import run
+
+    return run(_main, sys.argv[1:] if argv is None else list(argv), "scripts/router_compare.py")  # bad input: one line
+
+
+def _main(argv: list[str]) -> int:
+    import shlex
+
+    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+    from colo_kit.env import describe
+    from colo_kit.paths import results_dir, runs_dir
+    from record.store import load_record, publish
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--router-bin", default=os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router"),
                     help="the vllm-router executable (scripts/router_compare.sh installs one)")
     ap.add_argument("--parts", default="stub,vllm")
@@ -511,10 +528,23 @@ def main(argv=None) -> int:
     ap.add_argument("--stub-seconds", type=float, default=24.0, help="in one-second slices, the targets in turn")
     ap.add_argument("--vllm-rate", type=float, default=16.0)
     ap.add_argument("--vllm-seconds", type=float, default=32.0)
-    ap.add_argument("--out", default=str(results_dir() / "router_vs_proxy_cpu.json"))
+    ap.add_argument("--out", default=None, help=f"the JSON (default results/runs/{NAME}; name results/{NAME} to "
+                                                "update the committed record)")
     a = ap.parse_args(argv)
-    out_path = writable_file(a.out, "--out")
-    parts = [p for p in a.parts.split(",") if p]
+    # refused before anything starts: no part or an unknown one (the record would hold no new numbers), a rate or a
+    # length that is not a positive number
+    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    if not parts or any(p not in PARTS for p in parts):
+        raise UsageError(f"--parts {shlex.quote(a.parts)}: give {' or '.join(PARTS)} or both, comma-separated, "
+                         "e.g. --parts stub")
+    for flag in ("stub_rate", "stub_seconds", "vllm_rate", "vllm_seconds"):
+        value = getattr(a, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{flag.replace('_', '-')} {value:g}: give a positive number, e.g. "
+                             f"--{flag.replace('_', '-')} {ap.get_default(flag):g}")
+    out_path = writable_file(a.out or runs_dir() / NAME, "--out")
+    # a part not run keeps its numbers from the named record, or else from the committed one (each with its env)
+    old = load_record(out_path if a.out and out_path.exists() else results_dir() / NAME)
     bin_ok = bool(a.router_bin) and os.access(a.router_bin, os.X_OK)
     out = {"what": __doc__.split("\n\n")[0], "env": describe(),
            "vllm_router": {"version": router_version(a.router_bin) if bin_ok else None,
@@ -527,8 +557,7 @@ def main(argv=None) -> int:
            "routers": {"proxy_affinity": "colo_kit proxy, policy affinity", "vllm_router": "vllm-router, cache_aware",
                        "round_robin": "colo_kit proxy, policy round_robin"},
            "settings": {**vars(a), "group_size": G, "block_size": BLOCK, "key_env": KEY_ENV}}
-    old = json.loads(out_path.read_text()) if out_path.exists() else {}
-    for part in ("stub", "vllm"):  # a part not run keeps its numbers from the previous run (each with its env)
+    for part in PARTS:
         if part not in parts and part in old:
             out[part] = old[part]
     t0 = time.time()
@@ -549,10 +578,12 @@ def main(argv=None) -> int:
     out["capabilities"] = merged_capabilities(out)
     out["wall_s"] = round(time.time() - t0, 1)
     out["logs"] = str(log_dir)
-    out_path.write_text(json.dumps(out, indent=1) + "\n")
+    ok = all("error" not in out.get(p, {}) for p in parts)
+    where = publish(out_path, out, ok)
     print(json.dumps(out["capabilities"], indent=1))
-    print(f"wrote {out_path} (logs in {log_dir})")
-    return 0 if all("error" not in out.get(p, {}) for p in parts) else 1
+    print(f"wrote {where} (logs in {log_dir})" + (f"; {out_path} left as it was: a part failed" if where != out_path
+                                                   else ""))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ on one device (the two "nodes" share GPU 0 there, the server taking 0.3 of it): 
 still reaches TRL's client (recorded) but no group is formed; a shared file stands in for the network, which one
 host does not test. The tiny model has random weights: the reward only shows the loop turns.
 
-`drive` (the default) runs both, waits with deadlines, ends both process groups, and writes
-results/server_node_cpu.json.
+`drive` (the default) runs both, waits with deadlines, ends both process groups, and writes its record to
+results/runs/server_node_cpu.json (ignored by git). The committed results/server_node_cpu.json changes only when named
+with --out, and only by a run that succeeded: a failed run's record goes to results/runs/ instead (record.store.publish).
 
     python scripts/server_node.py [--steps 2] [--out results/server_node_cpu.json]
     python scripts/server_node.py trainer --out DIR --model PATH --steps N <GRPOConfig flags>   # the trainer's line
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -201,14 +203,18 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work: Path | None = None) -> dict:
-    """Generate the two-node commands, run the vLLM "node" and then the trainer "node", and write the record."""
+    """Generate the two-node commands, run the vLLM "node" and then the trainer "node", and write the record: to `out`
+    (default results/runs/server_node_cpu.json) when the run succeeded or nothing is there yet, else to
+    results/runs/ (`record.store.publish`: a failed run replaced the committed record)."""
+    from record.store import publish
+
     import yaml
     from trl.scripts.vllm_serve import make_parser
 
     from colo_kit.env import describe
     from colo_kit.parallel.launch import child_env
     from colo_kit.models import resolve_model
-    from colo_kit.paths import results_dir, runs_dir
+    from colo_kit.paths import runs_dir
     from colo_kit.procs import die_with_parent, stop_groups
     from colo_kit.memory.recipes import accelerate_config, server_node_commands
     from colo_kit.serving.server import start_server
@@ -321,9 +327,10 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
     record["summary"] = summary(record)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    out = Path(out) if out else results_dir() / "server_node_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    out = Path(out) if out else runs_dir() / "server_node_cpu.json"
+    where = publish(out, record, ok=record["status"] == "ok")
+    print(f"[server_node] wrote {where}" + (f" ({out} left as it was: this run failed)" if where != out else ""),
+          flush=True)
     return record
 
 
@@ -343,15 +350,31 @@ def summary(record: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from colo_kit.commands import run
+
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "trainer":
         return trainer_main(argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(_drive_main, argv, SCRIPT)  # bad input: one line naming the value and the fix, exit 2
+
+
+def _drive_main(argv: list[str]) -> int:
+    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("role", nargs="?", default="drive", choices=("drive",))
-    ap.add_argument("--out", default=None, help="the JSON (default results/server_node_cpu.json)")
+    ap.add_argument("--out", default=None, help="the JSON (default results/runs/server_node_cpu.json; name "
+                                                "results/server_node_cpu.json to update the committed record)")
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps")
     ap.add_argument("--timeout-s", type=float, default=420, help="for both nodes together")
     args = ap.parse_args(argv)
+    # refused before anything starts: nan and inf never time out, 0 or less times out before the server is up
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise UsageError(f"--timeout-s {args.timeout_s:g}: give a positive number of seconds, e.g. --timeout-s 420")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: give 1 or more GRPO steps, e.g. --steps 2")
+    if args.out:
+        writable_file(args.out, "--out")  # before the run, so its record is not lost to an unwritable path
     record = drive(args.out, args.steps, args.timeout_s)
     print(f"[server_node] {record['summary']} ({record['seconds']} s)", flush=True)
     return 0 if record["status"] == "ok" else 1

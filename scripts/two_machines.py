@@ -5,7 +5,9 @@ executes (`--num_machines 2 --machine_rank 0|1 --main_process_ip ... --num_proce
 run on this host, with 127.0.0.1 as node 0, a free port and CPU settings. Each starts this script once (`rank`):
 the two processes rendezvous over gloo, prove they form ONE world of 2 (an all-reduce that crosses them), train a
 few steps with `colo_kit.grpo.train.run_grpo("tiny", "colocate")` (TRL's GRPOTrainer, one vLLM engine per rank) and
-write `rank<R>-pid<P>.json`. `drive` (the default) runs these parts and writes results/two_machines_cpu.json:
+write `rank<R>-pid<P>.json`. `drive` (the default) runs these parts and writes results/runs/two_machines_cpu.json
+(ignored by git; name results/two_machines_cpu.json with --out to update the committed record, which only a run where
+a part ran and none failed replaces: record.store.publish):
 
     ddp        the kit's DDP YAML (`accelerate_config(2, num_machines=2)`), colocated GRPO, 2 steps
     zero3      the kit's ZeRO-3 files (`write_configs`: `deepspeed_config(3, offload_optimizer=True)`), same run
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -379,14 +382,17 @@ def summary(parts: dict) -> list[str]:
 
 def drive(parts=PARTS, out: Path | None = None, timeout_s: float = 480, work: Path | None = None) -> dict:
     """Run `parts` (the training ones one after another, then the probes together) and write the record:
-    hardware, versions, the commands that ran, every rank's record, seconds."""
+    hardware, versions, the commands that ran, every rank's record, seconds. It goes to `out` (default
+    results/runs/two_machines_cpu.json) when a part ran and none failed, or nothing is there yet; else to
+    results/runs/ (a failed or empty run replaced the committed record)."""
     from colo_kit.env import describe
-    from colo_kit.paths import results_dir, runs_dir
+    from colo_kit.paths import runs_dir
     from colo_kit.memory.recipes import node_commands
+    from record.store import publish
 
     unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise ValueError(f"parts={list(parts)!r}: {unknown} unknown; choose from {list(PARTS)}")
+    if unknown or not parts:
+        raise ValueError(f"parts={list(parts)!r}: {unknown or 'none'} unknown; choose from {list(PARTS)}")
     t0 = time.perf_counter()
     work = Path(work or tempfile.mkdtemp(prefix="two-machines-", dir=runs_dir()))
     record = {"what": "two accelerate launchers on one host, one CPU process per machine, gloo; the commands are "
@@ -412,16 +418,30 @@ def drive(parts=PARTS, out: Path | None = None, timeout_s: float = 480, work: Pa
     record["summary"] = summary(record["parts"])
     record["seconds"] = round(time.perf_counter() - t0, 1)
     record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    out = Path(out) if out else results_dir() / "two_machines_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out = Path(out) if out else runs_dir() / "two_machines_cpu.json"
+    statuses = [p["status"] for p in record["parts"].values()]
+    ok = "ok" in statuses and all(s in ("ok", "not run") for s in statuses)  # measured something, nothing failed
+    where = publish(out, record, ok)
+    print(f"[two_machines] wrote {where}" + (f" ({out} left as it was: no part ran, or one failed)"
+                                             if where != out else ""), flush=True)
     return record
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from colo_kit.commands import run
+
+    return run(_main, sys.argv[1:] if argv is None else list(argv), SCRIPT)  # bad input: one line, exit 2
+
+
+def _main(argv: list[str]) -> int:
+    import shlex
+
+    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("role", nargs="?", default="drive", choices=("drive", "rank"))
-    ap.add_argument("--out", default=None, help="drive: the JSON (default results/two_machines_cpu.json); "
+    ap.add_argument("--out", default=None, help="drive: the JSON (default results/runs/two_machines_cpu.json; name "
+                                                "results/two_machines_cpu.json to update the committed record); "
                                                 "rank: the folder for rank<R>-pid<P>.json")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"drive: comma-separated, from {','.join(PARTS)}")
     ap.add_argument("--timeout-s", type=float, default=480, help="drive: per part")
@@ -432,8 +452,22 @@ def main(argv=None) -> int:
         if not args.out:
             ap.error("rank needs --out DIR")
         return rank_main(Path(args.out), args.steps, args.probe)
-    record = drive([p for p in args.parts.split(",") if p], args.out, args.timeout_s)
-    return 0 if all(p["status"] in ("ok", "not run") for p in record["parts"].values()) else 1
+    # refused before anything starts: no part (an empty record) or an unknown one, a deadline that never comes
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in PARTS for p in parts):
+        raise UsageError(f"--parts {shlex.quote(args.parts)}: give one or more of {','.join(PARTS)}, comma-separated, "
+                         "e.g. --parts ddp,srun")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise UsageError(f"--timeout-s {args.timeout_s:g}: give a positive number of seconds a part may take, "
+                         "e.g. --timeout-s 480")
+    if args.out:
+        writable_file(args.out, "--out")  # before the run, so its record is not lost to an unwritable path
+    record = drive(parts, args.out, args.timeout_s)
+    statuses = [p["status"] for p in record["parts"].values()]
+    if all(s == "not run" for s in statuses):
+        print("[two_machines] no part ran (" + "; ".join(summary(record["parts"])) + ")", flush=True)
+    # 0 when every part that ran succeeded and one did; a run that measured nothing is not a success
+    return 0 if "ok" in statuses and all(s in ("ok", "not run") for s in statuses) else 1
 
 
 if __name__ == "__main__":

@@ -437,11 +437,13 @@ def test_prune_drops_only_the_records_of_tests_the_suite_no_longer_has(tmp_path,
 def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their_sources(tmp_path, capsys):
     """`check.py notebooks --resume`: a notebook is done only when the record holds it completed, with this package
     and its source as they are now, and its HTML beside the record; the others run again. A budget under a
-    notebook's minimum makes each selected notebook's record say "not run" without starting a kernel, so the record
-    shows what was selected. With every notebook done, nothing runs and nothing is written."""
+    notebook's minimum runs none of the selected notebooks, without starting a kernel: the part names them in
+    `not_run` and each keeps the record of the run that ran it (tests/test_record_writes.py). With every notebook
+    done, nothing runs and nothing is written."""
     import json
 
-    from colo_kit.notebook import SOURCES, source_digest
+    from colo_kit.notebook import SOURCES
+    from record.refresh import source_digest
 
     check = load_script("scripts/check.py")
     kit, numbers = check.kit_digest(), check._notebook_numbers()
@@ -465,14 +467,17 @@ def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their
     (html / (numbers["02"].stem + ".html")).unlink()
     path.write_text(json.dumps({"notebooks": {"notebooks": items}}))
     assert check.main(["notebooks", "--json", str(path), "--resume", "--budget-s", "30"]) == 1
-    status = {n["notebook"][:2]: n["status"] for n in json.loads(path.read_text())["notebooks"]["notebooks"]}
-    assert {n for n, s in status.items() if s == "not run"} == {"01", "02", "03", "04"}, status
-    assert {n for n, s in status.items() if s == "completed"} == set(numbers) - {"01", "02", "03", "04"}
+    part = json.loads(path.read_text())["notebooks"]
+    status = {n["notebook"][:2]: n["status"] for n in part["notebooks"]}
+    assert [n[:2] for n in part["not_run"]] == ["01", "02", "03", "04"], part.get("not_run")
+    assert status == {**dict.fromkeys(numbers, "completed"), "03": "failed"}, status
     # named notebooks: the ones already done among them are left out too
     path.write_text(json.dumps({"notebooks": {"notebooks": items}}))
     assert check.main(["notebooks", "--json", str(path), "--resume", "--budget-s", "30", "--notebooks", "00,04"]) == 1
-    status = {n["notebook"][:2]: n["status"] for n in json.loads(path.read_text())["notebooks"]["notebooks"]}
-    assert status == {**dict.fromkeys(numbers, "completed"), "03": "failed", "04": "not run"}, status
+    part = json.loads(path.read_text())["notebooks"]
+    status = {n["notebook"][:2]: n["status"] for n in part["notebooks"]}
+    assert status == {**dict.fromkeys(numbers, "completed"), "03": "failed"} and [n[:2] for n in part["not_run"]] == [
+        "04"], (status, part.get("not_run"))
 
     # a number that names no notebook is refused before anything runs, with or without --resume
     import pytest

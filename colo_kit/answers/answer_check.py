@@ -1,6 +1,5 @@
-"""The comparison behind `colo_kit.answers.math500.is_correct`, with no processes of its own: `check(completion, gold)`
-reads the completion's final answer and compares it with the gold one, with the normalisation and refusals
-`colo_kit.answers.math500` describes; `is_correct` runs it in a worker process with a deadline."""
+"""The comparison behind `colo_kit.answers.math500.is_correct`, in this process: `check(completion, gold)` reads the
+completion's final answer and compares it with the gold one (notebook 05); `is_correct` adds the deadline."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class UnparseableGold(ValueError):
 
 
 class CheckerTimeout(TimeoutError):
-    """The comparison did not finish within the deadline: the checker knows nothing about the answer.
-    A reward function returns None for it (TRL ignores the entry), never 0.0."""
+    """The comparison did not finish within the deadline: a reward function returns None for it, never 0.0."""
 
 
 @dataclass
@@ -42,9 +40,7 @@ class Verdict:
     timed_out: bool = False  # no verdict at all: `correct` is meaningless
 
 
-# ---------------------------------------------------------------------------------------------
-# Extraction
-# ---------------------------------------------------------------------------------------------
+# ---- Extraction ----
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
@@ -66,9 +62,7 @@ def last_boxed(text: str) -> str | None:
     return None if best is None else text[best[0] + 1:best[1]]
 
 
-# ---------------------------------------------------------------------------------------------
-# Normalisation: the MATH answer forms math-verify 0.9 reads differently from a grader
-# ---------------------------------------------------------------------------------------------
+# ---- Normalisation: the MATH answer forms math-verify 0.9 reads differently from a grader ----
 
 # (?<![\d.]) keeps the match linear: a digit run is tried from its start only.
 _REPEATING = re.compile(r"(?<![\d.])(-?)(\d*)\.(\d*)\\overline\s*\{(\d+)\}")
@@ -107,10 +101,7 @@ def _squash(s: str) -> str:
     return re.sub(r"\s+|\\left|\\right|\\[,;!: ]", "", s)
 
 
-# ---------------------------------------------------------------------------------------------
-# Fast path: most answers are plain numbers; compare them exactly without parsing LaTeX
-# (math-verify's LaTeX parser, ANTLR, costs milliseconds per answer; this costs microseconds)
-# ---------------------------------------------------------------------------------------------
+# ---- Fast path: plain numbers compared exactly in microseconds, not by math-verify's ANTLR parser in milliseconds ----
 
 _INT = re.compile(r"\d+|\d{1,3}(?:(?:,|,\\!|\{,\})\d{3})+")  # 1000, 1,000, 10,\!000
 _FRAC = re.compile(r"\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+)")
@@ -191,9 +182,7 @@ def _differ_numerically(gold, pred) -> bool:
     return abs(a - b) > 1e-6 * max(1.0, abs(a), abs(b))
 
 
-# ---------------------------------------------------------------------------------------------
-# Guards: refuse what sympy cannot finish, before it starts
-# ---------------------------------------------------------------------------------------------
+# ---- Guards: refuse what sympy cannot finish, before it starts ----
 
 def _nesting(s: str) -> int:
     depth = best = 0
@@ -296,9 +285,7 @@ def _refuse_expr(parsed) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# The in-process check (no hard deadline: the guards bound it; `is_correct` adds the deadline)
-# ---------------------------------------------------------------------------------------------
+# ---- The in-process check (no hard deadline: the guards bound it; `is_correct` adds the deadline) ----
 
 def _parse(latex: str, anchored_only: bool = False):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
@@ -312,8 +299,7 @@ def _parse(latex: str, anchored_only: bool = False):
 
 @lru_cache(maxsize=4096)
 def _gold_norm(gold: str) -> str | None:
-    """The normalised gold answer, None if it cannot be a gold answer. A plain number is settled
-    here; anything else is parsed by math-verify (once: cached, GRPO checks each gold G times)."""
+    """The normalised gold answer, None if it cannot be one (cached: GRPO checks each gold G times)."""
     if _refuse_text(gold):
         return None
     norm = normalize_answer(gold)
@@ -339,16 +325,14 @@ def _gold(gold: str):
 
 
 def parse_gold(gold: str):
-    """math-verify's reading of a gold answer (a list of sympy objects and strings), or None if
-    it cannot be read. In-process: gold answers come from the dataset, not from the model."""
+    """math-verify's reading of a gold answer, or None; in-process, since gold answers come from the dataset."""
     if not isinstance(gold, str):
         raise TypeError(f"gold={gold!r}: a gold answer is a LaTeX string such as '\\\\frac{{1}}{{2}}'")
     return None if _gold_norm(gold) is None else _gold(gold)[1]
 
 
 def check(completion: str, gold: str) -> Verdict:
-    """The whole decision, in this process and thread. Bounded by the guards only; use
-    `is_correct` (worker with a deadline) on untrusted completions."""
+    """The whole decision, in this process, bounded by the guards only: use `is_correct` on untrusted completions."""
     from math_verify import verify
 
     if not isinstance(completion, str) or not isinstance(gold, str):

@@ -1,20 +1,15 @@
-"""Math500's answer checker, the judge behind the math reward (notebook 05): `colo_kit.answers.answer_check`'s
-comparison in worker processes with a deadline. The first post's "both trained models beat the base model on Math500
-and colocate matches plain" takes this checker and an evaluation (`colo_kit.answers.math500_eval`) to reproduce.
+"""Math500's answer checker, the judge behind the math reward (notebook 05): the post's "both trained models beat the
+base model on Math500" takes it and an evaluation (`colo_kit.answers.math500_eval`) to reproduce.
 
-`is_correct(completion, gold)` is math-verify (LaTeX to sympy, values compared, not strings) plus what a MATH grader
-does around it: the answer is the **last** `\\boxed{}` or `\\fbox{}`, or without a box only an answer the text
-*states* (not a random model's noise that contains the number); forms math-verify misses (repeating decimals, `\\pm`,
-percent signs: `25\\%` = `25` but `0.25` is not `25\\%`, ...) are normalised first; intervals equal their
-inequalities; plain numbers and clearly different constants are settled before math-verify's slow parser (GRPO checks
-every sample). It is measured on the hand-labelled `data/math500_checker_cases.jsonl` (`scripts/bench_checker.py`).
+`is_correct(completion, gold)` is math-verify plus what a MATH grader does around it: the answer is the last
+`\\boxed{}`, or without a box only an answer the text states; forms math-verify misses (repeating decimals, `\\pm`,
+percent signs) are normalised first; plain numbers are settled before math-verify's slow parser. It is measured on
+the hand-labelled `data/math500_checker_cases.jsonl`.
 
-**Time bound.** math-verify's own timeout uses `signal.alarm`, which works only in a process's main thread, and TRL
-may call reward functions from any thread. So it is off: cheap guards refuse what sympy cannot finish, and `Checker`
-runs each comparison in a worker process, killed and replaced when it overruns (`CheckerTimeout`: no verdict). Not
-`pebble`'s `ProcessPool.schedule(timeout=)`: measured here, it cannot start inside a daemonic `multiprocessing`
-worker, a case this checker serves (tests/test_math500.py); plain subprocesses can. Unparseable gold raises
-`UnparseableGold`; the reward turns it into None, so TRL ignores the sample instead of punishing the policy.
+**Time bound.** math-verify's own timeout uses `signal.alarm`, main thread only, and TRL may call rewards from any
+thread; so cheap guards refuse what sympy cannot finish, and `Checker` runs each comparison in a worker process,
+killed and replaced when it overruns (`CheckerTimeout`). Plain subprocesses, since `pebble`'s pool cannot start
+inside a daemonic `multiprocessing` worker.
 """
 
 from __future__ import annotations
@@ -28,10 +23,9 @@ import threading
 import time
 from dataclasses import asdict
 
-from colo_kit.answers.answer_check import (DEFAULT_DEADLINE_S, MAX_ANSWER_CHARS, MAX_COMPLETION_CHARS, CheckerTimeout,  # noqa: F401
-                                   UnparseableGold, Verdict, check, last_boxed, normalize_answer, parse_gold,
-                                   simple_number)
-
+from colo_kit.answers.answer_check import (DEFAULT_DEADLINE_S, MAX_ANSWER_CHARS, MAX_COMPLETION_CHARS,  # noqa: F401
+                                           CheckerTimeout, UnparseableGold, Verdict, check, last_boxed,
+                                           normalize_answer, parse_gold, simple_number)
 
 
 def _worker_main() -> None:
@@ -89,11 +83,8 @@ class _Worker:
 
 
 class Checker:
-    """`check` in worker processes, with a deadline per comparison. Thread-safe: each concurrent call gets its own
-    worker (at most `max_workers`), so one thread's slow input never makes another wait; fork-safe: a child process
-    starts its own. The deadline starts once a worker is ready (a cold one may take `start_timeout_s` to import;
-    `warm_up()` pays that up front); a call that overruns it comes back `timed_out`, counted in `timeouts`, never as a
-    wrong answer, and its worker is replaced in the background."""
+    """`check` in worker processes, with a deadline per comparison, starting once a worker is ready. Thread-safe (each
+    concurrent call gets its own worker) and fork-safe; a call that overruns comes back `timed_out`, never wrong."""
 
     def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
                  start_timeout_s: float = 120.0):
@@ -139,8 +130,7 @@ class Checker:
         worker = self._take()
         try:
             if not worker.ready:
-                # A cold worker imports sympy and math-verify first (seconds, more on a loaded machine);
-                # that wait is not the input's, so the deadline starts after it.
+                # a cold worker's imports are not the input's time: the deadline starts after them
                 if worker.readline(self.start_timeout_s) is None:
                     dead = worker.proc.poll() is not None
                     worker.kill()
@@ -164,7 +154,6 @@ class Checker:
                 worker = None
                 self.restarts += 1
                 self.timeouts += 1
-                # A replacement starts in the background; the caller returns now.
                 threading.Thread(target=self._replace, daemon=True).start()
                 return Verdict(False, None, f"timeout after {self.deadline_s} s", timed_out=True)
             return Verdict(**json.loads(line))

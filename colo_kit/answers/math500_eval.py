@@ -14,7 +14,6 @@ from pathlib import Path
 from colo_kit.answers.math500 import Checker, default_checker
 
 
-
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval for a proportion; sane at 0/n and n/n, unlike p ± z·se."""
     if n <= 0:
@@ -192,8 +191,7 @@ def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
 
 
 def _check_tp(tp: int, model: str, error) -> None:  # tp: vLLM's tensor_parallel_size
-    """vLLM's tensor_parallel_size is GPUs here; it would fail only after its engine starts (on CPU, vLLM
-    binds one worker per NUMA node and refuses more)."""
+    """vLLM's tensor_parallel_size checked against the GPUs now, not after its engine starts."""
     from colo_kit.env import gpu_count
     from colo_kit.models import PRESETS
 

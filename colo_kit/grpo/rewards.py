@@ -1,10 +1,9 @@
 """The two reward functions of the posts, in TRL's reward-function signature. Notebooks 00 and 05.
 
-TRL calls `f(prompts=..., completions=..., completion_ids=..., **columns)` and takes one float per completion back,
-or None where the reward does not apply (TRL ignores that entry). `length_reward` (the first post's toy,
-`-abs(20 - len(completion))`) needs no model quality: random weights learn it within a few dozen steps.
-`math500_reward` is 1.0 / 0.0 against the gold `answer` (`colo_kit.answers.math500.is_correct`), None when the gold
-answer is unusable or the checker ran out of time: neither says anything about the completion.
+TRL calls `f(prompts=..., completions=..., **columns)` and takes one float per completion back, or None where the
+reward does not apply. `length_reward` (the first post's toy) needs no model quality: random weights learn it in a
+few dozen steps. `math500_reward` is 1.0 / 0.0 against the gold `answer`, None when the gold answer is unusable or
+the checker ran out of time.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def make_length_reward(target: int = 20):
 
 
 def _gold_text(gold) -> str | None:
-    """The gold answer as the checker reads it, or None for a label that is no answer: missing, NaN (pandas'
-    empty cell), a bool, bytes, a dict or list. A number is checked as its string form (`2` as "2")."""
+    """The gold answer as the checker reads it (a number as its string), or None for a label that is no answer."""
     if isinstance(gold, str):
         return gold
     if isinstance(gold, numbers.Real) and not isinstance(gold, bool):

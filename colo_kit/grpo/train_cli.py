@@ -1,6 +1,5 @@
-"""`colo-kit train`: `run_grpo` as a command, parsed by TRL's own `TrlParser` into one `GRPOConfig` (every
-field in TRL's name, `--beta 0.04`, or a YAML of them: `--config recipe.yaml`, what `colo-kit plan --recommend`
-writes) and the kit's few knobs (`TrainArgs`), all checked (colo_kit.grpo.train_checks) before a model loads."""
+"""`colo-kit train`: `run_grpo` as a command, parsed by TRL's own `TrlParser` into one `GRPOConfig` (`--beta 0.04`,
+or `--config recipe.yaml`) and the kit's few knobs (`TrainArgs`), all checked before a model loads."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class TrainArgs:
 
 
 def run_defaults() -> dict:
-    """`run_grpo`'s defaults for `GRPOConfig` fields (20 steps of the tiny model, not TRL's open-ended run): the
-    command's defaults too, so `colo-kit train` and `run_grpo()` run the same thing."""
+    """`run_grpo`'s defaults for `GRPOConfig` fields, the command's too, so `colo-kit train` runs what `run_grpo()` does."""
     from trl import GRPOConfig
 
     fields = GRPOConfig.__dataclass_fields__
@@ -40,8 +38,8 @@ def _config_apart(args: list[str]) -> list[str]:
 
 
 def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
-    """(the `GRPOConfig` fields as TRL parsed them, with the kit's run defaults where not given; the kit's own
-    knobs; the fields given). A bad value or an unknown name is a `UsageError` in one line."""
+    """(the `GRPOConfig` fields as TRL parsed them over the kit's run defaults; the kit's own knobs; the fields given).
+    A bad value or an unknown name is a `UsageError` in one line."""
     import yaml
     from trl import GRPOConfig, TrlParser
 
