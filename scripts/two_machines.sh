@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two machines on one host: the kit's multi-node launch lines (colo_kit.memory.recipes.node_commands), run for real with
-# one CPU process per "machine", and the evidence written to results/two_machines_cpu.json.
+# one CPU process per "machine", and the evidence written to results/runs/two_machines_cpu.json (the committed record
+# changes only when named with --out results/two_machines_cpu.json, and only by a run that succeeded).
 #
 #     bash scripts/two_machines.sh                      # all parts: ddp, zero3, srun, cpu_flag (see the .py)
 #     bash scripts/two_machines.sh --parts ddp,srun     # some of them
