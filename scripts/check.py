@@ -471,6 +471,7 @@ def merge_into(record: dict, part: str, result: dict, env: dict | None = None) -
     for item in result[key]:
         item.setdefault("commit", result.get("commit"))  # a brought-back part may name no commit of its own
         item.setdefault("machine", machine_label(env))
+        item.setdefault("date", time.strftime("%Y-%m-%d", time.gmtime()))  # a lesson's footnote: machine, date, file
         if kit:
             item.setdefault("kit_sha256", kit)
     if key == "notebooks" and old.get(key):
