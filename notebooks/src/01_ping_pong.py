@@ -120,7 +120,7 @@ gantt(timeline_of(mine, f"colocate-b{b}"), f"colocate mode, batch {b}: one devic
 #
 # Real GPUs, real TRL 1.16, random-weight Qwen2.5-1.5B, 256-token completions, G=8: GPU 0 trains, GPU 1 runs the
 # vLLM server. Watch GPU 0 wait (grey) through every generation and GPU 1 wait through every training step.
-# If only the partial first sweep is committed, its notes say what it lacks.
+# Where only a partial sweep is committed, a box says what it lacks.
 
 # %%
 h200 = bench.load_result("pingpong_gpu") or bench.load_result("pingpong_gpu_partial")
@@ -130,8 +130,8 @@ else:
     if bench.load_result("pingpong_gpu") is None:
         display(Markdown(
             "**Partial sweep** (measured, `results/pingpong_gpu_partial.json`): 2 of its 7 configurations left a "
-            "record. That run had gradient checkpointing turned off (the kit now keeps TRL's default on a GPU), and "
-            "colocate at batch 64 then needs ~148 GiB per GPU (modelled by the planner, notebook 04), more than an "
+            "record. That run turned gradient checkpointing off (TRL's default, which the kit keeps on a GPU, is on), "
+            "and colocate at batch 64 then needs ~148 GiB per GPU (modelled by the planner, notebook 04), more than an "
             "H200 has; its colocate batch-32 and -64 configurations failed before they could be recorded."))
     for mode in ("server", "colocate"):
         runs = [r for r in h200["runs"] if r.get("mode") == mode and r.get("timeline")]
@@ -151,8 +151,7 @@ else:
 # The sweep below is the committed one (`colo-kit bench`, measured in `results/pingpong_cpu.json`), with the H200
 # sweep (`scripts/gpu/pingpong.sh`, `results/pingpong_gpu.json`) beside it when present. **Read the CPU ratios as a
 # demonstration of the machinery, not as measurements of the post's effect**: the trainer and the server are two
-# processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps here moved by 2× and more
-# (measured, not committed as a series).
+# processes on the same 2 cores (alongside whatever else runs), and repeated CPU sweeps move a lot from run to run.
 
 # %% [markdown]
 # ### Exercise 1 · Two GPUs

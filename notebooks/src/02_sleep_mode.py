@@ -242,10 +242,10 @@ else:
 # `scripts/gpu/engine_bench.sh` ran on 2×H200 (vLLM 0.26.0): random-init Qwen2.5-1.5B and 7B, the kit's engine at
 # `gpu_memory_utilization=0.3` against a plain `vllm.LLM` at 0.9 (256 prompts × 256 tokens, `ignore_eos`), and the
 # switch per training step, each part timed over several steps, with NVML memory at each stage
-# (`results/engine_bench.json`). That run timed the kit's engine before it moved onto TRL's code, with the
-# weights pushed in one batched `load_weights` call; TRL's own push is one call per tensor. In real GRPO runs on one
-# H200 (no sleep, 1.5B) TRL's push took 0.05 s per step and the batched one 0.03 s (measured,
-# `results/speed_1xh200.json`; notebook 04, section 7).
+# (`results/engine_bench.json`). That run timed a standalone engine of the kit's, not TRL's, with the weights pushed
+# in one batched `load_weights` call; TRL's own push is one call per tensor. In GRPO runs on one H200 (no sleep,
+# 1.5B) TRL's push took 0.060 s per step and the one-call push 0.020 s (measured, `results/speed_1xh200.json`;
+# notebook 04, section 7).
 
 # %%
 ref = h200_reference()
