@@ -6,6 +6,7 @@ seed; runs of another day, budget or code are not compared.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from record.speed import (ADDS, NAMES, RECIPE, THRESHOLD_FRACTION, WINDOW_COMPLETIONS, planner_estimate_for_record,
@@ -85,6 +86,20 @@ def _mean_length(record: dict) -> float | None:
     return round(tokens / (len(cycles) * record["completions_per_generation"]), 1) if cycles else None
 
 
+def seed_spread(times: list[float | None]) -> dict:
+    """Time to the threshold over seeds: the median (a seed that never reached it counts as slower than any that
+    did; None when the median seed did not), the range (its top None when a seed did not), how many reached, and the
+    slowest over the fastest (None when a seed did not)."""
+    reached = sorted(t for t in times if t is not None)
+    ranked = reached + [math.inf] * (len(times) - len(reached))
+    median = statistics.median(ranked) if ranked else math.inf
+    whole = len(reached) == len(times) and reached
+    return {"median_s": round(median, 2) if math.isfinite(median) else None,
+            "range_s": [reached[0] if reached else None, reached[-1] if whole else None],
+            "reached": f"{len(reached)} of {len(times)}",
+            "slowest_over_fastest": round(reached[-1] / reached[0], 2) if whole and reached[0] else None}
+
+
 def _summarize_one(records: list[dict]) -> dict:
     by: dict = {}
     for r in records:
@@ -99,6 +114,7 @@ def _summarize_one(records: list[dict]) -> dict:
     # how long the defaults trained without reaching the threshold: a configuration that got there in t s is at
     # least this / t times faster (a lower bound, not a ratio)
     base_span = {r["seed"]: max((row["t_s"] for row in r["rows"]), default=None) for r in base}
+    base_spread = seed_spread(list(base_ttr.values())) if base_ttr else None
     out = {"threshold": {"rule": f"the mean reward of {start['config']}'s (seed {start['seed']}) first generation times "
                                  f"{THRESHOLD_FRACTION}; reached when the running mean over >= "
                                  f"{WINDOW_COMPLETIONS} completions gets there",
@@ -117,6 +133,14 @@ def _summarize_one(records: list[dict]) -> dict:
                # records before switch_total counted a wake-up once where TRL wakes twice: summed again here
                "switch": {**runs[0]["switch"], "switch_median_s": switch_total(runs[0]["switch"])}
                if runs[0]["switch"] else runs[0]["switch"]}
+        if target is not None:
+            row["time_to_reward_over_seeds"] = seed_spread(ttr)
+        if base_spread:
+            # medians over each configuration's own seeds: one seed's luck moves a per-seed ratio, not this one
+            mine = row["time_to_reward_over_seeds"]["median_s"]
+            row["defaults_time_to_reward_over_seeds"] = base_spread
+            row["time_to_reward_median_vs_defaults"] = (round(base_spread["median_s"] / mine, 2)
+                                                        if mine and base_spread["median_s"] else None)
         if base_tps and all(base_tps) and all(tps):
             row["tokens_per_s_vs_defaults"] = round(statistics.mean(tps) / statistics.mean(base_tps), 2)
         if base_ttr:

@@ -24,6 +24,8 @@ import os
 import statistics
 import time
 
+from colo_kit.memory.planner import H200_GIB
+
 log = logging.getLogger(__name__)
 
 # The task: the length reward on the tl;dr stand-ins, 256-token completions, G = 8. The learning rate is a tenth of
@@ -94,13 +96,14 @@ ADDS = {**{c[0]: c[1] for c in CHAIN}, **{k: f"{v[0]} + {v[1]}" for k, v in SIDE
 RECIPE_SKIPS = {"use_vllm", "vllm_mode", "bf16", "num_generations", "max_completion_length", "deepspeed"}
 
 
-def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
-    """GRPOConfig fields and kit knobs of configuration `name`: CHAIN up to it, a SIDE entry, or `model`'s recipe."""
+def config(name: str, model: str = "qwen2.5-1.5b", gpu_mem_gib: float = H200_GIB) -> tuple[dict, dict]:
+    """GRPOConfig fields and kit knobs of configuration `name`: CHAIN up to it, a SIDE entry, or `model`'s recipe
+    for a GPU of `gpu_mem_gib` (`run_seed` passes the one it runs on; the others do not depend on it)."""
     if name == RECIPE:
         from colo_kit.memory.recipe import recipe
 
         r = recipe(model=model, per_device_train_batch_size=8, max_completion_length=TASK["max_completion_length"],
-                   train_dtype=TRAIN_DTYPE.get(model, "float32"))
+                   train_dtype=TRAIN_DTYPE.get(model, "float32"), gpu_mem_gib=gpu_mem_gib)
         if not r["fits"]:
             raise ValueError(f"no recipe for {model}: {r['why']}")
         if r["plan"].zero_stage:  # the race launches one plain process per configuration, no DeepSpeed
@@ -109,7 +112,7 @@ def config(name: str, model: str = "qwen2.5-1.5b") -> tuple[dict, dict]:
         return fields, {"push_bucket_mb": 0}
     if name in SIDE:
         base, _, extra_fields, extra_knobs = SIDE[name]
-        fields, knobs = config(base, model)
+        fields, knobs = config(base, model, gpu_mem_gib)
         return {**fields, **extra_fields}, {**knobs, **extra_knobs}
     if name not in NAMES:
         raise ValueError(f"configuration {name!r} is not one of {', '.join(NAMES + list(SIDE) + [RECIPE])}")
@@ -158,12 +161,16 @@ class _Budget:
 def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: int = 512,
              learning_rate: float | None = None, max_completion_length: int | None = None,
              stop_past: float | None = None) -> dict:
-    """One configuration, one seed, in this process: train `budget_s` s (or to `stop_past`, see `_Budget`)."""
+    """One configuration, one seed, in this process: train `budget_s` s (or to `stop_past`, see `_Budget`). The recipe
+    is the one for the GPU here (its memory read by NVML; an H200's without one)."""
     from colo_kit.env import has_cuda
     from colo_kit.grpo.timeline import Timeline, UtilSampler
     from colo_kit.grpo.train import run_grpo
+    from colo_kit.memory.planner import read_gpu_memory
 
-    fields, knobs = config(name, model)
+    gpu = read_gpu_memory() if has_cuda() else None
+    gpu_mem_gib = gpu["gib"] if gpu else H200_GIB
+    fields, knobs = config(name, model, gpu_mem_gib)
     tl, marks, hooked = Timeline(), {}, {}
     sampler = UtilSampler(pids={"trainer": os.getpid()}).start()
 
@@ -205,6 +212,7 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     step_times = [round(b["end_s"] - a["end_s"], 4) for a, b in zip([{"end_s": t0}] + step_marks[:-1], step_marks)]
     rec = {
         "config": name, "seed": seed, "model": model, "budget_s": budget_s,
+        "gpu": gpu["name"] if gpu else None, "gpu_mem_gib": gpu_mem_gib,
         "stop_past": stop_past, "stopped_past_reward_at_step": marks.get("stopped_past_reward"),
         "grpo_config": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "generation_kwargs": fields.get("generation_kwargs"), "kit_knobs": knobs,
@@ -217,7 +225,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
         "phase_s_per_step": phase_per_step(tl, skip_steps=cycle),
         "switch": switch_parts(tl, skip_steps=cycle),
         "nvml_peak_gib": max((s["mem_gib"] for s in samples if s.get("device", "").startswith("gpu")), default=None),
-        "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"]) if has_cuda() else None,
+        "planner_peak_gib": planner_peak_for(name, model, settings["max_completion_length"], gpu_mem_gib)
+        if has_cuda() else None,
         "torch_peak_gib": _torch_peaks() if has_cuda() else None,
     }
     del run
@@ -300,35 +309,39 @@ def switch_parts(tl, skip_steps: int) -> dict:
 def planner_estimate(model: str, per_device_train_batch_size: int, gradient_checkpointing: bool,
                      max_completion_length: int = TASK["max_completion_length"],
                      vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
-                     kv_only_sleep: bool = False) -> dict:
+                     kv_only_sleep: bool = False, gpu_mem_gib: float = H200_GIB) -> dict:
     from colo_kit.memory.planner import estimate
 
     return estimate(model=model, per_device_train_batch_size=per_device_train_batch_size,
                     gradient_checkpointing=gradient_checkpointing, max_completion_length=max_completion_length,
                     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep_level=sleep_level,
-                    kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"))
+                    kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"), gpu_mem_gib=gpu_mem_gib)
 
 
-def _planner_estimate_for(name: str, model: str, max_completion_length: int) -> dict:
-    fields, knobs = config(name, model)
-    return planner_estimate_for_record({"model": model, "kit_knobs": knobs,
+def _planner_estimate_for(name: str, model: str, max_completion_length: int, gpu_mem_gib: float = H200_GIB) -> dict:
+    fields, knobs = config(name, model, gpu_mem_gib)
+    return planner_estimate_for_record({"model": model, "kit_knobs": knobs, "gpu_mem_gib": gpu_mem_gib,
                                         "grpo_config": {**fields, "max_completion_length": max_completion_length}})
 
 
 def planner_estimate_for_record(rec: dict) -> dict:
     """The planner's estimate for the settings a race record ran with (its own `grpo_config`, not what its
-    configuration's name means now: the runs named `recipe` ran each recipe of their day)."""
+    configuration's name means now: the runs named `recipe` ran each recipe of their day), on the GPU it ran on (an
+    H200 for records older than `gpu_mem_gib`)."""
     g = rec["grpo_config"]
     sleeps = bool(g.get("vllm_enable_sleep_mode") or g.get("sleep"))  # `sleep`: the kit's name before 40e0da9
     return planner_estimate(rec["model"], g["per_device_train_batch_size"], g.get("gradient_checkpointing", True),
                             g.get("max_completion_length", TASK["max_completion_length"]),
                             g.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
-                            2 if sleeps else 0, bool(sleeps and (rec.get("kit_knobs") or {}).get("kv_only_sleep")))
+                            2 if sleeps else 0, bool(sleeps and (rec.get("kit_knobs") or {}).get("kv_only_sleep")),
+                            rec.get("gpu_mem_gib") or H200_GIB)
 
 
-def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"]) -> float:
-    """The planner's peak for configuration `name` (its batch, checkpointing, memory share and sleep)."""
-    return _planner_estimate_for(name, model, max_completion_length)["peak_gib_per_gpu"]
+def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"],
+                     gpu_mem_gib: float = H200_GIB) -> float:
+    """The planner's peak for configuration `name` (its batch, checkpointing, memory share and sleep) on a GPU of
+    `gpu_mem_gib`."""
+    return _planner_estimate_for(name, model, max_completion_length, gpu_mem_gib)["peak_gib_per_gpu"]
 
 
 def latency_table(result: dict) -> list[dict]:

@@ -1,7 +1,10 @@
 """One configuration of `record.speed`'s chain in this process, or the merge of several into one JSON.
 
     python scripts/speed_bench.py run --config spg8 --model qwen2.5-1.5b --seeds 0,1 --budget-s 45 --out part.json
-    python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh200.json [--into results/speed_1xh200.json]
+    python scripts/speed_bench.py merge parts/*.json --out results/speed_1xh100.json [--into results/speed_1xh100.json]
+
+The `recipe` configuration is what `colo-kit plan --recommend` writes for the GPU the seed runs on (`record.speed.run_seed`
+reads its memory with NVML); each record names that GPU, so keep one result file per GPU (`scripts/gpu/speed.sh` names it).
 
 `scripts/gpu/speed.sh` runs one process per configuration and seed. Seeds given together here share the process
 and its vLLM engine (`colo_kit.colocate.engine_reuse.reuse_engines`: each new trainer pushes its own weights into it

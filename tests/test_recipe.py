@@ -13,11 +13,13 @@ from colo_kit.memory.recipe import recipe, to_yaml
 
 
 def _parse(tmp_path, text):
-    from trl import GRPOConfig, TrlParser
+    """The YAML as a plain TRL script reads it (TrlParser over GRPOConfig and TRL's ModelConfig), its `model:` line
+    given as `model_name_or_path`, as its header says."""
+    from trl import GRPOConfig, ModelConfig, TrlParser
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(text)
-    (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(
+    path.write_text(text.replace("\nmodel: ", "\nmodel_name_or_path: "))
+    config, model = TrlParser((GRPOConfig, ModelConfig)).parse_args_and_config(
         ["--config", str(path), "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"])
     return config
 
@@ -42,6 +44,7 @@ def test_trls_parser_loads_every_field_with_its_reason(settings, tmp_path):
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{name}:"))
         assert lines[at - 1].startswith("# ") and len(why) > 10  # the reason sits right above its field
     assert r["peak_gib_per_gpu"] <= SAFE_FRACTION * r["plan"].gpu_mem_gib
+    assert f"\nmodel: {r['plan'].model}\n" in text and "model_name_or_path" in lines[1]  # the header says how
 
 
 def test_speed_choices_follow_what_fits():
@@ -131,3 +134,176 @@ def test_plan_recommend_prints_the_peak_and_writes_where_told(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "predicted peak" in printed and out.read_text() in printed
     assert main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--mode", "server"]) == 2
+
+
+# --- the recipe for the GPU it is written for (an H100 80 GB: 79.1 GiB as CUDA reports it; an H200: 139.8) ---
+
+H100_GIB = 79.1
+
+
+def _fields(r: dict) -> dict:
+    return {k: v for k, v, _ in r["fields"]}
+
+
+def test_on_an_h100_the_recipe_keeps_cispo_on_8_steps_by_sizing_the_engine_to_one_generation():
+    """At TRL's 0.3 share the fast configuration (CISPO, 8 steps per generation, batch 16) is over the 92% budget of
+    an H100; sized to twice what one generation needs it fits, so the recipe keeps it instead of falling back to
+    on-policy batch 8. On an H200 it fits at 0.3, which stays."""
+    from colo_kit.memory.planner import estimate, generation_share
+
+    h100 = recipe(model="qwen2.5-1.5b", gpu_mem_gib=H100_GIB)
+    f = _fields(h100)
+    assert (f["per_device_train_batch_size"], f["steps_per_generation"], f["loss_type"]) == (16, 8, "cispo")
+    assert (f["gradient_checkpointing"], f["vllm_enable_sleep_mode"]) == (False, False)
+    at_trls_share = estimate(h100["plan"], vllm_gpu_memory_utilization=0.3)
+    assert at_trls_share["peak_gib_per_gpu"] > SAFE_FRACTION * H100_GIB  # why the share had to move
+    need = at_trls_share["vllm"]["min_gpu_memory_utilization"]
+    assert f["vllm_gpu_memory_utilization"] == generation_share(h100["plan"]) == 0.15
+    assert 2 * need <= f["vllm_gpu_memory_utilization"] < 0.3  # the margin: twice the modelled need
+    assert h100["peak_gib_per_gpu"] <= SAFE_FRACTION * H100_GIB
+    why = next(w for k, _, w in h100["fields"] if k == "vllm_gpu_memory_utilization")
+    assert why.startswith("sized to one generation") and f"{need:.3f}" in why
+    h200 = _fields(recipe(model="qwen2.5-1.5b", gpu_mem_gib=139.8))
+    assert (h200["vllm_gpu_memory_utilization"], h200["steps_per_generation"], h200["per_device_train_batch_size"]) \
+        == (0.3, 8, 16)
+
+
+def test_it_falls_back_to_on_policy_only_when_the_sized_engine_does_not_fit_either_and_says_why():
+    """2,048-token completions on a 44 GiB GPU: 8 steps per generation do not fit even with the engine sized,
+    asleep while training and activations recomputed; the recipe then writes TRL's on-policy default with that
+    reason, and a recipe that still fits."""
+    r = recipe(model="qwen2.5-1.5b", gpu_mem_gib=44.0, max_completion_length=2048)
+    f = _fields(r)
+    assert r["fits"] and f["steps_per_generation"] is None and f["loss_type"] == "dapo"
+    why = next(w for k, _, w in r["fields"] if k == "steps_per_generation")
+    assert why.startswith("TRL's default (on-policy), since 8 steps per generation at batch 16 need") and \
+        "over 92% of 44.0 GiB" in why
+    assert r["peak_gib_per_gpu"] <= SAFE_FRACTION * 44.0
+
+
+@pytest.mark.parametrize("gpu_mem_gib", [H100_GIB, 139.8])
+@pytest.mark.parametrize("num_generations", [2, 3, 5, 6, 7, 12, 16])
+def test_every_recipe_holds_whole_groups_of_g_so_trl_never_refuses_it(gpu_mem_gib, num_generations, tmp_path):
+    """TRL refuses a generation (batch x steps per generation) that is not whole groups of G: the recipe raises
+    the batch to the next that is, says so, and TRL's own parser takes the YAML."""
+    r = recipe(model="qwen2.5-1.5b", gpu_mem_gib=gpu_mem_gib, num_generations=num_generations)
+    config = _parse(tmp_path, to_yaml(r))
+    assert config.generation_batch_size % num_generations == 0 and config.num_generations == num_generations
+    b = config.per_device_train_batch_size
+    assert b >= 16 and all((smaller * 8) % num_generations for smaller in range(16, b))
+    why = next(w for k, _, w in r["fields"] if k == "per_device_train_batch_size")
+    assert (f"whole groups of {num_generations}" in why) == (b != 16)
+
+
+def test_the_recipes_reasons_on_an_h100_are_one_sentence_each():
+    import re
+
+    for r in (recipe(model="qwen2.5-1.5b", gpu_mem_gib=H100_GIB, num_generations=3),
+              recipe(model="qwen2.5-1.5b", gpu_mem_gib=44.0, max_completion_length=2048)):
+        for name, _, why in r["fields"]:
+            assert not re.findall(r"[a-z)\]]\. [A-Z(]", why.rstrip(".")) and len(why) <= 260, (name, why)
+
+
+def test_a_bad_g_is_one_value_error():
+    for bad in (1, 0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="at least 2 completions"):
+            recipe(model="qwen2.5-1.5b", num_generations=bad)
+
+
+# --- plan --recommend: which GPU it sized for, the YAML it writes, and colo-kit train on that YAML ---
+
+def _recommend(tmp_path, capsys, *flags):
+    from colo_kit.cli import main
+
+    out = tmp_path / "r.yaml"
+    rc = main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--out", str(out), *flags])
+    return rc, out, capsys.readouterr()
+
+
+def test_plan_recommend_sizes_for_the_gpu_nvml_reads_and_says_so(tmp_path, capsys, monkeypatch):
+    """NVML cannot run on a machine without an NVIDIA GPU: a stand-in answers as an H100 does. --gpu-mem-gib given,
+    NVML is not asked; no GPU, the H200 the recipe's measurements come from, said in the YAML."""
+    from colo_kit.memory import planner
+
+    monkeypatch.setattr(planner, "read_gpu_memory", lambda index=0: {"name": "NVIDIA H100 80GB HBM3", "gib": 79.1})
+    rc, out, seen = _recommend(tmp_path, capsys)
+    text = out.read_text()
+    assert rc == 0 and "# sized for the GPU here, NVIDIA H100 80GB HBM3: 79.1 GiB read by NVML" in text
+    assert "1 GPU(s) of 79.1 GiB" in text and _fields_of(text)["vllm_gpu_memory_utilization"] == 0.15
+
+    def never(index=0):
+        raise AssertionError("NVML read although --gpu-mem-gib was given")
+
+    monkeypatch.setattr(planner, "read_gpu_memory", never)
+    for flag in (["--gpu-mem-gib", "139.8"], ["--gpu_mem_gib=139.8"]):
+        rc, out, _ = _recommend(tmp_path, capsys, *flag)
+        assert rc == 0 and "# sized for --gpu-mem-gib 139.8 GiB per GPU" in out.read_text()
+    monkeypatch.setattr(planner, "read_gpu_memory", lambda index=0: None)
+    rc, out, _ = _recommend(tmp_path, capsys)
+    assert rc == 0 and "# sized for one H200 (139.8 GiB): no NVIDIA GPU here" in out.read_text()
+    assert _fields_of(out.read_text())["vllm_gpu_memory_utilization"] == 0.3
+
+
+def _fields_of(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_read_gpu_memory_is_what_cuda_reports(monkeypatch):
+    """With no NVIDIA GPU the real reader says so (None). Where NVML cannot run here, a stand-in module gives an H100's
+    figures: the reader returns NVML's total less the driver's reserve, as CUDA (and vLLM's share) counts it."""
+    import sys
+    import types
+
+    from colo_kit import env
+    from colo_kit.env import has_cuda
+    from colo_kit.memory.planner import read_gpu_memory
+
+    if not has_cuda():
+        assert read_gpu_memory() is None
+    mib = 2**20
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError, nvmlMemory_v2=2, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: ("gpu", i),
+        nvmlDeviceGetMemoryInfo=lambda h, version=None: types.SimpleNamespace(
+            total=81559 * mib, reserved=535 * mib) if version else types.SimpleNamespace(total=81559 * mib))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(env, "visible_gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "mem_gib": 79.6}])
+    assert read_gpu_memory() == {"name": "NVIDIA H100 80GB HBM3", "gib": 79.1}
+    assert read_gpu_memory(1) is None
+
+
+@pytest.mark.parametrize("value", ["1e308", "nan", "-1", "0", "inf", "5000"])
+def test_a_bad_gpu_memory_is_one_line_and_exit_2(value, tmp_path, capsys):
+    rc, out, seen = _recommend(tmp_path, capsys, "--gpu_mem_gib", value)
+    assert rc == 2 and not out.exists()
+    lines = seen.err.strip().splitlines()
+    assert len(lines) == 1 and "gpu_mem_gib=" in lines[0] and "Traceback" not in seen.err
+
+
+def test_colo_kit_train_runs_the_model_the_yaml_names_and_refuses_what_trl_would(tmp_path, capsys, monkeypatch):
+    """`colo-kit train --config r.yaml` as the header says: the model the recipe was sized for, not `tiny`, with its
+    fields; a G the generation does not hold whole groups of, given on top, is TRL's refusal in one line."""
+    import types
+
+    from colo_kit.cli import main
+    from colo_kit.grpo import train
+
+    seen = {}
+
+    def run_grpo(model, mode, **kwargs):
+        seen.update(kwargs, model=model, mode=mode)
+        return types.SimpleNamespace(rewards=[0.0], elapsed_s=0.0, to_dict=dict)
+
+    monkeypatch.setattr(train, "run_grpo", run_grpo)
+    rc, out, _ = _recommend(tmp_path, capsys, "--gpu-mem-gib", str(H100_GIB), "--num-generations", "3")
+    assert rc == 0
+    assert main(["train", "--config", str(out), "--max_steps", "2"]) == 0
+    assert (seen["model"], seen["mode"], seen["num_generations"]) == ("qwen2.5-1.5b", "colocate", 3)
+    assert (seen["per_device_train_batch_size"], seen["steps_per_generation"], seen["loss_type"],
+            seen["vllm_gpu_memory_utilization"]) == (18, 8, "cispo", 0.15)
+    capsys.readouterr()
+    assert main(["train", "--config", str(out), "--num_generations", "5"]) == 2  # 18 x 8 = 144 completions
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "divisible by num_generations" in err[0]

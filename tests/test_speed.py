@@ -518,3 +518,63 @@ def test_kv_only_sleep_inside_trls_trainer_keeps_vllm_on_the_trainers_weights(tm
     assert got["kv_only_sleep"] is True
     assert got["sleeping_tags"] == ["kv_cache"]  # after the last generation: asleep, weights kept
     assert max(got["gaps"]) < 0.05, got["gaps"]
+
+
+# --- the race's recipe is the one for the GPU it runs on; time to the threshold over seeds ---
+
+def test_the_races_recipe_is_the_recipe_for_the_gpu_it_runs_on():
+    """On an H100 (79.1 GiB) `recipe` is cispo_b16 with the engine sized to one generation; on an H200, at TRL's 0.3;
+    the chain and its side configurations do not depend on the GPU. A record keeps the GPU memory it ran on, and the
+    planner's peak for it is computed there (an H200 for records older than that field)."""
+    from colo_kit.memory.recipe import recipe
+
+    h100, _ = speed.config(speed.RECIPE, "qwen2.5-1.5b", 79.1)
+    h200, _ = speed.config(speed.RECIPE, "qwen2.5-1.5b")
+    assert h100 == {**h200, "vllm_gpu_memory_utilization": 0.15}
+    assert {k: h100[k] for k in speed.config("cispo_b16")[0]} == speed.config("cispo_b16")[0]
+    written = {k: v for k, v, _ in recipe(model="qwen2.5-1.5b", gpu_mem_gib=79.1, per_device_train_batch_size=8,
+                                          max_completion_length=256)["fields"]}
+    assert all(written[k] == v for k, v in h100.items())
+    assert speed.config("spg8", "qwen2.5-1.5b", 79.1) == speed.config("spg8")
+    rec = {"model": "qwen2.5-1.5b", "kit_knobs": {}, "gpu_mem_gib": 79.1,
+           "grpo_config": {**h100, "max_completion_length": 256}}
+    assert speed.planner_estimate_for_record(rec)["settings"]["gpu_mem_gib"] == 79.1
+    assert speed.planner_estimate_for_record({**rec, "gpu_mem_gib": None})["settings"]["gpu_mem_gib"] == 139.8
+    assert speed.planner_peak_for(speed.RECIPE, "qwen2.5-1.5b", 256, 79.1) == \
+        speed.planner_estimate_for_record(rec)["peak_gib_per_gpu"]
+
+
+def test_speed_sh_names_its_result_after_the_gpu(tmp_path):
+    """`speed.sh` on an H100 writes results/speed_1xh100.json, beside the H200's (nvidia-smi stood in for here)."""
+    for name, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        fake = tmp_path / tag / "nvidia-smi"
+        fake.parent.mkdir()
+        fake.write_text(f"#!/bin/sh\necho '{name}'\n")
+        fake.chmod(0o755)
+        env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "SPEED_CONFIGS": " ", "TMPDIR": str(tmp_path), "OUT": ""}
+        proc = subprocess.run(["bash", "scripts/gpu/speed.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert f"== result: results/speed_1x{tag}.json ({name})" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_time_to_the_threshold_over_seeds_is_a_median_and_a_range():
+    spread = race.seed_spread([40.0, 27.6, 69.5, 33.0, 51.0])
+    assert spread == {"median_s": 40.0, "range_s": [27.6, 69.5], "reached": "5 of 5", "slowest_over_fastest": 2.52}
+    # a seed that never reached the threshold is slower than any that did: it moves the median, and the range is open
+    assert race.seed_spread([10.0, None, 30.0]) == {"median_s": 30.0, "range_s": [10.0, None], "reached": "2 of 3",
+                                                    "slowest_over_fastest": None}
+    assert race.seed_spread([10.0, None, None])["median_s"] is None
+    assert race.seed_spread([None])["range_s"] == [None, None]
+
+
+def test_the_summary_gives_each_configuration_its_median_beside_the_defaults_spread():
+    base = [(1, -200.0), (2, -200.0)]
+    records = [_record("trl_defaults", s, 100.0, base + [(t, -60.0)]) for s, t in enumerate([20, 40, 60, 30, 50])]
+    records += [_record(speed.RECIPE, s, 400.0, base + [(t, -60.0)]) for s, t in enumerate([10, 12, 30, 14, 11])]
+    (summary,) = race.summarize(records).values()
+    rec = summary["configs"][speed.RECIPE]
+    assert rec["time_to_reward_over_seeds"]["median_s"] == 12.0
+    assert rec["defaults_time_to_reward_over_seeds"] == summary["configs"]["trl_defaults"]["time_to_reward_over_seeds"]
+    assert rec["defaults_time_to_reward_over_seeds"]["median_s"] == 40.0
+    assert rec["time_to_reward_median_vs_defaults"] == round(40.0 / 12.0, 2)
+    assert rec["tokens_per_s_vs_defaults"] == 4.0

@@ -18,6 +18,7 @@ from colo_kit.models import Preset
 GIB = 2**30
 # What CUDA reports as total memory on one H200 (nvidia-smi: 143,771 MiB, less the driver's share).
 H200_GIB = 139.8
+MAX_GPU_MEM_GIB = 4096.0   # no GPU holds more; a bigger number is a typo (and 1e308 overflows the KV token count)
 
 # ---- set from physical facts ----
 TOKEN_TILE = 4096          # TRL's chunked log-prob: tokens per tile (trl/kernels/chunked_logprob.py)
@@ -26,6 +27,10 @@ WEIGHT_SYNC_BUFFERS_GIB = 2.0   # server mode: vLLM's packed NCCL broadcast, 2 b
 VLLM_ASLEEP_GIB = 0.25     # what a sleeping engine still holds (CUDA graph pool); GPU README: sleep(2) freed 41.7 of 41.9 GiB
 VLLM_OVERHEAD_GIB = 1.5    # inside u × memory but not KV: activation headroom + CUDA graphs (vLLM's profiler)
 SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under 92% of the GPU
+# An engine sized to what one generation needs gets twice that: vLLM profiles its own activations, CUDA graphs and
+# sampler buffers at start-up, and they vary with max_num_seqs and vLLM's version, so the bare minimum may leave
+# its KV cache short of one generation (it would preempt and recompute).
+GENERATION_SHARE_MARGIN = 2.0
 
 # ---- fitted to the measured peaks (record.planner_validation) ----
 FITTED = {
@@ -81,8 +86,9 @@ class Plan:
             bad("mode", self.mode, "use 'colocate' or 'server'")
         if not isinstance(self.gpus, int) or self.gpus < 1:
             bad("gpus", self.gpus, "use a whole number >= 1")
-        if not _finite_positive(self.gpu_mem_gib):
-            bad("gpu_mem_gib", self.gpu_mem_gib, f"use the GPU's memory in GiB (H200: {H200_GIB})")
+        if not _finite_positive(self.gpu_mem_gib) or self.gpu_mem_gib > MAX_GPU_MEM_GIB:
+            bad("gpu_mem_gib", self.gpu_mem_gib, f"use the GPU's memory in GiB, at most {MAX_GPU_MEM_GIB:g} "
+                f"(H200: {H200_GIB}, H100 80 GB: 79.1)")
         if self.host_mem_gib is not None and not _finite_positive(self.host_mem_gib):
             bad("host_mem_gib", self.host_mem_gib, "use the CPU memory per node in GiB (the 8xH200 machine: 560)")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -273,6 +279,40 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
         "host_gib_per_node": {**r(host), "total": round(host_total, 2)},
         "notes": notes,
     }
+
+
+def generation_share(plan: Plan) -> float:
+    """The engine's share sized to one generation: GENERATION_SHARE_MARGIN times what its weights, overhead and the
+    KV cache of one generation's sequences need (`min_gpu_memory_utilization`), rounded up to 0.05."""
+    need = estimate(plan)["vllm"]["min_gpu_memory_utilization"]
+    return min(1.0, math.ceil(round(GENERATION_SHARE_MARGIN * need * 20, 6)) / 20)
+
+
+def read_gpu_memory(index: int = 0) -> dict | None:
+    """{"name", "gib"} of this process's CUDA device `index`, read by NVML (no CUDA context is made): the memory CUDA
+    reports, NVML's total less what the driver reserves; None without an NVIDIA GPU."""
+    from colo_kit.env import visible_gpus
+
+    gpus = visible_gpus()
+    if len(gpus) <= index:
+        return None
+    gpu = gpus[index]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu["index"])
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+                total = mem.total - mem.reserved
+            except (pynvml.NVMLError, AttributeError):  # a driver without the v2 call: the whole card
+                total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML listed the GPU a moment ago: its own rounded total then
+        return {"name": gpu["name"], "gib": gpu["mem_gib"]}
+    return {"name": gpu["name"], "gib": math.floor(total / GIB * 10) / 10}
 
 
 def max_safe_utilization(plan: Plan) -> float:

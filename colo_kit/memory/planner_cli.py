@@ -2,6 +2,8 @@
 
     colo-kit plan --model qwen2.5-72b --gpus 8 --zero-stage 3 --sleep-level 2
     colo-kit plan --model qwen2.5-1.5b --recommend --out recipe.yaml   # GRPOConfig fields for TrlParser
+
+`--recommend` sizes the recipe for the GPU here (its memory read by NVML) unless --gpu-mem-gib names another.
 """
 
 from __future__ import annotations
@@ -37,7 +39,28 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_recipe(plan: Plan, args) -> int:
+def _given(argv: list[str], name: str) -> bool:
+    """Whether the command line gave field `name` (`--a_b`, `--a-b`, either with `=VALUE`)."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(t.split("=", 1)[0] in spellings for t in argv)
+
+
+def _gpu_for(plan: Plan, argv: list[str]) -> tuple[Plan, str]:
+    """`plan` sized for the GPU here when --gpu-mem-gib is not given (NVML), and a line saying which memory it used."""
+    from dataclasses import replace
+
+    from colo_kit.memory.planner import H200_GIB, read_gpu_memory
+
+    if _given(argv, "gpu_mem_gib"):
+        return plan, f"sized for --gpu-mem-gib {plan.gpu_mem_gib:g} GiB per GPU"
+    gpu = read_gpu_memory()
+    if gpu is None:
+        return plan, (f"sized for one H200 ({H200_GIB} GiB): no NVIDIA GPU here, so --gpu-mem-gib sizes it for yours")
+    return replace(plan, gpu_mem_gib=gpu["gib"]), (f"sized for the GPU here, {gpu['name']}: {gpu['gib']:g} GiB read by "
+                                                   "NVML (--gpu-mem-gib sizes it for another)")
+
+
+def _write_recipe(plan: Plan, args, gpu_line: str) -> int:
     from pathlib import Path
 
     from colo_kit.commands import UsageError, writable_file
@@ -48,9 +71,13 @@ def _write_recipe(plan: Plan, args) -> int:
         raise UsageError(f"--num-generations {args.num_generations}: GRPO compares at least 2 completions per prompt")
     if plan.mode != "colocate":
         raise UsageError(f"--mode {plan.mode}: --recommend writes a colocate recipe; drop --mode server")
-    r = recipe(plan, num_generations=args.num_generations)
+    try:
+        r = recipe(plan, num_generations=args.num_generations)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not r["fits"]:
-        raise UsageError(f"no recipe: {r['why']}")
+        raise UsageError(f"no recipe: {r['why']} ({gpu_line})")
+    r["comments"].insert(0, gpu_line)
     name = Path(str(plan.model)).name
     out = writable_file(args.out or runs_dir() / f"recipe_{name}_{plan.gpus}gpu.yaml", "--out")
     text = to_yaml(r)
@@ -85,11 +112,15 @@ def cli_main(argv: list[str]) -> int:
     plan, args = parse_dataclasses((Plan, PlanCommand), argv, prog="colo-kit plan", description=(
         "Estimate per-GPU memory of a TRL GRPO step (colocated vLLM or server mode) and recommend settings."))
     try:
+        plan.validate()  # a bad number is one line before NVML is read
+        gpu_line = ""
+        if args.recommend:
+            plan, gpu_line = _gpu_for(plan, argv)
         report = plan_report(plan)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.recommend:
-        return _write_recipe(plan, args)
+        return _write_recipe(plan, args, gpu_line)
     if args.write_configs:
         from colo_kit.memory.recipes import write_configs
 

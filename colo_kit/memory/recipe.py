@@ -1,7 +1,8 @@
 """A GRPO recipe for one machine: `GRPOConfig` fields in TRL's own names, each with the reason it was chosen (notebook 04).
 
 `colo-kit plan --recommend` writes it as YAML that `TrlParser` reads, so the same file runs under `colo-kit train
---config` and under a plain TRL script. Memory comes from the planner (modelled), speed choices from the H200 runs in
+--config` (the model it names included) and, its `model:` line given as `model_name_or_path`, under a plain TRL script.
+Memory comes from the planner (modelled) for the GPU given, speed choices from the H200 runs in
 `results/speed_1xh200.json` (measured).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, model_shape, recommend
+from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, generation_share, model_shape, recommend
 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
@@ -18,13 +19,26 @@ STALE_FROM_PARAMS = 7e9
 CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
 
 
+def whole_groups(batch: int, steps: int, gpus: int, num_generations: int) -> int:
+    """The smallest batch >= `batch` whose generation (batch x GPUs x steps per generation) holds whole groups of
+    `num_generations` completions: TRL's GRPOConfig refuses any other."""
+    while (batch * gpus * steps) % num_generations:
+        batch += 1
+    return batch
+
+
 def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
-    """The recipe for `plan`: {"fields": [(name, value, why)], "comments", "plan" it was sized with, "peak_gib_per_gpu",
-    "fits"}."""
+    """The recipe for `plan`: {"fields": [(name, value, why)], "model", "comments", "plan" it was sized with,
+    "peak_gib_per_gpu", "fits"}. Before it gives up a generation shared between steps it sizes the engine to what
+    one generation needs (`generation_share`), then recomputes activations, then sleeps the engine."""
     base = replace(plan or Plan(), **settings).validate()
     if base.mode != "colocate":
         raise ValueError(f"mode={base.mode!r}: the recipe is for colocate mode (server mode sizes its server apart)")
-    fields: list[tuple[str, object, str]] = []
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+        raise ValueError(f"num_generations={num_generations!r}: GRPO compares at least 2 completions per prompt")
+    asked_batch = base.per_device_train_batch_size
+    base = replace(base, steps_per_generation=1,
+                   per_device_train_batch_size=whole_groups(asked_batch, 1, base.gpus, num_generations))
     budget = SAFE_FRACTION * base.gpu_mem_gib
 
     def fits(candidate: Plan) -> bool:
@@ -45,38 +59,72 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
             rec = recommend(replace(base, gradient_checkpointing=True))
             if not rec["fits"]:
                 return {"fits": False, "why": rec["why"], "fields": [], "comments": [], "plan": base,
-                        "peak_gib_per_gpu": None}
+                        "model": base.model, "peak_gib_per_gpu": None}
             chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
             ckpt_why = "without it the activations do not fit (modelled)"
     big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
-    asked_batch = chosen.per_device_train_batch_size
     # the engine then holds every sequence of the steps that share one generation
-    stale = replace(chosen, steps_per_generation=2) if big else \
-        replace(chosen, steps_per_generation=CISPO_STEPS, per_device_train_batch_size=max(asked_batch, CISPO_MIN_BATCH))
-    cispo = False
-    if fits(stale):
-        chosen, cispo = stale, not big
+    steps = 2 if big else CISPO_STEPS
+    stale_batch = whole_groups(chosen.per_device_train_batch_size if big else max(asked_batch, CISPO_MIN_BATCH),
+                               steps, chosen.gpus, num_generations)
+    stale = replace(chosen, steps_per_generation=steps, per_device_train_batch_size=stale_batch)
+    share = generation_share(stale)
+    sized = replace(stale, vllm_gpu_memory_utilization=share, sleep_level=0)
+    recomputed = f"without it the activations of batch {stale_batch} do not fit beside the engine (modelled)"
+    # (candidate, why checkpointing is on or off, whether the engine's share was sized to one generation)
+    # cheapest first: an awake engine before a sleeping one (a wake-up and re-push per generation), activations
+    # kept before recomputed (a longer step)
+    as_chosen = [(stale, ckpt_why, False)]
+    tries = [*(as_chosen if not stale.sleep_level else []), (sized, ckpt_why, True),
+             *(as_chosen if stale.sleep_level else []), (replace(sized, gradient_checkpointing=True), recomputed, True),
+             (replace(sized, gradient_checkpointing=True, sleep_level=2), recomputed, True)]
+    shared, fallback_why = next(((c, why, s) for c, why, s in tries if fits(c)), None), None
+    if shared:
+        chosen, ckpt_why, sized_share = shared
+    else:
+        sized_share = False
+        last = estimate(tries[-1][0])
+        fallback_why = (f"TRL's default (on-policy), since {steps} steps per generation at batch {stale_batch} need "
+                        f"{last['peak_gib_per_gpu']:.1f} GiB even with the engine at {share} of the GPU, asleep while "
+                        f"training, and activations recomputed, over {SAFE_FRACTION:.0%} of {chosen.gpu_mem_gib} GiB "
+                        "(modelled)")
+    cispo = bool(shared) and not big
+    chosen = replace(chosen, steps_per_generation=chosen.steps_per_generation if shared else 1)
     est = estimate(chosen)
     u = chosen.vllm_gpu_memory_utilization
-    fields += [
+    b = chosen.per_device_train_batch_size
+    spg = chosen.steps_per_generation
+    speed_why = (f"under CISPO at 8 steps per generation batch 16 gave 4.4-5.0x the tokens/s of TRL's defaults at "
+                 f"1.5B and every seed reached the reward threshold (measured, {MEASURED})" if cispo else
+                 f"a bigger batch buys tokens/s but not reliably time to the reward threshold (measured, {MEASURED})")
+    if b == asked_batch:
+        batch_why = "yours: " + speed_why
+    elif cispo and b == max(asked_batch, CISPO_MIN_BATCH):
+        batch_why = f"raised from {asked_batch}: " + speed_why
+    else:
+        batch_why = (f"raised from {asked_batch} to the smallest batch{' of at least 16 (CISPO, below)' if cispo else ''}"
+                     f" whose generation ({b} x {spg} step{'s' if spg > 1 else ''}) holds whole groups of "
+                     f"{num_generations} completions, as TRL requires")
+    if sized_share:
+        u_why = (f"sized to one generation: twice the {est['vllm']['min_gpu_memory_utilization']:.3f} of the GPU its "
+                 f"{b * spg * chosen.vllm_tensor_parallel_size} sequences need (modelled), rounded up, since at "
+                 f"{stale.vllm_gpu_memory_utilization} the training state of {spg} steps per generation does not fit beside it")
+    elif u == TRL_DEFAULT_UTILIZATION and chosen.sleep_level == 0:
+        u_why = ("TRL's default, since a bigger KV cache generates no faster once a generation's sequences fit (the "
+                 f"engine needs {est['vllm']['min_gpu_memory_utilization']:.3f}, modelled)")
+    else:
+        u_why = f"the planner's share: the highest that keeps the peak under {SAFE_FRACTION:.0%} of the GPU (modelled)"
+    fields: list[tuple[str, object, str]] = [
         ("use_vllm", True, "generation with vLLM"),
         ("vllm_mode", "colocate", "vLLM inside each training process, so no GPU waits for another (notebook 01)"),
-        ("per_device_train_batch_size", chosen.per_device_train_batch_size,
-         (f"raised from {asked_batch}: " if chosen.per_device_train_batch_size != asked_batch else "yours: ") +
-         (f"under CISPO at 8 steps per generation batch 16 gave 4.4-5.0x the tokens/s of TRL's defaults at 1.5B and "
-          f"every seed reached the reward threshold (measured, {MEASURED})" if cispo else
-          f"a bigger batch buys tokens/s but not reliably time to the reward threshold (measured, {MEASURED})")),
+        ("per_device_train_batch_size", b, batch_why),
         ("num_generations", num_generations, "the group size G the advantage compares within"),
         ("max_completion_length", chosen.max_completion_length, "the planner sized the KV cache and activations for it"),
         ("vllm_max_model_length", chosen.prompt_length + chosen.max_completion_length,
          f"the longest prompt ({chosen.prompt_length} tokens, the planner's `prompt_length`) plus the completion, "
          "instead of TRL's default of the model's own limit, which sizes the engine for sequences it never sees"),
         ("gradient_checkpointing", chosen.gradient_checkpointing, ckpt_why),
-        ("vllm_gpu_memory_utilization", u,
-         "TRL's default, since a bigger KV cache generates no faster once a generation's sequences fit (the engine "
-         f"needs {est['vllm']['min_gpu_memory_utilization']:.3f}, modelled)"
-         if u == TRL_DEFAULT_UTILIZATION and chosen.sleep_level == 0 else
-         f"the planner's share: the highest that keeps the peak under {SAFE_FRACTION:.0%} of the GPU (modelled)"),
+        ("vllm_gpu_memory_utilization", u, u_why),
         ("vllm_enable_sleep_mode", chosen.sleep_level > 0,
          "the trainer and the engine fit together (modelled), so no sleep, wake-up or re-push per step"
          if chosen.sleep_level == 0 else
@@ -88,10 +136,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
          f"seeds, each sooner than TRL's defaults (measured, {MEASURED})") if cispo else
         ("steps_per_generation", 2, "one generation for two optimizer steps: at 7B nine of twelve on-policy seeds "
          "stopped learning (identical completions, no advantage left) while nine of ten seeds with 2 reached the "
-         f"reward threshold (measured, {MEASURED})") if chosen.steps_per_generation == 2 else
-        ("steps_per_generation", None,
-         f"TRL's default (on-policy), since 8 steps per generation at batch {CISPO_MIN_BATCH} do not fit (modelled) "
-         f"and under TRL's loss 2 or 4 reached the reward threshold no sooner at 1.5B (measured, {MEASURED})"),
+         f"reward threshold (measured, {MEASURED})") if spg == 2 else
+        ("steps_per_generation", None, fallback_why),
         ("loss_type", "cispo", "CISPO (MiniMax-M1) clips each token's importance weight but keeps its gradient, so "
          "the steps on a stale generation still teach where TRL's default ('dapo') drops it") if cispo else
         ("loss_type", "dapo", "TRL's default" + (" (CISPO, which the recipe takes below 7B, has not run at this size)"
@@ -122,7 +168,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
                 f"({est['peak_phase']} phase, modelled)",
                 "weight push in one load_weights call instead of one per tensor (0.03 s instead of 0.05 s at 1.5B, "
                 f"measured, {MEASURED}): `colo-kit train --bucketed-push`, not a GRPOConfig field"] + launch
-    return {"fits": True, "fields": fields, "comments": comments, "plan": chosen,
+    return {"fits": True, "fields": fields, "model": chosen.model, "comments": comments, "plan": chosen,
             "peak_gib_per_gpu": est["peak_gib_per_gpu"]}
 
 
@@ -137,8 +183,13 @@ def to_yaml(r: dict) -> str:
 
     p = r["plan"]
     lines = [f"# colo_kit recipe: {p.model}, {p.gpus} GPU(s) of {p.gpu_mem_gib} GiB, prompts up to {p.prompt_length} "
-             "tokens", "# run: colo-kit train --config THIS.yaml   or any TRL script built on TrlParser"]
+             "tokens",
+             "# run: colo-kit train --config THIS.yaml  (a TRL script built on TrlParser reads every other line: give "
+             "it the model as its model_name_or_path instead of `model:`)"]
     lines += [f"# {c}" for c in r["comments"]]
+    lines.append("# the model the planner sized this recipe for, which colo-kit train loads (a preset, a folder or a "
+                 "hub id)")
+    lines.append(yaml.safe_dump({"model": r["model"]}, default_flow_style=False, width=1000).rstrip("\n"))
     for name, value, why in r["fields"]:
         lines.append(f"# {why}")
         lines.append(yaml.safe_dump({name: value}, default_flow_style=False, width=1000).rstrip("\n"))

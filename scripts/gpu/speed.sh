@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # TRL's colocate defaults against the kit's chain of knobs (record.speed), one process per configuration
 # and seed, on one GPU: the same model, prompts, completion length, G and learning rate; each configuration trains
-# for SPEED_BUDGET_S seconds per seed. Writes results/speed_1xh200.json (merged into what is there, a
-# configuration run again replacing its earlier records) and copies it and the log to $OUT/.
+# for SPEED_BUDGET_S seconds per seed. `recipe` is what `colo-kit plan --recommend` writes for the GPU it runs on.
+# Writes results/speed_1x<gpu>.json, named after the GPU (speed_1xh200.json, speed_1xh100.json; merged into what is
+# there, a configuration run again replacing its earlier records) and copies it and the log to $OUT/.
 #
 #   source .gpu/env.sh && COLO_KIT_CACHE=/root/cache COLO_KIT_COMMIT=<your tree's commit> bash scripts/gpu/speed.sh
 # (COLO_KIT_COMMIT is read on this machine and passed in: git on the GPU machine names an older commit)
@@ -20,7 +21,10 @@ MODEL=${SPEED_MODEL:-qwen2.5-1.5b}
 BUDGET=${SPEED_BUDGET_S:-60}
 # The whole list takes about four 560 s calls: split it with SPEED_CONFIGS (each call merges into the JSON).
 CONFIGS=${SPEED_CONFIGS:-"trl_defaults:0,1 recipe:0,1 spg4:0,1 spg2:0,1 spg8:0,1 bucketed_push:0,1 batch32:0 no_grad_ckpt:0 no_detokenize:0 sleep_l2:0 sleep_kv:0"}
-RESULT=${SPEED_RESULT:-results/speed_1xh200.json}
+# the GPU's name as the result's: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200
+GPU_NAME=$( [ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+GPU_TAG=$(echo "${GPU_NAME:-H200}" | tr 'A-Z' 'a-z' | grep -oE '[a-z]*[0-9]+[a-z0-9]*' | head -1)
+RESULT=${SPEED_RESULT:-results/speed_1x${GPU_TAG:-h200}.json}
 DEADLINE=$(( $(date +%s) + ${SPEED_DEADLINE_S:-560} ))
 if [ "$SMOKE" = "--smoke" ]; then
   MODEL=tiny BUDGET=${SPEED_BUDGET_S:-6} RESULT=${SPEED_RESULT:-results/runs/speed_smoke.json} SMOKE_ARGS="--max-completion-length 32"
@@ -30,6 +34,7 @@ PARTS=$(mktemp -d "${TMPDIR:-/tmp}/speed.XXXX")
 LOG="$PARTS/speed.log"
 mkdir -p "$(dirname "$RESULT")"
 [ -n "$(command -v nvidia-smi)" ] && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee -a "$LOG"
+echo "== result: $RESULT (${GPU_NAME:-no GPU})" | tee -a "$LOG"
 
 # One process per configuration and seed: a second seed in the process of the first found up to 18 GiB of the first
 # one's training state still held (1.5B: 87.7 against 69.7 GiB NVML; 7B: out of memory), so every seed starts clean.
