@@ -1,10 +1,9 @@
 """Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3).
 
 Each run is TRL's `GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up;
-per batch the sweep reports throughput, idle and phase time, NVML peak memory, the raw ratio colocate / server, and
-the post's normalisation, server × N/(N−k) when k of N devices serve (post 1's "×8/7"). On GPU each mode's configs
-run in one `accelerate launch` worker (no CUDA context in the driver), reusing one vLLM engine where TRL would build
-an identical one (`reuse_engines`): an engine start costs 50-90 s. On CPU everything runs in-process.
+per batch the sweep reports throughput, idle and phase time, peak memory, and the ratio colocate / server, raw and
+normalised as the post does (server × N/(N−k) when k of N devices serve). On GPU each mode's configs run in one
+`accelerate launch` worker reusing one vLLM engine (`reuse_engines`); on CPU everything runs in-process.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 from colo_kit.env import describe, has_cuda
 from colo_kit.paths import runs_dir
 from colo_kit.serving.bench_results import (attach_model, load_result, merge_results, summarize,  # noqa: F401
-                                   throughput_figure, variants, write_plots)
+                                            throughput_figure, variants, write_plots)
 from colo_kit.colocate.engine_reuse import ENGINE_BUILDS, release_engines, reuse_engines  # noqa: F401
 from colo_kit.grpo.timeline import Timeline, UtilSampler
 
@@ -74,8 +73,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
     ends = [s["end_s"] for s in marks]
     step_times = [round(b - a, 4) for a, b in zip([t0] + ends[:-1], ends)]
     completions = per_device_train_batch_size * world
-    # TRL logs completion lengths and rewards on the steps that generate; with
-    # steps_per_generation > 1 the steps in between train on buffered completions of the last one.
+    # TRL logs lengths and rewards on the steps that generate; the steps between train on buffered completions
     logged = {row.get("step"): row for row in run.steps}
     rows, mean_len = [], float(max_completion_length)
     for mark, st in zip(marks, step_times):
@@ -97,11 +95,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
         "idle_fraction": tl.idle_fraction(skip_steps=warmup_steps),
         "phase_s_per_step": per_step,
         "peak_mem_gib": sampler.peak_mem_gib(),
-        # NVML counts everything on the GPU; these split it into what the trainer's tensors needed
-        # (allocated) and what PyTorch's caching allocator held on to (reserved). The planner predicts
-        # the first; a server-mode trainer GPU measured far above it by NVML is the second. In colocate
-        # mode the in-process engine's tensors count here too, and with sleep mode on these counters
-        # keep memory vLLM has freed: read NVML's peak for those runs.
+        # NVML's peak split into the tensors (allocated) and PyTorch's cache (reserved); wrong under sleep mode
         "torch_peak_gib": _torch_peaks(),
         "mean_util_pct": sampler.mean_util_pct(),
         "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
@@ -133,9 +127,7 @@ def _torch_peaks() -> dict | None:
 
 
 def _free_rendezvous_port() -> None:
-    """A lone process (notebook, CPU bench) still builds a torch.distributed group for vLLM's
-    external_launcher; MASTER_PORT left at 29500 collides with other runs on the host (seen: EADDRINUSE). Under a
-    launcher the launcher's port stands."""
+    """A lone process's torch.distributed group gets a free port, not 29500, which other runs on the host hold."""
     import torch.distributed as dist
 
     from colo_kit.procs import free_port
@@ -147,8 +139,7 @@ def _free_rendezvous_port() -> None:
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
                     prompt_len: int = 64, repeats: int = 1) -> float:
-    """Seconds the server takes for `batch` completions (batch/G prompts × G) of exactly `max_tokens`
-    tokens: the generation cost curve the ping-pong model needs beyond the sweep."""
+    """Seconds the server takes for `batch` completions of exactly `max_tokens` tokens (the ping-pong model's cost curve)."""
     import httpx
 
     n_prompts = max(1, batch // num_generations)
@@ -175,8 +166,8 @@ def _worker_cmd(n_procs: int) -> list[str]:
 
 def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = None, workdir: Path,
                 in_process: bool | None = None, timeout_s: float = 1800) -> list[dict]:
-    """Run `configs` (kwargs of `measure`) in order, in one process (one per device under
-    accelerate on GPU). Returns rank 0's records; a failed config is recorded with its error."""
+    """Run `configs` (kwargs of `measure`) in order in one process (one per device under accelerate on GPU); returns
+    rank 0's records, a failed config with its error."""
     workdir.mkdir(parents=True, exist_ok=True)
     if in_process is None:  # COLO_KIT_BENCH_SUBPROCESS=1 runs the GPU path (worker processes) on CPU
         in_process = not has_cuda() and not os.environ.get("COLO_KIT_BENCH_SUBPROCESS")
@@ -237,8 +228,7 @@ def _worker_main(plan_path: str) -> int:
             import traceback
 
             traceback.print_exc()
-            # Kept by rank 0 like a measurement: an error record dropped here is a config that
-            # "exited 0 with no record" (the first H200 sweep lost three colocate configs that way).
+            # written like a measurement, or the config would read as "exited 0 with no record"
             rec = {"label": cfg["label"], "mode": cfg["mode"],
                    "per_device_train_batch_size": cfg.get("per_device_train_batch_size"),
                    "error": repr(exc)[:2000], "traceback": traceback.format_exc()[-3000:],
@@ -251,9 +241,8 @@ def _worker_main(plan_path: str) -> int:
 
 
 def live_settings(machine=None) -> dict:
-    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is: one batch,
-    3 steps per mode (the first is warm-up), eager engines (compile and CUDA graphs cost 50-90 s per H200 engine start),
-    which decode more slowly, so generation takes a larger share of a step than in the committed H200 sweep."""
+    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is: one batch, 3 steps
+    per mode, eager engines (which start 50-90 s sooner but decode more slowly than the committed H200 sweep's)."""
     from colo_kit.env import Machine
 
     m = machine or Machine.here()
@@ -281,16 +270,11 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
           budget_s: float | None = None, **overrides) -> dict:
     """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
 
-    GPU: `n_devices` GPUs (default: all), the server on `server_gpus` (one GPU, k=1), training on the others;
-    colocate trains on all `n_devices`. On one GPU the server *shares* it with the trainer (N=1, k=0: the server gets
-    `vllm_gpu_memory_utilization` of the GPU, as colocate's engine does, and weights travel over HTTP because NCCL
-    refuses two ranks on one device): the timeline still shows who waits for whom, but a shared GPU is never idle
-    hardware, so the comparison says nothing about the post's 8-GPU speed-ups. CPU: one trainer process and one server
-    process share the cores; "devices" are the two processes (N=2, k=1).
-    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch (e.g. the kit's best config vs
-    TRL's default). `gen_probe_batches`: generation-only timings on the server. `server`: a running
-    `colo_kit.serving.server.VLLMServer` to use instead of starting (and stopping) one. `budget_s`: wall-clock budget;
-    a worker still running at the end is stopped and the configs it finished are kept (GPU path).
+    GPU: the server on `server_gpus`, training on the other `n_devices`; colocate trains on all. On one GPU the server
+    shares it with the trainer (weights over HTTP, as NCCL refuses two ranks on one device): the timeline shows who
+    waits for whom, but says nothing of the post's 8-GPU speed-ups. CPU: a trainer and a server process (N=2, k=1).
+    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch; `server`: a running
+    `VLLMServer` to use; `budget_s`: a wall-clock budget, the configs finished by then kept.
     """
     from colo_kit.models import resolve_model
     from colo_kit.serving.server import start_server
@@ -342,8 +326,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
                 cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}",
                              vllm_server_base_url=srv.url, server_pid=srv.pid,
                              **({"http_weight_sync": True} if shared else {})) for b in desc]
-                # generation-only probes first (cheap; the 8-GPU projection needs gen(7b)), after one
-                # small request that pays any first-request cost
+                # generation-only probes first, after one small request that pays any first-request cost
                 if gen_probe_batches:
                     try:
                         time_generation(srv.url, str(resolve_model(model)), num_generations,

@@ -19,8 +19,8 @@ from colo_kit.paths import runs_dir
 
 
 def _check_overrides(extra: dict, error) -> None:
-    """Each variant's options are `GRPOConfig` fields (TRL's own dataclass) or `run_grpo` options:
-    a misspelt one would otherwise fail minutes into the sweep, or be measured as the default."""
+    """Each variant's options are `GRPOConfig` fields or `run_grpo` options: a misspelt one would otherwise fail
+    minutes into the sweep, or be measured as the default."""
     import dataclasses
     import inspect
 
@@ -121,7 +121,6 @@ def cli_main(argv: list[str]) -> int:
     return 1 if errors else 0
 
 
-
 if __name__ == "__main__":
     import colo_kit
 
@@ -135,8 +134,6 @@ if __name__ == "__main__":
         print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
         print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
         raise SystemExit(0)
-    import colo_kit
     from colo_kit.commands import run
 
-    colo_kit.setup()
     raise SystemExit(run(cli_main, sys.argv[1:], "python -m colo_kit.serving.bench_cli"))

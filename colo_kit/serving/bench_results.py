@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from colo_kit.results import load as load_result  # noqa: F401 — notebook 01 reads the committed sweeps here
+from colo_kit.results import load as load_result  # noqa: F401  (notebook 01 reads the committed sweeps here)
 from colo_kit.grpo.timeline import Timeline
 
 

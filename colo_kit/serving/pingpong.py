@@ -6,9 +6,8 @@ while the trainers wait, then the trainers train while vLLM waits (throughput: n
     step_server(N, k, b)   = gen(n·b / k) + sync_server + train(b) + other
     step_colocate(N, b)    = gen(b)       + sync_colocate + train(b) + other
 
-gen(x) grows much more slowly than x (decoding is memory-bound). At N=2, k=1 both modes spend gen(b) + train(b)
-per training device (~1× normalised, modelled); at N=8, k=1 one server generates 7·b while seven trainers wait, and
-gen(7b) > gen(b): the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show but the model can.
+gen(x) grows much more slowly than x (decoding is memory-bound), yet at N=8, k=1 one server generates 7·b while seven
+trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show but the model can.
 """
 
 from __future__ import annotations
@@ -32,15 +31,12 @@ class PhaseCosts:
     tokens_per_sample: float = 256.0
     source: str = ""
     notes: list[str] = field(default_factory=list)
-    # colocated engine and colocated training, when measured apart (a colocated engine has less
-    # memory and shares its device; on CPU the server mode's trainer shares the cores with the
-    # server process). None: same as the server-mode numbers above.
+    # colocate mode's own costs when measured apart (its engine shares the device); None: the server-mode ones
     gen_points_colocate: list[tuple[float, float]] | None = None
     train_colocate: tuple[float, float] | None = None  # (fixed_s, per_sample_s)
 
     def gen(self, x: float, mode: str = "server") -> float:
-        """Generation seconds for x completions: piecewise-linear through the points, extended beyond them
-        from the last two."""
+        """Generation seconds for x completions: piecewise-linear through the points, extended from the last two."""
         pts = sorted(self.gen_points_colocate if mode == "colocate" and self.gen_points_colocate else self.gen_points)
         if not pts:
             raise ValueError("no generation measurements: run colo_kit.serving.bench first")
@@ -61,8 +57,7 @@ class PhaseCosts:
         return self.train_fixed_s + self.train_per_sample_s * b
 
     def scaled(self, factor: float, note: str) -> "PhaseCosts":
-        """Every time × `factor` (a crude model-size change: compute and weight traffic both grow
-        with the parameter count). An assumption, labelled as such wherever it is shown."""
+        """Every time × `factor`: a crude model-size change, an assumption labelled wherever it is shown."""
         return PhaseCosts([(b, t * factor) for b, t in self.gen_points], self.train_fixed_s * factor,
                           self.train_per_sample_s * factor, self.sync_server_s * factor,
                           self.sync_colocate_s * factor, self.other_server_s * factor,
@@ -121,9 +116,8 @@ def _plain_runs(records: list[dict]) -> list[dict]:
 
 
 def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
-    """Phase costs from `colo_kit.serving.bench` records: gen points from the server's generation at n·b,
-    the colocated devices' at b and the probes (`bench.time_generation`); train by least squares against per-device
-    batch; sync and other as means per mode (other = step time − the phases above, on the training device)."""
+    """Phase costs from `colo_kit.serving.bench` records: generation points per batch, train by least squares
+    against the per-device batch, sync and other (the rest of a step) as means per mode."""
     gen_pts = {"server": [], "colocate": []}
     train_pts = {"server": [], "colocate": []}
     sync = {"server": [], "colocate": []}
@@ -191,9 +185,8 @@ def _step(r: dict) -> float:
 
 
 def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
-    """Predicted vs measured step time, two ways that never re-add a run's own phases: `cross-mode` predicts
-    each colocate run from **server-mode** costs plus colocate's weight-sync cost (the model's claim that both modes
-    spend gen(b) + train(b) per device); `leave-one-out` predicts each run from costs fitted on the *other* runs."""
+    """Predicted vs measured step time, never from a run's own phases: `cross-mode` predicts each colocate run from
+    server-mode costs, `leave-one-out` each run from costs fitted on the other runs."""
     ok = _plain_runs(records)
     rows = []
 

