@@ -1,8 +1,7 @@
 """`colo-kit` (or `python -m colo_kit`): one entry point, one subcommand per module.
 
 Each subcommand is a `cli_main(argv) -> int` named in `COMMANDS`, imported only when called (`colo-kit plan` does not
-pay for importing vLLM), in the module whose work it runs or, when it parses settings of its own, in a
-`<module>_cli.py` beside it (`grpo.train_cli`, ...) so the lesson's module reads without them.
+pay for importing vLLM), in its module or a `<module>_cli.py` beside it.
 """
 
 from __future__ import annotations

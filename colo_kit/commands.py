@@ -1,6 +1,5 @@
 """The commands' shared plumbing: bad input as one line (`UsageError`, exit code 2), flags from dataclasses
-(`parse_dataclasses`), output paths checked before a run (`writable_file`, `writable_dir`). Command modules import
-these from here, so nothing below the notebooks imports the entry point (`colo_kit.cli`)."""
+(`parse_dataclasses`), output paths checked before a run (`writable_file`, `writable_dir`)."""
 
 from __future__ import annotations
 
@@ -22,16 +21,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_dataclasses(types, argv: list[str], prog: str, description: str) -> tuple:
-    """`argv` into one instance of each dataclass in `types`, by transformers' HfArgumentParser: a flag per
-    field (`--name_of_field` or `--name-of-field`, `--no-...` for one that is True), its type and default.
-    Bad input is one line (UsageError), an unknown flag named; a flag's prefix is not that flag."""
+    """`argv` into one instance of each dataclass in `types`, by transformers' HfArgumentParser (a flag per field);
+    bad input is one line (UsageError)."""
     from transformers import HfArgumentParser
 
     def one_line(message):
         raise UsageError(message)
 
-    # argparse's prefixes would take `colo-kit proxy --token SECRET` as --token-env SECRET and echo it; with each
-    # field spelt two ways (--a_b, --a-b), most prefixes were ambiguous anyway
+    # no prefixes: `colo-kit proxy --token SECRET` would be taken as --token-env SECRET and echoed
     parser = HfArgumentParser(types, prog=prog, description=description, allow_abbrev=False)
     parser.error = one_line
     try:
@@ -43,8 +40,7 @@ def parse_dataclasses(types, argv: list[str], prog: str, description: str) -> tu
 
 
 def run(fn, argv: list[str], prog: str) -> int:
-    """`fn(argv)`'s exit code, a UsageError printed as one line (`prog: message`) and exit code 2: `colo-kit
-    <command>` and the modules run as `python -m` alike."""
+    """`fn(argv)`'s exit code, a UsageError printed as one line (`prog: message`) and exit code 2."""
     try:
         return int(fn(argv) or 0)
     except UsageError as exc:
@@ -53,8 +49,7 @@ def run(fn, argv: list[str], prog: str) -> int:
 
 
 def writable_file(path: str | Path, flag: str) -> Path:
-    """`path` as a Path once it is sure a file can be written there (its folder is made if need be):
-    checked before a run, so a run's results are never lost to an unwritable output."""
+    """`path` as a Path once it is sure a file can be written there, so a run's results are never lost."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

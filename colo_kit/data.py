@@ -1,8 +1,7 @@
 """Prompt sets: the posts' hub datasets when online, the kit's offline stand-ins when not.
 
-`load_tldr()`: `trl-lib/tldr` (the first post's example script) or `data/tldr_prompts.jsonl`, posts ending in
-"TL;DR:" as the length reward expects. `load_math()`: `HuggingFaceH4/MATH-500` or `data/math_problems.jsonl`, with
-the `answer`, `subject` and `level` notebook 05 uses. Both say which source they used (`dataset.info.description`).
+`load_tldr()`: `trl-lib/tldr` (the first post's example script) or `data/tldr_prompts.jsonl`; `load_math()`:
+`HuggingFaceH4/MATH-500` or `data/math_problems.jsonl`. Both say which source they used (`dataset.info.description`).
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ def _load(hub_id: str, split: str, offline_file: str, source: str):
 
 
 def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
-    """The rows of a JSONL file, each a JSON object with `required` keys; ValueError naming the
-    file and the 1-based line of the first bad one, or saying the file holds no rows."""
+    """The rows of a JSONL file, each a JSON object with `required` keys; ValueError naming the first bad line."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -122,15 +120,12 @@ def load_math(split: str = "test", source: str = "auto"):
 
 
 def math_prompt(problem: str) -> list[dict]:
-    """The one prompt template (chat form) of training and evaluation: a model is evaluated on what it
-    was trained on."""
+    """The one prompt template (chat form) of training and evaluation."""
     return [{"role": "user", "content": problem + "\nPlease reason step by step, and put your final "
              "answer within \\boxed{}."}]
 
 
-# ---------------------------------------------------------------------------------------------
-# Offline generators (deterministic; their output is committed under data/)
-# ---------------------------------------------------------------------------------------------
+# ---- Offline generators (deterministic; their output is committed under data/) ----
 
 _SUBREDDITS = ["relationships", "AskReddit", "personalfinance", "tifu", "cooking", "running",
                "legaladvice", "cscareerquestions", "gardening", "travel"]
@@ -169,10 +164,8 @@ def _frac_tex(q: Fraction) -> str:
 
 
 def make_math_rows(n: int = 300, seed: int = 0) -> list[dict]:
-    """Problems in MATH's subjects with gold answers in MATH's LaTeX style (fractions, roots,
-    intervals, ordered pairs, degrees...), so the checker meets the same answer forms."""
+    """Problems in MATH's subjects with gold answers in MATH's LaTeX style, so the checker meets the same forms."""
     rng = random.Random(seed)
-    makers = []
 
     def prealgebra():
         a, b = rng.randint(2, 30), rng.randint(2, 30)

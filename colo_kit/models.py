@@ -1,9 +1,8 @@
 """Offline models: real architectures with random weights, and a tokenizer made here.
 
-No machine the kit is tested on reaches a model hub, yet every notebook needs a model that transformers, TRL and
-vLLM load like the real one. `build_model("qwen2.5-1.5b")` writes a Hugging Face folder with Qwen2.5-1.5B-Instruct's
-exact shapes and random weights, so memory and GPU timings are the real architecture's; only the text is noise.
-`tiny` is that architecture shrunk for a 2-core CPU. A hub id passes through `resolve_model` unchanged.
+No machine the kit is tested on reaches a model hub, so `build_model("qwen2.5-1.5b")` writes a Hugging Face folder
+with Qwen2.5-1.5B-Instruct's exact shapes and random weights: memory and GPU timings are the real architecture's, only
+the text is noise. `tiny` is that architecture shrunk for a 2-core CPU; a hub id passes through `resolve_model`.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from pathlib import Path
 
 from colo_kit.paths import cache_dir, data_dir
 
-# Qwen2's chat template, reduced to what GRPO prompts need (system + user turns, generation
-# prompt). Kept close to the real one so that `apply_chat_template` produces the same markup.
+# Qwen2's chat template, reduced to the system and user turns and the generation prompt, with the same markup
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -137,9 +135,8 @@ def qwen2_config(preset: Preset):
 
 @functools.lru_cache(maxsize=None)
 def _meta_param_counts(shape: tuple) -> tuple[int, int]:
-    """(whole model, one decoder layer) of the real architecture, built on the meta device (72B in a
-    fraction of a second); cached for the planner's loops, and on disk (`<cache>/param_counts.json`) because importing
-    torch and transformers is most of `colo-kit plan`'s time (about 7 s against 0.4 s on a 2-core laptop)."""
+    """(whole model, one decoder layer) of the real architecture, built on the meta device; cached on disk too, since
+    importing torch and transformers is most of `colo-kit plan`'s time."""
     key = json.dumps(list(shape))
     path = cache_dir() / "param_counts.json"
     try:
@@ -165,9 +162,7 @@ def _meta_param_counts(shape: tuple) -> tuple[int, int]:
     return counts
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------------
+# ---- Tokenizer ----
 
 def _training_text() -> list[str]:
     """The BPE's training text: the kit's prompt sets plus digits and LaTeX, so math prompts tokenise sensibly."""
@@ -183,10 +178,8 @@ def _training_text() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, bpe_vocab: int):
-    """A byte-level BPE tokenizer with Qwen2's pre-tokenizer and decoder. transformers 5's AutoTokenizer
-    rebuilds a `Qwen2Tokenizer` for any model_type=qwen2 folder, keeping only vocab and merges: a hand-made WordLevel
-    tokenizer came back encoding every prompt to nothing, a byte-level BPE with Qwen2's split regex survives. The model
-    samples any id below `vocab_size`, so the ids past the learned merges are plain-ASCII filler tokens that decode."""
+    """A byte-level BPE tokenizer with Qwen2's pre-tokenizer and decoder (what transformers' `Qwen2Tokenizer` rebuilds
+    from vocab and merges); the ids past the learned merges are filler tokens that decode, as the model samples them."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -204,8 +197,7 @@ def build_tokenizer(vocab_size: int, bpe_vocab: int):
     )
     tok.train_from_iterator(_training_text(), trainer=trainer)
 
-    # Pad the learned vocab with filler tokens, then the special tokens at the very end, as in
-    # Qwen2 (specials after the BPE vocab). Fillers are never produced by merges, only sampled.
+    # filler tokens after the learned vocab, then the special tokens at the very end, as in Qwen2
     n_special = len(SPECIAL_TOKENS)
     learned = tok.get_vocab_size()
     n_fill = vocab_size - learned - n_special
@@ -230,9 +222,7 @@ def build_tokenizer(vocab_size: int, bpe_vocab: int):
     return fast
 
 
-# ---------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------
+# ---- Models ----
 
 def model_dir(preset_name: str) -> Path:
     return cache_dir() / "models" / preset_name
@@ -240,10 +230,10 @@ def model_dir(preset_name: str) -> Path:
 
 def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False,
                 dtype: str = "bfloat16") -> Path:
-    """Build (or reuse) the preset's model folder and return its path.
+    """Build (or reuse) the preset's model folder and return its path; a folder without its `colo_kit.json` marker
+    (an interrupted build) is rebuilt."""
+    import shutil
 
-    The folder is cached by preset; a `colo_kit.json` marker records what built it, and a folder without it (an
-    interrupted build) is rebuilt."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -259,7 +249,6 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
-        import shutil
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
 
@@ -271,8 +260,8 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         config.bos_token_id = None
 
         torch.manual_seed(seed)
-        # 7B's random init took 359 s on a GPU node's CPU and takes seconds on its GPU. Smaller presets stay on the
-        # CPU, whose generator gives the same weights for a seed on every machine (runs of different days compare)
+        # 7B's random init takes minutes on a CPU, seconds on a GPU; smaller presets keep the CPU's generator,
+        # which gives the same weights for a seed on every machine
         device = "cuda" if preset.num_params() > 3e9 and torch.cuda.is_available() else "cpu"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -283,20 +272,17 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed, "dtype": dtype,
                                                         "random_weights": True, "init_device": device}, indent=1))
     except BaseException:  # a failed or interrupted build leaves no half-written folder behind
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        import shutil
         shutil.rmtree(out)
     tmp.rename(out)
     return out
 
 
 def resolve_model(name_or_path: str = "tiny", *, build: bool = True, **kwargs) -> str:
-    """Where the code that loads a model should look: an existing folder as is; a preset (`tiny`,
-    `qwen2.5-1.5b`, ...) built offline and cached (`build=False`: only checked, for a command validating its input); a
-    hub id (`Qwen/Qwen2.5-1.5B-Instruct`) unchanged, for transformers/vLLM to download."""
+    """Where to load a model from: a folder as is, a preset built offline and cached (`build=False`: only checked),
+    a hub id unchanged for transformers and vLLM to download."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise ValueError(f"model={name_or_path!r}: give a preset ({sorted(PRESETS)}), a folder or a hub id")
     name_or_path = str(name_or_path)
@@ -332,7 +318,6 @@ class BuildArgs:
 
 def cli_main(argv: list[str]) -> int:
     from colo_kit.commands import UsageError, parse_dataclasses
-    from colo_kit.paths import cache_dir
 
     # HfArgumentParser takes flags only: the preset, a leading word, is taken off first
     preset, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("tiny", argv)

@@ -1,7 +1,6 @@
-"""Child processes the kit serves from (vLLM servers and replicas): starting them, waiting for `/health`,
-stopping them. A vLLM API server spawns an engine core, which holds the GPU memory, so each server starts in a
-session of its own (`start_in_session`), leading a process group that holds the engine core too and dies with its
-starter (`die_with_parent`); `stop_groups` ends the whole group (SIGTERM, a grace period to free the GPU, SIGKILL).
+"""Child processes the kit serves from (vLLM servers and replicas): starting them, waiting for `/health`, stopping
+them. A vLLM server's engine core, which holds the GPU memory, is a child of its own, so each server leads a process
+group of its own (`start_in_session`) that dies with its starter and `stop_groups` ends whole.
 """
 
 from __future__ import annotations
@@ -27,18 +26,16 @@ RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 
 def without_rank_vars(environ=None) -> dict:
-    """`environ` (default os.environ) without rank, world, rendezvous or torchrun/accelerate
-    variables. TRL's colocate mode and vLLM's external_launcher write RANK/MASTER_PORT into the environment of the
-    process that builds an engine; a child that inherits them binds a port its parent still holds (EADDRINUSE)."""
+    """`environ` (default os.environ) without rank, rendezvous or torchrun/accelerate variables, which an engine's
+    builder writes and a child would inherit, binding a port its parent still holds."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items()
             if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
 
 
 def child_env(gpus: str | None = None, **extra: str) -> dict:
-    """The environment of a process the kit starts (server, replica, bench worker, torchrun): this one's
-    without rank variables, `CUDA_VISIBLE_DEVICES=gpus` when given, and a PYTHONPATH with the kit's checkout and every
-    `sys.path` entry (a stack carried on PYTHONPATH, a notebook's folder: cloudpickle sends functions by name)."""
+    """The environment of a process the kit starts: this one's without rank variables, `CUDA_VISIBLE_DEVICES=gpus`
+    when given, and a PYTHONPATH with the kit's checkout and every `sys.path` entry."""
     env = without_rank_vars()
     paths = [str(Path(__file__).resolve().parent.parent), *env.get("PYTHONPATH", "").split(os.pathsep),
              *(p or os.getcwd() for p in sys.path)]
@@ -50,8 +47,7 @@ def child_env(gpus: str | None = None, **extra: str) -> dict:
 
 
 def die_with_parent() -> None:
-    """`preexec_fn` of a server the kit starts: Linux sends it SIGTERM when its starter dies, even by
-    SIGKILL (a killed notebook kernel or test run runs no atexit handlers, and the server would keep its GPU share)."""
+    """`preexec_fn` of a server the kit starts: SIGTERM when its starter dies, even by SIGKILL (no atexit then)."""
     try:
         import ctypes
 
@@ -61,8 +57,7 @@ def die_with_parent() -> None:
 
 
 def start_in_session(argv: list[str], env: dict, log_path: str | Path) -> subprocess.Popen:
-    """Start `argv` as the leader of a new session (its own process group; a killpg of the
-    parent's group misses it), stdout and stderr to `log_path`, ended when this process dies."""
+    """Start `argv` as the leader of a new session, stdout and stderr to `log_path`, ended when this process dies."""
     with open(log_path, "w") as log:  # the child holds its own copy of the file descriptor
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
@@ -87,9 +82,8 @@ def _answers(url: str) -> bool:
 
 def wait_all_healthy(children: dict[str, tuple[subprocess.Popen | None, str | Path | None]], timeout_s: float,
                      *, t0: float | None = None, what: str = "vLLM server") -> dict[str, float]:
-    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200; return the
-    seconds from `t0` (`time.perf_counter()`, default now) until each did. RuntimeError with the log's tail as soon as
-    a process exits first, TimeoutError after `timeout_s`; `what` names the servers in those messages."""
+    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200; return the seconds from
+    `t0` until each did. RuntimeError with the log's tail when a process exits first, TimeoutError after `timeout_s`."""
     t0 = time.perf_counter() if t0 is None else t0
     pending, ready = dict(children), {}
     while True:
