@@ -1,6 +1,5 @@
-"""TRL's `AsyncGRPOTrainer` with a LoRA adapter against the routing proxy, as post 2 runs it (`run_async_grpo`).
-Notebook 06. Without FlashAttention-3 (a CPU, or a GPU node without the Hub) `cpu_async_grpo_patches` replaces
-exactly what stops it; behind a proxy that asks for a client token, `trl_client_auth` makes TRL's clients send it."""
+"""TRL's `AsyncGRPOTrainer` with a LoRA adapter against the routing proxy, as post 2 runs it (`run_async_grpo`),
+notebook 06; on a CPU with `cpu_async_grpo_patches`, behind a proxy that asks for a token with `trl_client_auth`."""
 
 from __future__ import annotations
 
@@ -209,9 +208,8 @@ def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.P
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
                    lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
-    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the proxy),
-    adapters published to `<output_dir>/.vllm_lora/`; on CPU under `cpu_async_grpo_patches`, with
-    `client_token_env` under `trl_client_auth`. Returns the log history and what was patched."""
+    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the proxy);
+    returns the log history, what was patched and the adapter versions published."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer

@@ -313,9 +313,8 @@ class RoutingProxy:
             await upstream_cm.__aexit__(None, None, None)
 
     async def _relay_stream(self, request, rep, up, resp_headers, hit, chain, own_s):
-        """Server-sent events chunk by chunk. Bytes already went to the caller, so a replica that
-        fails mid-stream ends the stream with an error event (a retry would duplicate tokens); a
-        caller that hangs up ends the upstream request and leaves the replica in rotation."""
+        """Server-sent events chunk by chunk; a replica failing mid-stream ends it with an error event, since a retry
+        would duplicate tokens the caller already has."""
         import aiohttp
         from aiohttp import web
 

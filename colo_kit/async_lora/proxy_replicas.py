@@ -50,9 +50,8 @@ class Replica:
         return self.proof is None or self.proof.trusted
 
     async def probe(self, session, *, challenge: bool, timeout_s: float, failures_to_drop: int) -> bool:
-        """One health poll: True when it answered 200 and, once it has proved it holds the replicas' key, proved it
-        again. It sends no credentials, only a fresh challenge: a process that took a dead replica's port learns
-        nothing."""
+        """One health poll: True when it answered 200 and (once it has proved the replicas' key) proved it again; no
+        credentials, only a fresh challenge, so a process that took a dead replica's port learns nothing."""
         import aiohttp
 
         nonce = new_challenge() if challenge else None

@@ -200,8 +200,7 @@ class ColocatedEngine:
         self.seed = self.llm_kwargs["seed"]
         self.tokenizer = self.llm.get_tokenizer()
         self.trl.processing_class = self.tokenizer
-        # the trainer's model during a push; between pushes an empty module: TRL asks
-        # `is_peft_model(self.model)` while it generates (a barrier for PEFT under TP, TRL #3671)
+        # an empty module between pushes: TRL asks `is_peft_model(self.model)` while it generates (TRL #3671)
         self.trl.model = torch.nn.Module()
         self.asleep: set[str] = set()  # tags whose memory is released; kept up to date by colo_kit.colocate.sleep
         _LIVE.add(self)
@@ -299,9 +298,8 @@ class ColocatedEngine:
     # -- shutdown --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Tear down in an order that exits cleanly with sleep mode (vLLM #16993): wake sleeping memory, stop
-        and collect the engine while CUDA is alive, then vLLM's model-parallel groups, and the process group only
-        if this engine made it."""
+        """Tear down in an order that exits cleanly with sleep mode (vLLM #16993): wake, stop the engine while CUDA
+        is alive, then vLLM's groups, and the process group only if this engine made it."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return

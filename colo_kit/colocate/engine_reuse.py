@@ -13,8 +13,7 @@ ENGINE_BUILDS: list = []  # every engine built through reuse_engines, in order
 
 def reuse_engines() -> None:
     """Let successive GRPOTrainers in this process share a colocated vLLM engine, keyed by every `LLM(...)` argument
-    but `max_num_seqs` (run the largest batch first). Sleep-mode engines are never shared, and a cached engine is
-    handed out only while vLLM's process-global model-parallel groups live."""
+    but `max_num_seqs` (run the largest batch first); sleep-mode engines are never shared."""
     from trl.generation import vllm_generation
 
     if getattr(vllm_generation, "_colo_kit_real_LLM", None) is not None:

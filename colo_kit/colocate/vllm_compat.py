@@ -79,9 +79,8 @@ def make_room_for_an_engine() -> None:
 
 
 def fresh_cuda_graph_pool() -> bool:
-    """Give the next engine of this process its own CUDA-graph pool; True if the old one was dropped. vLLM's one
-    process-wide pool (`Platform._global_graph_pool`) fails the next capture (`use_count > 0 INTERNAL ASSERT`) once
-    an earlier engine is gone."""
+    """Give the next engine its own CUDA-graph pool (True if the old one was dropped): vLLM's process-wide pool fails
+    the next capture (`use_count > 0 INTERNAL ASSERT`) once an earlier engine is gone."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)

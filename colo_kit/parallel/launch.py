@@ -225,10 +225,8 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
            run_dir: str | Path | None = None) -> LaunchResult:
     """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU) with torch.distributed
     initialised, so vLLM's `external_launcher` and TRL's trainers join it; return each rank's return value.
-    `fresh_process`: "auto" forks when safe, else spawns; True spawns; False raises `KernelNotSafe`.
-    `echo`: True tees every worker line into the cell, "brief" only stderr. `preimport`: modules to import before
-    forking, for the workers to inherit.
-    """
+    `fresh_process`: "auto" forks when safe, else spawns; `echo`: True tees every worker line into the cell, "brief"
+    only stderr; `preimport`: modules to import before forking, for the workers to inherit."""
     if not callable(function):
         raise TypeError(f"function={function!r} is not callable: pass the function itself, e.g. launch(train, 2)")
     if fresh_process not in ("auto", True, False):
