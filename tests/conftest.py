@@ -112,3 +112,82 @@ if gpu_count():
     os.environ.setdefault("COLO_KIT_VLLM_EAGER", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+class SharedLoraReplica:
+    """One vLLM-CPU replica from the kit's LoRA recipe (`replica_launch`: max_staleness=1, so 3 adapter slots, rank 1,
+    block 32, 512 tokens, asking for `key` on every path but /health), started once for the tests that need a real
+    replica and nothing else of their own (tests/test_lora.py, tests/test_proxy.py): a vLLM start is most of what
+    each of them cost. `reset()` gives a test the replica as a fresh one is: no adapter loaded, no cached block."""
+
+    ENV = "COLO_KIT_TEST_SHARED_REPLICA_KEY"
+    key = "k-shared-replica"
+
+    def __init__(self, model_path: str, log_dir):
+        self.model_path, self.log_dir, self.reps = model_path, log_dir, None
+        self.starts = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return self.reps.urls
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def start(self) -> None:
+        from colo_kit.async_lora.lora import replica_launch
+        from colo_kit.async_lora.replicas import launch_replicas
+        from colo_kit.parallel.launch import free_port
+
+        with pytest.MonkeyPatch.context() as mp:  # the recipe reads the key from the variable it is named by
+            mp.setenv(self.ENV, self.key)
+            launch = replica_launch(self.model_path, port=free_port(), max_staleness=1, lora_rank=1, api_key_env=self.ENV,
+                                    block_size=32, max_model_len=512, **gpu_share())
+        self.starts += 1
+        self.reps = launch_replicas([launch], self.log_dir / f"start{self.starts}")
+
+    def alive(self) -> bool:
+        return self.reps is not None and all(p.poll() is None for p in self.reps.procs)
+
+    def reset(self) -> None:
+        """Unload every adapter an earlier test loaded (`/v1/models` lists each with its base model as parent) and
+        empty the prefix cache (the dev-mode endpoint TRL and notebook 06 call)."""
+        import httpx
+
+        if not self.alive():
+            self.stop()
+            self.start()
+        url = self.urls[0]
+        models = httpx.get(url + "/v1/models", headers=self.headers, timeout=60)
+        models.raise_for_status()
+        for card in models.json()["data"]:
+            if card.get("parent"):
+                httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, headers=self.headers,
+                           timeout=60).raise_for_status()
+        httpx.post(url + "/reset_prefix_cache", headers=self.headers, timeout=60).raise_for_status()
+        left = httpx.get(url + "/v1/models", headers=self.headers, timeout=60).json()["data"]
+        assert [c["id"] for c in left if c.get("parent")] == [], left
+
+    def stop(self) -> None:
+        if self.reps is not None:
+            self.reps.stop()
+            self.reps = None
+
+
+@pytest.fixture(scope="session")
+def _shared_lora_replica(tiny_model_path, tmp_path_factory):
+    shared = SharedLoraReplica(tiny_model_path, tmp_path_factory.mktemp("shared-lora-replica"))
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def lora_replica(_shared_lora_replica, request) -> SharedLoraReplica:
+    """The shared LoRA replica (`SharedLoraReplica`), reset for this test; started on first use, and stopped after the
+    last selected test that asks for it, so its memory (and on a GPU its share) is back before the tests after it."""
+    _shared_lora_replica.reset()
+    yield _shared_lora_replica
+    users = [item for item in request.session.items if "lora_replica" in getattr(item, "fixturenames", ())]
+    if users and request.node is users[-1]:
+        _shared_lora_replica.stop()

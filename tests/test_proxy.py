@@ -14,8 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import gpu_share
-from stub_replica import start_stub
+from stub_replica import start_stub, start_stubs
 
 from colo_kit.parallel.launch import free_port
 from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
@@ -33,8 +32,8 @@ CLIENT_TOKEN = "client-key-for-tests"
 def stubs(tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     ports = [free_port(), free_port()]
-    procs = {p: start_stub(p, f"r{i}", token_env=TOKEN_ENV, log_path=tmp_path / f"stub{i}.log")
-             for i, p in enumerate(ports)}
+    procs = start_stubs({p: dict(name=f"r{i}", token_env=TOKEN_ENV, log_path=tmp_path / f"stub{i}.log")
+                         for i, p in enumerate(ports)})
     yield ports, procs
     for proc in procs.values():
         proc.kill()
@@ -621,53 +620,53 @@ def test_metrics_endpoint_is_prometheus_text(stubs):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypatch):
+def test_real_vllm_replica_behind_the_proxy(tiny_model_path, tmp_path, monkeypatch, lora_replica):
+    """conftest's shared replica: the kit's LoRA recipe (max_staleness=1, so 3 slots; block 32; 512 tokens)."""
     from openai import OpenAI
     from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncGRPOClient
     from trl.generation.vllm_client import VLLMClient
 
-    from colo_kit.async_lora.lora import probe_adapters, replica_launch
-    from colo_kit.async_lora.replicas import launch_replicas, prefix_hit_rate_experiment
+    from colo_kit.async_lora.lora import probe_adapters
+    from colo_kit.async_lora.replicas import prefix_hit_rate_experiment
 
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    launch = replica_launch(tiny_model_path, port=free_port(), api_key_env=TOKEN_ENV, block_size=32, max_model_len=512,
-                            max_staleness=1, **gpu_share())
+    token = lora_replica.key
+    monkeypatch.setenv(TOKEN_ENV, token)
     root = tmp_path / ".vllm_lora"
     adapter = root / "trl-policy-v1"
     _make_adapter(tiny_model_path, adapter)
-    with launch_replicas([launch], tmp_path / "logs", token=TOKEN) as reps:
-        p = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env=TOKEN_ENV, adapter_root=str(root),
-                                     tokenizer=tiny_model_path)).start_in_thread()
-        try:
-            assert p.config.block_size == 32  # asked the replica
-            assert H.get(p.url + "/server_info", params={"config_format": "json"}).json()[
-                "vllm_config"]["lora_config"]["max_loras"] == 3
-            # TRL's AsyncGRPO client, as the trainer uses it: load, then the worker's requests, then unload
-            trl_async = AsyncGRPOClient(p.url, server_timeout=30)
-            trl_async.load_lora_adapter("trl-policy-v1", str(adapter))
-            probe_adapters(reps.urls, "trl-policy-v1", str(adapter), token=TOKEN)
-            # the official openai client, through the proxy, with the adapter's name as the model
-            client = OpenAI(base_url=p.url + "/v1", api_key="unused-on-loopback")
-            done = client.completions.create(model="trl-policy-v1", prompt="hello", max_tokens=4, temperature=0)
-            assert len(done.choices) == 1 and done.usage.completion_tokens >= 1
-            with httpx.stream("POST", p.url + "/v1/completions", timeout=60, json={
-                    "model": "trl-policy-v1", "prompt": "hello", "max_tokens": 4, "stream": True}) as s:
-                events = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-            assert events[-1] == "data: [DONE]" and len(events) >= 2
-            # TRL's generation client: the world size the proxy fronts, and sequence log-probs
-            # (top_logprobs=100, which needs the recipe's --max-logprobs)
-            trl_client = VLLMClient(base_url=p.url, connection_timeout=30)
-            assert trl_client.get_world_size() == 1
-            scored = trl_client.get_sequence_logprobs([[11, 12, 13, 14, 15, 16]], prompt_lengths=[3])
-            assert scored and all(len(v) == 1 for v in scored.values() if isinstance(v, list)), scored.keys()
-            res = prefix_hit_rate_experiment(p.url, reps.urls, "trl-policy-v1", groups=3, group_size=4,
-                                             prompt_tokens=129, token=TOKEN)
-            # one replica: everything after each group's first request reuses its 4 full blocks
-            assert res["hit_rate"] > 0.5, res
-            trl_async.unload_lora_adapter("trl-policy-v1")
-            assert p.snapshot()["adapters"] == []
-        finally:
-            p.stop_thread()
+    reps = lora_replica
+    p = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env=TOKEN_ENV, adapter_root=str(root),
+                                 tokenizer=tiny_model_path)).start_in_thread()
+    try:
+        assert p.config.block_size == 32  # asked the replica
+        assert H.get(p.url + "/server_info", params={"config_format": "json"}).json()[
+            "vllm_config"]["lora_config"]["max_loras"] == 3
+        # TRL's AsyncGRPO client, as the trainer uses it: load, then the worker's requests, then unload
+        trl_async = AsyncGRPOClient(p.url, server_timeout=30)
+        trl_async.load_lora_adapter("trl-policy-v1", str(adapter))
+        probe_adapters(reps.urls, "trl-policy-v1", str(adapter), token=token)
+        # the official openai client, through the proxy, with the adapter's name as the model
+        client = OpenAI(base_url=p.url + "/v1", api_key="unused-on-loopback")
+        done = client.completions.create(model="trl-policy-v1", prompt="hello", max_tokens=4, temperature=0)
+        assert len(done.choices) == 1 and done.usage.completion_tokens >= 1
+        with httpx.stream("POST", p.url + "/v1/completions", timeout=60, json={
+                "model": "trl-policy-v1", "prompt": "hello", "max_tokens": 4, "stream": True}) as s:
+            events = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 2
+        # TRL's generation client: the world size the proxy fronts, and sequence log-probs
+        # (top_logprobs=100, which needs the recipe's --max-logprobs)
+        trl_client = VLLMClient(base_url=p.url, connection_timeout=30)
+        assert trl_client.get_world_size() == 1
+        scored = trl_client.get_sequence_logprobs([[11, 12, 13, 14, 15, 16]], prompt_lengths=[3])
+        assert scored and all(len(v) == 1 for v in scored.values() if isinstance(v, list)), scored.keys()
+        res = prefix_hit_rate_experiment(p.url, reps.urls, "trl-policy-v1", groups=3, group_size=4,
+                                         prompt_tokens=129, token=token)
+        # one replica: everything after each group's first request reuses its 4 full blocks
+        assert res["hit_rate"] > 0.5, res
+        trl_async.unload_lora_adapter("trl-policy-v1")
+        assert p.snapshot()["adapters"] == []
+    finally:
+        p.stop_thread()
 
 
 def _make_adapter(model_path, out):
