@@ -2,6 +2,7 @@
 predict-then-run exercises each, whose checks accept the solution and refuse a wrong answer with a
 hint; no internal wording; numbers carry their label."""
 
+import functools
 import json
 import re
 
@@ -60,7 +61,13 @@ def test_each_choice_cell_shows_its_options(key):
 
 
 def _cells(src):
-    return parse_source(src.read_text())
+    return _parsed(src.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str) -> list[dict]:
+    """jupytext's parse of a source, once per text: the many tests of one notebook read the same cells."""
+    return parse_source(text)
 
 
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
@@ -202,7 +209,7 @@ LABEL = re.compile(r"quoted|modelled|measured|the post|post \d|\.json|planner|mo
 def test_every_numeric_claim_carries_its_label(path):
     text = path.read_text()
     if path.suffix == ".py":  # the markdown of a notebook source
-        text = "\n".join(c["source"] for c in parse_source(text) if c["type"] == "markdown")
+        text = "\n".join(c["source"] for c in _parsed(text) if c["type"] == "markdown")
     unlabelled = []
     for para in re.split(r"\n\s*\n", text):
         if para.lstrip().startswith(("|---", "```")) or "<details>" in para:
