@@ -39,14 +39,13 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 @pytest.fixture(autouse=True)
-def _restore_environ():
+def _restore_environ(request):
     """Undo each test's changes to os.environ. TRL's colocate mode and the kit's engine write RANK,
     WORLD_SIZE and MASTER_PORT into the environment of the process that builds an engine; left in
     pytest's environment, every later subprocess (a notebook kernel, a script, torchrun) would try to
     bind the rendezvous port this process still holds (EADDRINUSE)."""
     before = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    gc.collect()
     yield
     os.environ.clear()
     os.environ.update(before)
@@ -57,9 +56,11 @@ def _restore_environ():
         if signal.getsignal(sig) is not handler and handler is not None:
             signal.signal(sig, handler)
     # Collect engines a test dropped before the next test builds one, so their teardown (which touches
-    # vLLM's process-global groups) happens between tests. A precaution; the cause of the "pipeline
-    # model parallel group is not initialized" seen here was a stale cached engine (tests/test_bench.py).
-    gc.collect()
+    # vLLM's process-global groups) happens between tests. Only after the tests that start engines or trainers
+    # (marked slow): a full collection costs 0.4-1 s once vLLM, torch and TRL are loaded, and twice per test it
+    # was the largest cost of the suite.
+    if request.node.get_closest_marker("slow"):
+        gc.collect()
     # On a GPU, hand the collected engines' cached blocks back: vLLM and the servers tests start check
     # that their share of the GPU is free (seen on an H200: 12 of 140 GiB free after the bench tests).
     import sys
