@@ -38,6 +38,14 @@ def pytest_collection_modifyitems(config, items):
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_module():
+    """A module's shared engines and servers (module-scoped fixtures) are dropped after its last test: collect them
+    before the next module builds its own."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ(request):
     """Undo each test's changes to os.environ. TRL's colocate mode and the kit's engine write RANK,
