@@ -342,8 +342,10 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     assert check.main(["merge", "--json", str(mine), "--from", str(there), "--run", "S", "--ended", "all ran"]) == 0
     rec = json.loads(mine.read_text())
     tests = {t["nodeid"]: t for t in rec["tests"]["tests"]}
+    import time
+
     assert tests["t::redone"] == {"nodeid": "t::redone", "outcome": "passed", "commit": "b" * 40, "kit_sha256": "k1",
-                                  "run": "S", "machine": "1×H100"}
+                                  "run": "S", "machine": "1×H100", "date": time.strftime("%Y-%m-%d", time.gmtime())}
     assert tests["t::kept"]["outcome"] == "passed" and tests["t::kept"]["commit"] == "a" * 40
     assert tests["t::kept"]["machine"] == "1×H200"  # it ran on the machine the record named before
     assert "run" not in tests["t::kept"]  # carried in the device's copy, not made by run S
