@@ -6,6 +6,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from conftest import load_script
 
@@ -122,6 +123,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # a pytest or a kernel of its own, cut by a real time budget
 def test_a_notebook_the_budget_cuts_is_recorded_as_cut_not_as_failed_and_leaves_no_kernel_behind(tmp_path,
                                                                                                   monkeypatch):
     """A notebook still running when the call's time budget ends is killed; its record says it was cut, so a
@@ -178,6 +180,7 @@ def test_resume_runs_only_the_tests_the_record_lacks_for_this_package(tmp_path):
     assert check().returncode == 1  # without --resume, everything runs again: test_a now fails
 
 
+@pytest.mark.slow  # a pytest or a kernel of its own, cut by a real time budget
 def test_a_run_the_budget_cuts_names_the_tests_it_never_reached(tmp_path):
     """The tests a cut run selected but never recorded are listed as not run, with why; a later run that records
     them takes them off the list. The cut is real: a test that outlives the budget, killed with its pytest."""
@@ -273,6 +276,7 @@ def test_{n}_second():
 """
 
 
+@pytest.mark.slow  # a pytest or a kernel of its own, cut by a real time budget
 def test_per_file_runs_each_test_file_in_a_process_of_its_own_and_a_cut_names_the_files_never_started(tmp_path):
     """`check.py tests --per-file`: what one file's tests keep (on a GPU node, an engine's memory) ends with that
     file's pytest process. Each test writes its process id: the two tests of a file share one, two files do not.
@@ -409,6 +413,7 @@ def test_the_gpu_check_script_leaves_the_notebook_tests_to_its_notebooks_part(tm
     assert seen[3] == ["tests/test_tp.py", "-k", "sweep"]
 
 
+@pytest.mark.slow  # a pytest or a kernel of its own, cut by a real time budget
 def test_prune_drops_only_the_records_of_tests_the_suite_no_longer_has(tmp_path, capsys):
     """A merge keeps every item it does not replace, so a renamed test's old record would stay for ever, with the
     package it ran; `prune` collects the suite and drops those, and names them in `runs`."""
