@@ -78,7 +78,6 @@ def _restore_environ(request):
         torch.cuda.empty_cache()
 
 
-
 @pytest.fixture(autouse=True)
 def _collect_only_what_is_new(_restore_environ):
     """`_restore_environ`'s two `gc.collect()` a test, each a full pass over every object this process holds: with
@@ -99,6 +98,7 @@ def _collect_everything_at_module_end():
     yield
     gc.unfreeze()
     gc.collect()
+
 
 def load_script(relpath: str):
     """The module of a script under the repository, e.g. `load_script("scripts/gpu/kernel_kill.py")`: scripts are
