@@ -79,14 +79,13 @@ def _restore_environ(request):
 
 
 @pytest.fixture(autouse=True)
-def _collect_only_what_is_new(_restore_environ):
-    """`_restore_environ`'s two `gc.collect()` a test, each a full pass over every object this process holds: with
-    torch, vLLM, TRL and what earlier tests built alive, about 0.4-3 s each on 2 CPU cores, 2 of them for every one
-    of the suite's ~680 tests (its largest single cost). Once this test's first collection has run, what is alive
-    is moved out of the collector's way (`gc.freeze()`, as vLLM's engine does at start-up): the collections after
-    this test look at the objects it made, so an engine a test drops is still collected before the next test. What
-    was alive here and is dropped later (a module's fixtures) is collected when its module ends
-    (`_collect_everything_at_module_end`)."""
+def _collect_only_what_is_new():
+    """Whatever is alive when a test starts is moved out of the collector's way (`gc.freeze()`, as vLLM's engine does
+    at start-up): the collections `_restore_environ` runs after a slow test then look at the objects made since, not
+    at everything torch, vLLM, TRL and earlier tests left (a full pass costs 0.4-3 s on 2 CPU cores). An engine a
+    test builds and drops is still collected before the next test; what was alive when a test started and is
+    dropped later (a module's fixtures, a cached engine) is collected when its module ends
+    (`_collect_everything_at_module_end`). vLLM's own engine shutdown unfreezes everything (gc.unfreeze())."""
     gc.freeze()
     yield
 
@@ -94,11 +93,21 @@ def _collect_only_what_is_new(_restore_environ):
 @pytest.fixture(autouse=True, scope="module")
 def _collect_everything_at_module_end():
     """After the module's own fixtures are torn down (an autouse fixture is set up before them, so torn down after
-    them): the objects frozen during the module back to the collector, and one full collection."""
+    them): everything frozen during the module back to the collector, one full collection, and what survived it
+    frozen again, so that a collection after this one (`_collect_after_module`) does not pass over it all again."""
     yield
     gc.unfreeze()
     gc.collect()
+    gc.freeze()
 
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _unfreeze_at_session_end():
+    """Nothing left frozen when the interpreter exits: its last collection then sees everything, as without the two
+    fixtures above (frozen, triton's nanobind objects were reported as leaked at exit)."""
+    yield
+    gc.unfreeze()
 
 def load_script(relpath: str):
     """The module of a script under the repository, e.g. `load_script("scripts/gpu/kernel_kill.py")`: scripts are
