@@ -578,3 +578,37 @@ def test_the_summary_gives_each_configuration_its_median_beside_the_defaults_spr
     assert rec["defaults_time_to_reward_over_seeds"]["median_s"] == 40.0
     assert rec["time_to_reward_median_vs_defaults"] == round(40.0 / 12.0, 2)
     assert rec["tokens_per_s_vs_defaults"] == 4.0
+
+
+H100_RESULT = REPO_ROOT / "results" / "speed_1xh100.json"
+
+
+def test_the_h100_race_ran_the_recipe_for_an_h100_over_at_least_five_seeds_each():
+    """results/speed_1xh100.json: every record names the H100 it ran on; the `recipe` records ran what `plan
+    --recommend` writes for its 79.1 GiB (the engine sized to one generation), and the summary gives each
+    configuration's time to the threshold as a median and range over its seeds, the defaults' beside it."""
+    result = json.loads(H100_RESULT.read_text())
+    assert all("H100" in r["gpu"] and r["gpu_mem_gib"] == 79.1 for r in result["records"])
+    fields, _ = speed.config(speed.RECIPE, "qwen2.5-1.5b", 79.1)
+    compared = {k: v for k, v in fields.items() if k != "generation_kwargs"}
+    ran = [r for r in result["records"] if r["config"] == speed.RECIPE]
+    assert ran and all({k: r["grpo_config"].get(k) for k in compared} == compared for r in ran)
+    assert compared["vllm_gpu_memory_utilization"] == 0.15
+    (summary,) = result["summary"]["qwen2.5-1.5b"].values()
+    for name in ("trl_defaults", speed.RECIPE):
+        row = summary["configs"][name]
+        assert len(row["seeds"]) >= 5
+        assert row["time_to_reward_over_seeds"] == race.seed_spread(row["time_to_reward_s"])
+        assert row["defaults_time_to_reward_over_seeds"] == summary["configs"]["trl_defaults"][
+            "time_to_reward_over_seeds"]
+
+
+@pytest.mark.xfail(strict=True, reason="owed: the planner within 10% of every H100 NVML peak; the recipe's "
+                                       "allocator reserve came out 2.6-2.9 GiB in three seeds and 12.0-12.2 in four "
+                                       "(the planner's 12.15 fits the second), so 62.0 GiB predicted is 13.5% over "
+                                       "the 54.5-54.7 GiB the first three peaked at")
+def test_the_planner_is_within_10pct_of_every_h100_peak():
+    result = json.loads(H100_RESULT.read_text())
+    errors = [(r["config"], r["seed"], speed.planner_estimate_for_record(r)["peak_gib_per_gpu"] / r["nvml_peak_gib"] - 1)
+              for r in result["records"]]
+    assert all(abs(e) <= 0.10 for _, _, e in errors), errors
