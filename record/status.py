@@ -37,6 +37,8 @@ _CHECK = "colo_kit notebooks/src scripts/check.py scripts/check_plugin.py"
 _TABLE = f"""
 speed_1xh200.json: colo_kit/grpo colo_kit/colocate colo_kit/memory record/speed.py record/race.py scripts/speed_bench.py \
 scripts/gpu/speed.sh
+speed_1xh100.json: colo_kit/grpo colo_kit/colocate colo_kit/memory record/speed.py record/race.py scripts/speed_bench.py \
+scripts/gpu/speed.sh
 gen_latency_1xh200.json: colo_kit/colocate scripts/gpu/gen_latency.py
 gen_in_trainer_1xh200.json: colo_kit/grpo colo_kit/colocate scripts/gpu/gen_in_trainer.py
 kernel_kill_1xh200.json: colo_kit/colocate colo_kit/async_lora colo_kit/procs.py colo_kit/gpu_free.py scripts/gpu/kernel_kill.py
