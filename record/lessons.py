@@ -74,6 +74,28 @@ def current_race(result: dict, model: str = "qwen2.5-1.5b") -> list[dict]:
             if (r["learning rate"], r["s per seed"], r["ran at"]) == key]
 
 
+def seeds_over(result: dict, model: str = "qwen2.5-1.5b") -> dict:
+    """A race over many seeds (`speed.sh` on one GPU): per configuration the tokens/s ratio, the time to the threshold
+    as median and range over seeds, and each seed's running reward curve, for the lesson's chart."""
+    races = result["summary"][model]
+    key = next(reversed(races))  # the newest race
+    summary, per_gen = races[key], None
+    out = {"threshold_reward": summary["threshold"]["reward"], "configs": {}}
+    for name, c in summary["configs"].items():
+        recs = sorted((r for r in result["records"] if r["config"] == name and r["model"] == model
+                       and race.race(r) == key), key=lambda r: r["seed"])
+        per_gen = recs[0]["completions_per_generation"]
+        over = c["time_to_reward_over_seeds"]
+        out["configs"][name] = {
+            "tokens_per_s_vs_defaults": c.get("tokens_per_s_vs_defaults"),
+            "median_vs_defaults": c.get("time_to_reward_median_vs_defaults"),
+            "median_s": over["median_s"], "range_s": over["range_s"], "reached": over["reached"],
+            "seeds": [r["seed"] for r in recs], "time_to_reward_s": c["time_to_reward_s"],
+            "nvml_peak_gib": c["nvml_peak_gib"], "planner_peak_gib": c["planner_peak_gib"],
+            "curves": [[(round(t, 1), round(m, 1)) for t, m in race.running_reward(r["rows"], per_gen)] for r in recs]}
+    return out
+
+
 def peaks_at(result: dict, configs=("batch32", "batch32_on_policy")) -> list[dict]:
     """The newest seed-0 record of each batch-32 configuration: NVML's peak and PyTorch's own, at u = 0.3."""
     rows = []
@@ -98,6 +120,8 @@ def build(results: Path | None = None) -> dict:
         "04.peaks_at_0.3": _entry(results, "speed_1xh200", "1×H200", rows=peaks_at(sp)),
         "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
                                                                               for r in speed.latency_table(latency)]),
+        "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB",
+                                **seeds_over(json.loads((results / "speed_1xh100.json").read_text()))),
         "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),
     }
 
