@@ -272,3 +272,10 @@ def test_a_notebook_that_quotes_a_post_links_it(src):
 def test_the_readme_links_both_posts():
     readme = (REPO_ROOT / "README.md").read_text()
     assert all(url in readme for url in POSTS)
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_a_notebook_fits_its_slot_in_words(src):
+    """A 20-minute slot holds about 2,500 words of prose beside the cells that run."""
+    words = sum(len(c["source"].split()) for c in _cells(src) if c["type"] == "markdown")
+    assert words <= 2500, f"{src.name}: {words} words of markdown; cut to 2,500 (the history belongs to the record)"

@@ -457,6 +457,26 @@ fig.show()
 # median.
 
 # %% [markdown]
+# ### The recipe for the GPU you have
+#
+# `colo-kit plan --recommend` reads your GPU's memory (NVML) and writes the recipe that fits it. For the 1.5B model
+# on GPUs of four sizes (modelled), with the two sizes that raced marked:
+
+# %%
+from colo_kit.memory.planner import Plan
+
+KEYS = ("per_device_train_batch_size", "steps_per_generation", "loss_type", "gradient_checkpointing",
+        "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode")
+RACED = {80: "1×H100 (results/speed_1xh100.json)", 141: "1×H200 (results/speed_1xh200.json)"}
+sizes = []
+for gib in (24, 48, 80, 141):
+    r = recipe(Plan(model="qwen2.5-1.5b", gpu_mem_gib=gib))
+    fields = {name: value for name, value, _ in r["fields"]}
+    sizes.append({"GPU GiB": gib, **{k: fields.get(k) for k in KEYS},
+                  "predicted peak GiB (modelled)": round(r["peak_gib_per_gpu"], 1), "raced on": RACED.get(gib, "")})
+pd.DataFrame(sizes).set_index("GPU GiB")
+
+# %% [markdown]
 # ### Where a step's time goes
 #
 # At batch 8 most of a defaults step is generation (the `generation · push · training` column).
