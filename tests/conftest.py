@@ -109,6 +109,32 @@ def _unfreeze_at_session_end():
     yield
     gc.unfreeze()
 
+
+@pytest.fixture(scope="session")
+def colocate_grpo_run(tmp_path_factory):
+    """One real TRL colocate GRPO run on the tiny model (30 steps of 16 completions, 8 a prompt, 32 tokens, lr 5e-3,
+    seed 0, vLLM in this process), recorded through the kit's `Timeline` hooked on its trainer: tests/test_train.py
+    checks that it learns the length reward, tests/test_timeline.py that the timeline holds every phase of it (a run
+    each cost a vLLM start and a trainer). The environment the run writes (RANK, MASTER_PORT) is put back."""
+    import types
+
+    from trl.extras.profiling import ProfilingContext
+
+    from colo_kit.grpo.timeline import Timeline
+    from colo_kit.grpo.train import run_grpo
+
+    before = dict(os.environ)
+    timeline = Timeline()
+    try:
+        run = run_grpo("tiny", "colocate", max_steps=30, num_generations=8, per_device_train_batch_size=16,
+                       max_completion_length=32, learning_rate=5e-3, seed=0, output_dir=tmp_path_factory.mktemp("grpo"),
+                       vllm_enforce_eager=True, on_trainer=timeline.hook)
+    finally:
+        timeline.unhook()
+        os.environ.clear()
+        os.environ.update(before)
+    return types.SimpleNamespace(run=run, timeline=timeline, enter=ProfilingContext.__enter__.__qualname__)
+
 def load_script(relpath: str):
     """The module of a script under the repository, e.g. `load_script("scripts/gpu/kernel_kill.py")`: scripts are
     files, not a package, so the tests import them by path (each call runs the file afresh). The module is named

