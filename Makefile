@@ -23,7 +23,7 @@ demo: venv
 	$(BIN)/python -m colo_kit demo
 
 test: venv
-	$(BIN)/python -m pytest -v --durations=25
+	$(BIN)/python -m pytest -v --durations=25 --junitxml=results/runs/pytest.xml  # every test's time, for a look at what is slow
 
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not slow and not notebook"
