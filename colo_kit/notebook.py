@@ -169,7 +169,10 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
     wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
     for attempt in (1, 2):
+        # the kernel's own log stays quiet below errors: ipykernel 7 warns on every start that its loopback TCP is
+        # unencrypted, which `make demo` printed as a warning for the learner to worry about
         client = _client_class()(nb, timeout=timeout_s, kernel_name="python3",
+                                 extra_arguments=["--IPKernelApp.log_level=ERROR"],
                                  resources={"metadata": {"path": str(path.parent)}})
         try:
             _execute_within(client, wall_s, kernel_env)
