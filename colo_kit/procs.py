@@ -21,6 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def claim_rendezvous_port() -> None:
+    """For one process that will form a group of its own (a colocated engine or trainer): a MASTER_PORT the OS chose,
+    unless one is set. TRL's own picker tries 29500 first, and two trainings started in the same second both took it
+    (EADDRINUSE in vLLM's rendezvous)."""
+    if not os.environ.get("MASTER_PORT") and os.environ.get("WORLD_SIZE", "1") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
 RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                        "MASTER_ADDR", "MASTER_PORT"})
 

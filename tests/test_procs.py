@@ -97,3 +97,32 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
         os.kill(child, 9)
         pytest.fail("the group's other process outlived stop_groups")
     stop_groups([proc])  # a stopped process: nothing to do
+
+
+def test_a_lone_process_claims_a_rendezvous_port_the_os_chose(monkeypatch):
+    """Two trainings started in the same second each asked TRL's picker, which tries 29500 first, and both took it;
+    the kit claims a port the OS hands out instead, and leaves a port a launcher set, or a group of several, alone."""
+    import socket
+
+    from colo_kit.procs import claim_rendezvous_port
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with socket.socket() as held:  # 29500 may be taken here already; either way the claim must not use it
+        try:
+            held.bind(("127.0.0.1", 29500))
+        except OSError:
+            pass
+        claim_rendezvous_port()
+        first = int(os.environ["MASTER_PORT"])
+        monkeypatch.delenv("MASTER_PORT")
+        claim_rendezvous_port()
+        second = int(os.environ["MASTER_PORT"])
+    assert 29500 not in (first, second) and first > 1024 and second > 1024
+    monkeypatch.setenv("MASTER_PORT", "41234")
+    claim_rendezvous_port()
+    assert os.environ["MASTER_PORT"] == "41234"
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    claim_rendezvous_port()
+    assert "MASTER_PORT" not in os.environ

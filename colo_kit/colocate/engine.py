@@ -38,6 +38,8 @@ def ensure_process_group() -> bool:
     import torch.distributed as dist
     from trl.trainer.utils import ensure_master_addr_port
 
+    from colo_kit.procs import claim_rendezvous_port
+
     made = False
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
@@ -46,7 +48,8 @@ def ensure_process_group() -> bool:
         if int(os.environ["WORLD_SIZE"]) > 1 and not os.environ.get("MASTER_PORT"):
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the processes with torchrun "
                                "or accelerate launch, which set it, or initialise torch.distributed first")
-        ensure_master_addr_port()  # one process: any free port
+        claim_rendezvous_port()  # one process: a port the OS chose, not TRL's 29500 first
+        ensure_master_addr_port()
         if has_cuda():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if has_cuda() else "gloo",

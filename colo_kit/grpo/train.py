@@ -187,6 +187,9 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         settings["http_weight_sync"] = bool(sync)
     try:
         if mode == "colocate":
+            from colo_kit.procs import claim_rendezvous_port
+
+            claim_rendezvous_port()  # vLLM's group in this process; TRL's picker would try 29500 first
             make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
             from colo_kit.gpu_free import check_share
 
