@@ -18,8 +18,8 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     replica named `fail_on` only, if given);
     `"stream": true` sends `chunks` SSE events
     `chunk_delay_ms` apart; broadcast endpoints are recorded (with their Authorization header);
-    `/_stub/state` reports everything; `/_stub/fail` makes a path answer 500 (to test partial
-    broadcast failure); `/_stub/garbage` makes a path answer bytes that are not HTTP, as a port
+    `/_stub/state` reports everything, `/_stub/reset` puts it back as it started; `/_stub/fail` makes a
+    path answer 500 (to test partial broadcast failure); `/_stub/garbage` makes a path answer bytes that are not HTTP, as a port
     taken over by another service (an SSH server, say) would. With a token, `/health` answers the
     proxy's challenge with the proof of it, as a replica started by `colo_kit.async_lora.lora.replica_launch`
     does (colo_kit.async_lora.replica_auth); `auth_headers` counts the requests that carried any credentials."""
@@ -30,8 +30,11 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
 
     from colo_kit.async_lora.replica_auth import CHALLENGE_HEADER, PROOF_HEADER, replica_proof
 
-    state = {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "garbage": [],
-             "unauthorized": 0, "health_auth_headers": 0, "auth_headers": 0, "health_polls": 0, "aborted": 0}
+    def fresh() -> dict:
+        return {"name": name, "requests": 0, "calls": [], "adapters": {}, "fail": list(fail), "hang": [], "garbage": [],
+                "unauthorized": 0, "health_auth_headers": 0, "auth_headers": 0, "health_polls": 0, "aborted": 0}
+
+    state = fresh()
 
     @web.middleware
     async def garbage(request, handler):
@@ -131,6 +134,11 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         state["hang"] = [p for p in request.query.get("paths", "").split(",") if p]
         return web.json_response(state["hang"])
 
+    async def reset(request):  # back to the state it started with, for the next test that reuses this process
+        state.clear()
+        state.update(fresh())
+        return web.json_response(state)
+
     async def set_garbage(request):
         state["garbage"] = [p for p in request.query.get("paths", "").split(",") if p]
         return web.json_response(state["garbage"])
@@ -146,6 +154,7 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     app.router.add_post("/_stub/fail", set_fail)
     app.router.add_post("/_stub/hang", set_hang)
     app.router.add_post("/_stub/garbage", set_garbage)
+    app.router.add_post("/_stub/reset", reset)
     app.router.add_post("/{tail:.*}", record)
     return app
 

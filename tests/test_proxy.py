@@ -28,16 +28,43 @@ TOKEN = "s3cr3t-token-for-tests"
 CLIENT_TOKEN = "client-key-for-tests"
 
 
-@pytest.fixture
-def stubs(tmp_path, monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    ports = [free_port(), free_port()]
-    procs = start_stubs({p: dict(name=f"r{i}", token_env=TOKEN_ENV, log_path=tmp_path / f"stub{i}.log")
-                         for i, p in enumerate(ports)})
-    yield ports, procs
-    for proc in procs.values():
+@pytest.fixture(scope="module")
+def _stub_pool(tmp_path_factory):
+    """The module's two stand-ins, kept from one test to the next while a test leaves them as it got them (the same
+    two processes, alive): each start is an interpreter and aiohttp, ~1 s on 2 busy cores, for ~80 tests."""
+    pool = {"procs": {}, "starts": 0, "logs": tmp_path_factory.mktemp("stubs")}
+    yield pool
+    for proc in pool["procs"].values():
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def stubs(_stub_pool, monkeypatch):
+    """Two stand-in replicas (r0, r1), each its own process on its own port, asking for TOKEN, in the state a fresh
+    start has (`/_stub/reset`): a test may kill, hang or replace them (then the next test gets new ones)."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    pool = _stub_pool
+    ports = list(pool["procs"])
+    if ports and all(proc.poll() is None for proc in pool["procs"].values()):
+        for port in ports:
+            H.post(f"http://127.0.0.1:{port}/_stub/reset").raise_for_status()
+    else:
+        for proc in pool["procs"].values():
+            proc.kill()
+            proc.wait()
+        pool["starts"] += 1
+        ports = [free_port(), free_port()]
+        pool["procs"] = start_stubs({p: dict(name=f"r{i}", token_env=TOKEN_ENV,
+                                             log_path=pool["logs"] / f"start{pool['starts']}-stub{i}.log")
+                                     for i, p in enumerate(ports)})
+    procs = dict(pool["procs"])  # the test's own: it may put another process on a port
+    yield ports, procs
+    if any(procs.get(port) is not proc or proc.poll() is not None for port, proc in pool["procs"].items()):
+        for proc in {*procs.values(), *pool["procs"].values()}:
+            proc.kill()
+            proc.wait()
+        pool["procs"] = {}
 
 
 @pytest.fixture

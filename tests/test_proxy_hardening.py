@@ -29,7 +29,7 @@ from test_proxy import CLIENT_ENV, CLIENT_TOKEN, TOKEN_ENV, H, _proxy, _state
 from colo_kit.parallel.launch import free_port
 from colo_kit.async_lora.routing import PrefixKeyer, rendezvous_order
 
-stubs, adapters = test_proxy.stubs, test_proxy.adapters  # the same fixtures as tests/test_proxy.py
+stubs, _stub_pool, adapters = test_proxy.stubs, test_proxy._stub_pool, test_proxy.adapters  # tests/test_proxy.py's
 
 
 def _wait_for(check, timeout_s: float, what: str):
