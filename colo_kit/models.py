@@ -247,7 +247,9 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     if marker.exists() and not force:
         return out
 
-    tmp = out.with_name(out.name + ".partial")
+    # a folder of this process's own: two kernels (or test workers) building the same preset at once must not
+    # write into one half-built folder
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -274,9 +276,17 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     except BaseException:  # a failed or interrupted build leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if marker.exists() and not force:  # another process finished the same build first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     if out.exists():
         shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not marker.exists():
+            raise
     return out
 
 

@@ -1,6 +1,8 @@
 """Offline models: real Qwen2 shapes, a tokenizer that survives transformers 5's rebuild, vLLM loads them."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +125,20 @@ def test_build_is_cached(tiny_model_path):
     before = os.stat(tiny_model_path + "/model.safetensors").st_mtime
     assert str(build_model("tiny")) == tiny_model_path
     assert os.stat(tiny_model_path + "/model.safetensors").st_mtime == before
+
+
+def test_two_processes_building_one_preset_at_once_both_get_the_whole_model(tmp_path):
+    """Two kernels of a workshop (or two test workers) building `tiny` in the same second: each writes a folder of
+    its own and the first to finish wins; both load the same whole model."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLO_KIT_CACHE": str(tmp_path)}
+    code = "from colo_kit.models import build_model; print(build_model('tiny'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip().splitlines()[-1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    built = Path(outs[0])
+    assert (built / "colo_kit.json").exists() and (built / "config.json").exists()
+    assert not list(built.parent.glob("*.partial*"))
