@@ -22,11 +22,13 @@ $(STAMP): requirements/common.txt requirements/cpu.txt requirements/gpu.txt pypr
 demo: venv
 	$(BIN)/python -m colo_kit demo
 
+# Two workers (pytest-xdist), each running one test file at a time: the notebooks beside the rest of the suite on
+# two cores; every test's time lands in results/runs/pytest.xml (ignored by git). `pytest` alone runs it serially.
 test: venv
-	$(BIN)/python -m pytest -v --durations=25 --junitxml=results/runs/pytest.xml  # every test's time, for a look at what is slow
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --durations=25 --junitxml=results/runs/pytest.xml
 
 test-fast: venv
-	$(BIN)/python -m pytest -v -m "not slow and not notebook"
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile -m "not slow and not notebook"
 
 # Every measured time and peak a learner reads, from one check run here: the notebooks executed as Run All runs
 # them (into results/gpu_check.json where there is a GPU, else results/cpu_check.json), what the lessons show from

@@ -23,8 +23,11 @@ def tiny_model_path() -> str:
 def pytest_collection_modifyitems(config, items):
     # The launcher's tests check what it does in a pristine interpreter (fork through
     # notebook_launcher). Tests that start vLLM or a TRL trainer in-process leave a process group and
-    # rank variables behind, after which the launcher rightly refuses to fork; so those run first.
-    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_launch.py") else 1)
+    # rank variables behind, after which the launcher rightly refuses to fork; so those run first. The notebooks
+    # come next: under `make test`'s two workers (pytest-xdist, one file at a time each) the longest file then
+    # starts at once on the second worker while the first runs everything else.
+    first = ("tests/test_launch.py", "tests/test_notebooks.py")
+    items.sort(key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first)))
     gpus = gpu_count()
     for item in items:
         if "gpu" in item.keywords and not gpus:
