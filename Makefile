@@ -24,11 +24,13 @@ demo: venv
 
 # Two workers (pytest-xdist), each running one test file at a time: the notebooks beside the rest of the suite on
 # two cores; every test's time lands in results/runs/pytest.xml (ignored by git). `pytest` alone runs it serially.
+# --no-loadscope-reorder: files go out in conftest's order (test_launch.py first, on a pristine worker); xdist's
+# default sends the files with the most tests first, and test_launch.py then failed after test_proxy.py & co.
 test: venv
-	$(BIN)/python -m pytest -v -n 2 --dist loadfile --durations=25 --junitxml=results/runs/pytest.xml
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=25 --junitxml=results/runs/pytest.xml
 
 test-fast: venv
-	$(BIN)/python -m pytest -v -n 2 --dist loadfile -m "not slow and not notebook"
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not notebook"
 
 # Every measured time and peak a learner reads, from one check run here: the notebooks executed as Run All runs
 # them (into results/gpu_check.json where there is a GPU, else results/cpu_check.json), what the lessons show from
