@@ -254,9 +254,13 @@ def _shared_lora_replica(tiny_model_path, tmp_path_factory):
 @pytest.fixture
 def lora_replica(_shared_lora_replica, request) -> SharedLoraReplica:
     """The shared LoRA replica (`SharedLoraReplica`), reset for this test; started on first use, and stopped after the
-    last selected test that asks for it, so its memory (and on a GPU its share) is back before the tests after it."""
+    last selected test that asks for it, so its memory is back before the tests after it. Under pytest-xdist (a
+    worker may never run the other module's tests) and on a GPU (its share must not stay held through the notebooks
+    between tests/test_lora.py and tests/test_proxy.py) that is the last one of this test's module."""
     _shared_lora_replica.reset()
     yield _shared_lora_replica
     users = [item for item in request.session.items if "lora_replica" in getattr(item, "fixturenames", ())]
+    if os.environ.get("PYTEST_XDIST_WORKER") or gpu_count():
+        users = [item for item in users if item.module is request.node.module]
     if users and request.node is users[-1]:
         _shared_lora_replica.stop()
