@@ -418,7 +418,8 @@ def test_a_huge_text_prompt_with_a_tokenizer_does_not_stall_health(stubs, tiny_m
         sender.join(timeout=max(1.0, deadline - time.monotonic()))
         assert not sender.is_alive(), "the huge prompt was not answered within 120 s"
         assert done["response"].status_code == 200, done["response"].text[:300]
-        assert worst_s < 1.0, f"/health took {worst_s:.2f} s while the prompt was routed ({polls} polls)"
+        # the stall was 12-17 s; 3 s leaves room for a second test worker on the same two cores
+        assert worst_s < 3.0, f"/health took {worst_s:.2f} s while the prompt was routed ({polls} polls)"
         assert peak_mb - before_mb < 400, f"the proxy grew by {peak_mb - before_mb:.0f} MB for one 8 MB prompt"
 
 

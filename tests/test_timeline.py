@@ -132,7 +132,8 @@ def test_util_sampler_sees_a_process_busy_then_idle():
     busy = [x["util_pct"] for x in samples if t0 + 0.3 < x["t_s"] < t_idle - 0.1]
     idle = [x["util_pct"] for x in samples if t_idle + 0.3 < x["t_s"] < t_idle + 0.9]
     assert busy and idle and {x["device"] for x in samples} == {"trainer"}, samples
-    assert sum(busy) / len(busy) > 40 > sum(idle) / len(idle), (busy, idle)
+    # busy gets a share of a core that another test worker may halve; idle gets next to none
+    assert sum(busy) / len(busy) > 25 > sum(idle) / len(idle), (busy, idle)
     assert max(s.peak_mem_gib().values()) > 0
 
 
