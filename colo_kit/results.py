@@ -2,7 +2,7 @@
 
 Every measured number a notebook shows is read here from a JSON under `results/` (the runs that wrote them, and the
 code that judges them, live in `record/`, outside the kit). A number comes with one footnote: the machine, the date and
-the file; how it was reached stays in the record.
+the file; how it was reached stays in the record, and `make numbers-status` says how much of the code changed since.
 """
 
 from __future__ import annotations

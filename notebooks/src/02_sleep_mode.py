@@ -69,7 +69,7 @@ settings = ColocateSettings(per_device_train_batch_size=batch_w.value, max_promp
 print(f"max_num_seqs={settings.max_num_seqs}, max_model_len={settings.max_model_len}, "
       f"gpu_memory_utilization={settings.vllm_gpu_memory_utilization}, sleep mode={settings.vllm_enable_sleep_mode}")
 
-# Bad settings fail before any engine is built, naming the value and the fix:
+# Bad settings fail before any engine is built, each in one line that names the value and the fix:
 for bad in (ColocateSettings(vllm_tensor_parallel_size=3), ColocateSettings(vllm_gpu_memory_utilization=1.2)):
     try:
         bad.validate(world_size=2)
