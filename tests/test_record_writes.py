@@ -228,15 +228,17 @@ def _never(*args, **kwargs):
     raise AssertionError("the run started although its arguments were bad")
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["--timeout-s", "nan"], "--timeout-s nan"), (["--timeout-s", "-5"], "--timeout-s -5"),
-    (["--timeout-s", "inf"], "--timeout-s inf"), (["--steps", "0"], "--steps 0")])
-def test_server_node_refuses_bad_arguments_before_anything_runs(argv, said, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("name, argv, said", [
+    ("server_node", ["--timeout-s", "nan"], "--timeout-s nan"), ("server_node", ["--timeout-s", "-5"], "--timeout-s -5"),
+    ("server_node", ["--timeout-s", "inf"], "--timeout-s inf"), ("server_node", ["--steps", "0"], "--steps 0"),
+    ("two_machines", ["--parts", ""], "--parts ''"), ("two_machines", ["--parts", "ddp,bogus"], "--parts ddp,bogus"),
+    ("two_machines", ["--timeout-s", "nan"], "--timeout-s nan"), ("two_machines", ["--timeout-s", "-5"], "--timeout-s -5")])
+def test_the_drive_scripts_refuse_bad_arguments_before_anything_runs(name, argv, said, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path / "results"))
-    script = load_script("scripts/server_node.py")
+    script = load_script(f"scripts/{name}.py")
     monkeypatch.setattr(script, "drive", _never)
     assert _code(script.main, argv) == 2
-    assert _one_line(capsys.readouterr().err).startswith(f"scripts/server_node.py: {said}:")
+    assert _one_line(capsys.readouterr().err).startswith(f"scripts/{name}.py: {said}:")
 
 
 def test_a_failed_server_node_run_replaces_no_record(tmp_path, monkeypatch, capsys):
@@ -263,17 +265,6 @@ def test_a_failed_server_node_run_replaces_no_record(tmp_path, monkeypatch, caps
         failed = json.loads((results / "runs" / "server_node_cpu.json").read_text())
         assert failed["status"] == "error" and "1 s" in failed["error"]
         assert "results/runs/server_node_cpu.json" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("argv, said", [
-    (["--parts", ""], "--parts ''"), (["--parts", "ddp,bogus"], "--parts ddp,bogus"),
-    (["--timeout-s", "nan"], "--timeout-s nan"), (["--timeout-s", "-5"], "--timeout-s -5")])
-def test_two_machines_refuses_bad_arguments_before_anything_runs(argv, said, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path / "results"))
-    script = load_script("scripts/two_machines.py")
-    monkeypatch.setattr(script, "drive", _never)
-    assert _code(script.main, argv) == 2
-    assert _one_line(capsys.readouterr().err).startswith(f"scripts/two_machines.py: {said}:")
 
 
 @pytest.mark.parametrize("status", ["error", "not run"])
