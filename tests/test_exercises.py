@@ -30,12 +30,54 @@ def test_each_check_accepts_its_solution_and_refuses_every_wrong_answer(key, cap
         lab.check(key, wrong)
         out = capsys.readouterr().out
         assert "✔" not in out
-        assert f"Hint: {ex.hint}" in out or "answer with one of" in out, out
+        form = ex.form_error(wrong)  # what to write instead, when the answer is in no form the exercise reads
+        assert (f"✎ {key}: {form}" if form else f"Hint: {ex.hint}") in out, out
+        if not form and not ex.options:
+            assert lab.read_number(wrong, ex.share) is not None  # a wrong number gets the hint, not a form lesson
     if isinstance(ex.solution, (int, float)) and not isinstance(ex.solution, bool):
         assert f"{ex.solution:g}" not in ex.hint.split(), f"{key}: the hint gives the answer away"
     assert lab.verdict(key, ...) is None  # the placeholder a cell starts with: Run All passes through
     lab.check(key, ...)
     assert "write your prediction" in capsys.readouterr().out
+
+
+# Right answers as a learner writes them, and wrong ones in the same forms: the forms must not let a wrong one in.
+NATURAL = {
+    "00.prompts_per_step": (["two", "two prompts", "2 prompts", " 2 ", "2.0", "4/2", "Two."], ["two or sixteen", "16 prompts"]),
+    "02.max_num_seqs": (["sixty-four"], []),
+    "03.amdahl": (["1.3x", "1.30", "1.3×"], ["1.5x", "30%", "3/2"]),
+    "04.bytes_per_param": (["16 bytes", "sixteen", "16 bytes per parameter", "32/2"],
+                           ["8 bytes", "16 or 8", "16%", "16 billion", "16 hundred"]),
+    "06.slots": (["six", "6 slots", "6 adapters"], ["five", "5 slots", "six or seven", "about six"]),
+    "06.best_hit_rate": (["7/8", "87.5%", 87.5, "87.5", "0.875", "87.5 %", "87.5 percent", "seven eighths"],
+                         ["1/8", "12.5%", "100%", 8, "75%", 1.0, "one eighth", "7 eighths", "0.875 thousand"]),
+}
+
+
+@pytest.mark.parametrize("key", sorted(NATURAL))
+def test_a_number_written_naturally_is_read_as_that_number(key, capsys):
+    right, wrong = NATURAL[key]
+    for answer in right:
+        if key == "02.max_num_seqs" or answer == "seven eighths":  # compound number words are not read
+            assert lab.verdict(key, answer) is False
+            lab.check(key, answer)
+            assert "write one number" in capsys.readouterr().out
+            continue
+        assert lab.verdict(key, answer) is True, f"{key} refused the right answer {answer!r}"
+    for answer in wrong:
+        assert lab.verdict(key, answer) is False, f"{key} accepted the wrong answer {answer!r}"
+
+
+def test_a_refused_form_says_what_to_write_and_a_wrong_number_gets_the_hint(capsys):
+    lab.check("00.prompts_per_step", "2 or 16")
+    assert capsys.readouterr().out.strip() == "✎ 00.prompts_per_step: write one number, like 0.5 (7/8 and two work too)"
+    lab.check("06.best_hit_rate", "most of them")
+    assert "like 0.5 or 50%" in capsys.readouterr().out
+    lab.check("00.prompts_per_step", "16 prompts")
+    assert "Hint: the batch holds whole groups" in capsys.readouterr().out
+    lab.check("03.amdahl", "30%")  # a percentage where no share is asked is a form to correct, not a wrong value
+    assert "write one number" in capsys.readouterr().out
+    assert lab.read_number("1/0") is None and lab.read_number(float("nan")) is None and lab.read_number(True) is None
 
 
 @pytest.mark.parametrize("key", sorted(k for k, e in EXERCISES.items() if e.options))
