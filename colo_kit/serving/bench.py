@@ -142,6 +142,8 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
     """Seconds the server takes for `batch` completions of exactly `max_tokens` tokens (the ping-pong model's cost curve)."""
     import httpx
 
+    from colo_kit.serving.server import server_headers
+
     n_prompts = max(1, batch // num_generations)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n_prompts)]
     payload = {"model": model_path, "prompt": prompts, "n": num_generations, "max_tokens": max_tokens,
@@ -149,7 +151,7 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()  # (the server was warmed up by its own start: CUDA graphs, compile)
-        r = httpx.post(f"{url}/v1/completions", json=payload, timeout=900)
+        r = httpx.post(f"{url}/v1/completions", json=payload, timeout=900, headers=server_headers(url))
         r.raise_for_status()
         best = min(best, time.perf_counter() - t0)
     return round(best, 4)

