@@ -66,6 +66,8 @@ NAMES = [c[0] for c in CHAIN]
 # Each entry: (the configuration it builds on, what it adds, GRPOConfig fields, the kit's own knobs).
 SIDE = {
     "sleep_l2": ("bucketed_push", "TRL's level-2 sleep", {"vllm_enable_sleep_mode": True}, {}),
+    # the fastest of TRL's defaults where the engine and the trainer do not fit awake together (7B on 80 GB)
+    "defaults_sleep": ("trl_defaults", "vllm_enable_sleep_mode=True", {"vllm_enable_sleep_mode": True}, {}),
     "sleep_kv": ("bucketed_push", "sleep that releases the KV cache only (colo_kit.colocate.kv_sleep)",
                  {"vllm_enable_sleep_mode": True}, {"kv_only_sleep": True}),
     # at batch 8 a step is mostly generation latency (0.6 s for 8 completions of 256 tokens), so sharing one
@@ -109,7 +111,7 @@ def config(name: str, model: str = "qwen2.5-1.5b", gpu_mem_gib: float = H200_GIB
         if r["plan"].zero_stage:  # the race launches one plain process per configuration, no DeepSpeed
             raise ValueError(f"the recipe for {model} needs ZeRO-{r['plan'].zero_stage}, which the race does not launch")
         fields = {k: v for k, v, _ in r["fields"] if k not in RECIPE_SKIPS and v is not None}
-        return fields, {"push_bucket_mb": 0}
+        return fields, {"push_bucket_mb": 0, **({"expandable_segments": True} if r["environment"] else {})}
     if name in SIDE:
         base, _, extra_fields, extra_knobs = SIDE[name]
         fields, knobs = config(base, model, gpu_mem_gib)
@@ -171,6 +173,8 @@ def run_seed(name: str, *, model: str, seed: int, budget_s: float, num_prompts: 
     gpu = read_gpu_memory() if has_cuda() else None
     gpu_mem_gib = gpu["gib"] if gpu else H200_GIB
     fields, knobs = config(name, model, gpu_mem_gib)
+    if knobs.get("expandable_segments"):  # the recipe's environment, set before this process's first CUDA allocation
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     tl, marks, hooked = Timeline(), {}, {}
     sampler = UtilSampler(pids={"trainer": os.getpid()}).start()
 
@@ -309,10 +313,12 @@ def switch_parts(tl, skip_steps: int) -> dict:
 def planner_estimate(model: str, per_device_train_batch_size: int, gradient_checkpointing: bool,
                      max_completion_length: int = TASK["max_completion_length"],
                      vllm_gpu_memory_utilization: float = TASK["vllm_gpu_memory_utilization"], sleep_level: int = 0,
-                     kv_only_sleep: bool = False, gpu_mem_gib: float = H200_GIB) -> dict:
+                     kv_only_sleep: bool = False, gpu_mem_gib: float = H200_GIB,
+                     expandable_segments: bool = False) -> dict:
     from colo_kit.memory.planner import estimate
 
     return estimate(model=model, per_device_train_batch_size=per_device_train_batch_size,
+                    expandable_segments=expandable_segments,
                     gradient_checkpointing=gradient_checkpointing, max_completion_length=max_completion_length,
                     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, sleep_level=sleep_level,
                     kv_only_sleep=kv_only_sleep, train_dtype=TRAIN_DTYPE.get(model, "float32"), gpu_mem_gib=gpu_mem_gib)
@@ -334,7 +340,7 @@ def planner_estimate_for_record(rec: dict) -> dict:
                             g.get("max_completion_length", TASK["max_completion_length"]),
                             g.get("vllm_gpu_memory_utilization", TASK["vllm_gpu_memory_utilization"]),
                             2 if sleeps else 0, bool(sleeps and (rec.get("kit_knobs") or {}).get("kv_only_sleep")),
-                            rec.get("gpu_mem_gib") or H200_GIB)
+                            rec.get("gpu_mem_gib") or H200_GIB, bool((rec.get("kit_knobs") or {}).get("expandable_segments")))
 
 
 def planner_peak_for(name: str, model: str, max_completion_length: int = TASK["max_completion_length"],

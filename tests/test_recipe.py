@@ -145,27 +145,55 @@ def _fields(r: dict) -> dict:
     return {k: v for k, v, _ in r["fields"]}
 
 
-def test_on_an_h100_the_recipe_keeps_cispo_on_8_steps_by_sizing_the_engine_to_one_generation():
-    """At TRL's 0.3 share the fast configuration (CISPO, 8 steps per generation, batch 16) is over the 92% budget of
-    an H100; sized to twice what one generation needs it fits, so the recipe keeps it instead of falling back to
-    on-policy batch 8. On an H200 it fits at 0.3, which stays."""
-    from colo_kit.memory.planner import estimate, generation_share
+def test_on_an_h100_the_recipe_keeps_cispo_on_8_steps_with_expandable_segments():
+    """The fast configuration (CISPO, 8 steps per generation, batch 16) at TRL's 0.3 share is over the 92% budget of
+    an H100 with PyTorch's default allocator reserve, and under it with expandable segments: the recipe keeps it and
+    names the environment variable, in its header's run line too."""
+    from dataclasses import replace
+
+    from colo_kit.memory.planner import estimate
 
     h100 = recipe(model="qwen2.5-1.5b", gpu_mem_gib=H100_GIB)
     f = _fields(h100)
     assert (f["per_device_train_batch_size"], f["steps_per_generation"], f["loss_type"]) == (16, 8, "cispo")
-    assert (f["gradient_checkpointing"], f["vllm_enable_sleep_mode"]) == (False, False)
-    at_trls_share = estimate(h100["plan"], vllm_gpu_memory_utilization=0.3)
-    assert at_trls_share["peak_gib_per_gpu"] > SAFE_FRACTION * H100_GIB  # why the share had to move
-    need = at_trls_share["vllm"]["min_gpu_memory_utilization"]
-    assert f["vllm_gpu_memory_utilization"] == generation_share(h100["plan"]) == 0.15
-    assert 2 * need <= f["vllm_gpu_memory_utilization"] < 0.3  # the margin: twice the modelled need
+    assert (f["gradient_checkpointing"], f["vllm_enable_sleep_mode"], f["vllm_gpu_memory_utilization"]) == \
+        (False, False, 0.3)
+    assert h100["environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert h100["peak_gib_per_gpu"] <= SAFE_FRACTION * H100_GIB
-    why = next(w for k, _, w in h100["fields"] if k == "vllm_gpu_memory_utilization")
+    default_allocator = estimate(replace(h100["plan"], expandable_segments=False))
+    assert default_allocator["peak_gib_per_gpu"] > SAFE_FRACTION * H100_GIB
+    assert "# run: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True colo-kit train" in to_yaml(h100)
+
+
+def test_where_the_fast_configuration_does_not_fit_at_trls_share_the_engine_is_sized_to_one_generation():
+    """On a 48 GB card batch 16 at 8 steps per generation does not fit beside the engine the planner sized for batch 8;
+    sized to twice what one generation needs it does, so the recipe keeps it instead of falling back to on-policy
+    batch 8. On an H200 it fits at TRL's 0.3, which stays."""
+    from colo_kit.memory.planner import estimate, generation_share
+
+    r = recipe(model="qwen2.5-1.5b", gpu_mem_gib=47.5)
+    f = _fields(r)
+    assert (f["per_device_train_batch_size"], f["steps_per_generation"], f["loss_type"]) == (16, 8, "cispo")
+    need = estimate(r["plan"])["vllm"]["min_gpu_memory_utilization"]
+    assert f["vllm_gpu_memory_utilization"] == generation_share(r["plan"])
+    assert 2 * need <= f["vllm_gpu_memory_utilization"] < 0.3  # the margin: twice the modelled need
+    assert r["peak_gib_per_gpu"] <= SAFE_FRACTION * 47.5
+    why = next(w for k, _, w in r["fields"] if k == "vllm_gpu_memory_utilization")
     assert why.startswith("sized to one generation") and f"{need:.3f}" in why
     h200 = _fields(recipe(model="qwen2.5-1.5b", gpu_mem_gib=139.8))
     assert (h200["vllm_gpu_memory_utilization"], h200["steps_per_generation"], h200["per_device_train_batch_size"]) \
         == (0.3, 8, 16)
+
+
+def test_at_7b_on_80_gb_the_recipe_recomputes_activations_before_it_offloads_the_optimizer():
+    """7B in bfloat16 on one 80 GB GPU: the training state fits unsharded once the engine sleeps and activations are
+    recomputed; the recipe takes that (one more forward per step) over ZeRO-3 with a CPU Adam (seconds per step)."""
+    r = recipe(model="qwen2.5-7b", gpu_mem_gib=H100_GIB, train_dtype="bfloat16")
+    f = _fields(r)
+    assert r["fits"] and r["plan"].zero_stage == 0 and not r["plan"].offload_optimizer
+    assert (f["gradient_checkpointing"], f["vllm_enable_sleep_mode"], f["steps_per_generation"]) == (True, True, 2)
+    assert r["environment"] == {}  # vLLM's sleep mode refuses expandable segments
+    assert not any(c.startswith("launch:") for c in r["comments"])
 
 
 def test_it_falls_back_to_on_policy_only_when_the_sized_engine_does_not_fit_either_and_says_why():
@@ -229,7 +257,7 @@ def test_plan_recommend_sizes_for_the_gpu_nvml_reads_and_says_so(tmp_path, capsy
     rc, out, seen = _recommend(tmp_path, capsys)
     text = out.read_text()
     assert rc == 0 and "# sized for the GPU here, NVIDIA H100 80GB HBM3: 79.1 GiB read by NVML" in text
-    assert "1 GPU(s) of 79.1 GiB" in text and _fields_of(text)["vllm_gpu_memory_utilization"] == 0.15
+    assert "1 GPU(s) of 79.1 GiB" in text and _fields_of(text)["vllm_gpu_memory_utilization"] == 0.3
 
     def never(index=0):
         raise AssertionError("NVML read although --gpu-mem-gib was given")
@@ -302,7 +330,7 @@ def test_colo_kit_train_runs_the_model_the_yaml_names_and_refuses_what_trl_would
     assert main(["train", "--config", str(out), "--max_steps", "2"]) == 0
     assert (seen["model"], seen["mode"], seen["num_generations"]) == ("qwen2.5-1.5b", "colocate", 3)
     assert (seen["per_device_train_batch_size"], seen["steps_per_generation"], seen["loss_type"],
-            seen["vllm_gpu_memory_utilization"]) == (18, 8, "cispo", 0.15)
+            seen["vllm_gpu_memory_utilization"]) == (18, 8, "cispo", 0.3)
     capsys.readouterr()
     assert main(["train", "--config", str(out), "--num_generations", "5"]) == 2  # 18 x 8 = 144 completions
     err = capsys.readouterr().err.strip().splitlines()

@@ -31,6 +31,9 @@ SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under
 # sampler buffers at start-up, and they vary with max_num_seqs and vLLM's version, so the bare minimum may leave
 # its KV cache short of one generation (it would preempt and recompute).
 GENERATION_SHARE_MARGIN = 2.0
+# With PyTorch's expandable segments a freed block is reused by any later size, so the reserve above the live tensors
+# is rounding, not fragmentation: a prior of 5% of the step's transient memory, set before the H100 run that checks it.
+EXPANDABLE_RESERVE = 0.05
 
 # ---- fitted to the measured peaks (record.planner_validation) ----
 FITTED = {
@@ -74,6 +77,9 @@ class Plan:
     gradient_checkpointing: bool = field(default=True, **_help("recompute activations (TRL GRPOConfig's default)"))
     train_dtype: str = field(default="float32", **_help("float32 (TRL's default for a model given by path) or "
                                                         "bfloat16 (model_init_kwargs: {dtype: bfloat16})"))
+    expandable_segments: bool = field(default=False, **_help(
+        "PyTorch's allocator grows its segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): less memory "
+        "held above the live tensors; not with sleep mode, whose memory pool vLLM keeps apart"))
     gpus_per_node: int = field(default=8, **_help("GPUs per node, for multi-node plans"))
     host_mem_gib: float | None = field(default=None, **_help("CPU memory per node in GiB, to check offload and "
                                                              "sleep level 1"))
@@ -108,6 +114,8 @@ class Plan:
             bad("sleep_level", self.sleep_level, "use 0 (no sleep), 1 (weights to CPU) or 2 (discard weights)")
         if self.kv_only_sleep and not self.sleep_level:
             bad("kv_only_sleep", True, "it changes how the engine sleeps: give a sleep_level of 1 or 2 with it")
+        if self.expandable_segments and self.sleep_level:
+            bad("expandable_segments", True, "vLLM's sleep mode refuses PyTorch's expandable segments: use sleep_level 0")
         if self.mode == "server" and self.sleep_level:
             bad("sleep_level", self.sleep_level, "sleep is for colocate mode; use 0 with --mode server")
         for name in ("per_device_train_batch_size", "steps_per_generation", "prompt_length", "max_completion_length"):
@@ -206,7 +214,7 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     # two, not at their sum; above that the allocator keeps a reserve that grows with the activations.
     step = activations + logits
     grads_at_peak = 0.0 if deepspeed else max(0.0, grads - step)
-    reserve = FITTED["ALLOCATOR_RESERVE"] * step
+    reserve = (EXPANDABLE_RESERVE if plan.expandable_segments else FITTED["ALLOCATOR_RESERVE"]) * step
     training = {
         "cuda_context_nccl": ctx,
         "weights": g(weights),
@@ -317,15 +325,16 @@ def read_gpu_memory(index: int = 0) -> dict | None:
 
 def max_safe_utilization(plan: Plan) -> float:
     """The highest vllm_gpu_memory_utilization whose predicted peak stays under SAFE_FRACTION of the GPU.
-    The peak is linear in u in each phase, so two estimates give the slope."""
-    lo = estimate(plan, vllm_gpu_memory_utilization=0.01)
+    The peak is linear in u in each phase once the share holds the engine's weights, so two estimates from there
+    give the slope (below it the weights count whole, whatever the share: a slope from u = 0.01 bends)."""
+    lo = estimate(plan, vllm_gpu_memory_utilization=0.5)
     hi = estimate(plan, vllm_gpu_memory_utilization=1.0)
     budget = SAFE_FRACTION * plan.gpu_mem_gib
     bounds = []  # each phase: peak(u) = base + slope × u; the tightest phase sets the bound
     for phase in ("training", "generation"):
         a0, a1 = lo["phase_peaks_gib"][phase], hi["phase_peaks_gib"][phase]
-        slope = (a1 - a0) / 0.99
-        base = a0 - 0.01 * slope
+        slope = (a1 - a0) / 0.5
+        base = a0 - 0.5 * slope
         if slope <= 1e-9:
             if base > budget:
                 return 0.0
@@ -335,9 +344,10 @@ def max_safe_utilization(plan: Plan) -> float:
     return max(0.0, min(0.95, math.floor(best * 100) / 100))
 
 
-def recommend(plan: Plan | None = None, **settings) -> dict:
+def recommend(plan: Plan | None = None, add_zero: bool = True, **settings) -> dict:
     """Search, cheapest first, for settings that fit: no sleep before sleep (no wake/reload cost), the
-    smallest TP (the post: TP slows small models down), DDP before ZeRO, no offload before offload."""
+    smallest TP (the post: TP slows small models down), DDP before ZeRO, no offload before offload.
+    `add_zero=False` keeps the training's ZeRO stage and offload as given."""
     base = replace(plan or Plan(), **settings).validate()
     if base.mode == "server":
         tried = []
@@ -353,12 +363,12 @@ def recommend(plan: Plan | None = None, **settings) -> dict:
 
     tps = [t for t in (1, 2, 4, 8) if base.gpus % t == 0 and t <= base.gpus_per_node]
     trains = [(base.zero_stage, base.offload_optimizer)]
-    trains += [z for z in ((3, False), (3, True)) if z not in trains]
+    trains += [z for z in ((3, False), (3, True)) if z not in trains and add_zero]
     for zero, off in trains:
         for sleep in (0, 2):
             for tp in tps:
                 cand = replace(base, zero_stage=zero, offload_optimizer=off, sleep_level=sleep,
-                               vllm_tensor_parallel_size=tp)
+                               vllm_tensor_parallel_size=tp, expandable_segments=base.expandable_segments and not sleep)
                 u_min = estimate(cand)["vllm"]["min_gpu_memory_utilization"]
                 u_max = max_safe_utilization(cand)
                 if u_max >= u_min and u_max > 0:
@@ -374,6 +384,7 @@ def recommend(plan: Plan | None = None, **settings) -> dict:
                         "vllm_tensor_parallel_size": tp,
                         "zero_stage": zero,
                         "offload_optimizer": off,
+                        "expandable_segments": cand.expandable_segments,
                         "peak_gib_per_gpu": est["peak_gib_per_gpu"],
                         "kv_cache_gib": est["vllm"]["kv_cache_gib"],
                         "why": _why(base, cand, u_max),

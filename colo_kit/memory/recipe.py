@@ -17,6 +17,7 @@ TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting
 # From this size on, two optimizer steps per generation under TRL's loss (measured at 7B); below it, CISPO on 8 (1.5B).
 STALE_FROM_PARAMS = 7e9
 CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def whole_groups(batch: int, steps: int, gpus: int, num_generations: int) -> int:
@@ -37,7 +38,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
         raise ValueError(f"num_generations={num_generations!r}: GRPO compares at least 2 completions per prompt")
     asked_batch = base.per_device_train_batch_size
-    base = replace(base, steps_per_generation=1,
+    base = replace(base, steps_per_generation=1, expandable_segments=True,
                    per_device_train_batch_size=whole_groups(asked_batch, 1, base.gpus, num_generations))
     budget = SAFE_FRACTION * base.gpu_mem_gib
 
@@ -51,17 +52,19 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         chosen, ckpt_why = at_default, (f"training fits without recomputing activations, and at 1.5B the step is "
                                         f"about 10% shorter (measured, {MEASURED})")
     else:
-        rec = recommend(no_ckpt)
-        if rec["fits"]:
-            chosen = replace(no_ckpt, **_planned(rec))
-            ckpt_why = "training fits without recomputing activations once the engine is sized by the planner"
+        # Cheapest first: activations kept, then recomputed (one more forward), and only then DeepSpeed's ZeRO, whose
+        # optimizer offload runs Adam on the CPU over every parameter each step: 19-20 s per 7B step on two H200s
+        # (results/zero3_run.json) against 1.8 s for TRL's defaults unsharded on one (results/speed_1xh200.json).
+        for ckpt, add_zero in ((False, False), (True, False), (False, True), (True, True)):
+            rec = recommend(replace(base, gradient_checkpointing=ckpt), add_zero=add_zero)
+            if rec["fits"]:
+                break
         else:
-            rec = recommend(replace(base, gradient_checkpointing=True))
-            if not rec["fits"]:
-                return {"fits": False, "why": rec["why"], "fields": [], "comments": [], "plan": base,
-                        "model": base.model, "peak_gib_per_gpu": None}
-            chosen = replace(base, gradient_checkpointing=True, **_planned(rec))
-            ckpt_why = "without it the activations do not fit (modelled)"
+            return {"fits": False, "why": rec["why"], "fields": [], "comments": [], "plan": base,
+                    "model": base.model, "peak_gib_per_gpu": None}
+        chosen = replace(base, gradient_checkpointing=ckpt, **_planned(rec))
+        ckpt_why = ("without it the activations do not fit (modelled)" if ckpt else
+                    "training fits without recomputing activations once the engine is sized by the planner")
     big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
     # the engine then holds every sequence of the steps that share one generation
     steps = 2 if big else CISPO_STEPS
@@ -69,7 +72,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
                                steps, chosen.gpus, num_generations)
     stale = replace(chosen, steps_per_generation=steps, per_device_train_batch_size=stale_batch)
     share = generation_share(stale)
-    sized = replace(stale, vllm_gpu_memory_utilization=share, sleep_level=0)
+    sized = replace(stale, vllm_gpu_memory_utilization=share, sleep_level=0, expandable_segments=True)
     recomputed = f"without it the activations of batch {stale_batch} do not fit beside the engine (modelled)"
     # (candidate, why checkpointing is on or off, whether the engine's share was sized to one generation)
     # cheapest first: an awake engine before a sleeping one (a wake-up and re-push per generation), activations
@@ -77,7 +80,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
     as_chosen = [(stale, ckpt_why, False)]
     tries = [*(as_chosen if not stale.sleep_level else []), (sized, ckpt_why, True),
              *(as_chosen if stale.sleep_level else []), (replace(sized, gradient_checkpointing=True), recomputed, True),
-             (replace(sized, gradient_checkpointing=True, sleep_level=2), recomputed, True)]
+             (replace(sized, gradient_checkpointing=True, sleep_level=2, expandable_segments=False), recomputed, True)]
     shared, fallback_why = next(((c, why, s) for c, why, s in tries if fits(c)), None), None
     if shared:
         chosen, ckpt_why, sized_share = shared
@@ -168,13 +171,17 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
                 f"({est['peak_phase']} phase, modelled)",
                 "weight push in one load_weights call instead of one per tensor (0.03 s instead of 0.05 s at 1.5B, "
                 f"measured, {MEASURED}): `colo-kit train --bucketed-push`, not a GRPOConfig field"] + launch
+    if chosen.expandable_segments:
+        comments.append(f"environment: {ALLOC_CONF} (PyTorch's allocator then holds little above its live tensors, "
+                        "which the planner counts; vLLM refuses it with sleep mode)")
     return {"fits": True, "fields": fields, "model": chosen.model, "comments": comments, "plan": chosen,
+            "environment": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if chosen.expandable_segments else {},
             "peak_gib_per_gpu": est["peak_gib_per_gpu"]}
 
 
 def _planned(rec: dict) -> dict:
     return {k: rec[k] for k in ("vllm_gpu_memory_utilization", "sleep_level", "vllm_tensor_parallel_size",
-                                "zero_stage", "offload_optimizer")}
+                                "zero_stage", "offload_optimizer", "expandable_segments")}
 
 
 def to_yaml(r: dict) -> str:
@@ -184,7 +191,8 @@ def to_yaml(r: dict) -> str:
     p = r["plan"]
     lines = [f"# colo_kit recipe: {p.model}, {p.gpus} GPU(s) of {p.gpu_mem_gib} GiB, prompts up to {p.prompt_length} "
              "tokens",
-             "# run: colo-kit train --config THIS.yaml  (a TRL script built on TrlParser reads every other line: give "
+             f"# run: {ALLOC_CONF + ' ' if p.expandable_segments else ''}colo-kit train --config THIS.yaml  "
+             "(a TRL script built on TrlParser reads every other line: give "
              "it the model as its model_name_or_path instead of `model:`)"]
     lines += [f"# {c}" for c in r["comments"]]
     lines.append("# the model the planner sized this recipe for, which colo-kit train loads (a preset, a folder or a "
