@@ -1,9 +1,6 @@
-"""Notebooks: built from plain-text sources, executed headless, saved with an HTML copy.
-
-`notebooks/NN_name.ipynb` is generated (`colo-kit run-notebooks --build`; a test fails on a stale one) from
-`notebooks/src/NN_name.py` in jupytext's "percent" format, so sources review and diff like code. Execution is Run
-All on whatever machine this is: a cell needing missing hardware says in one line what it does instead
-(`colo_kit.env.Machine`). The runner rewrites nothing; what it adds against hangs is below.
+"""Notebooks executed headless, as JupyterLab's Run All runs them, and saved with an HTML copy (`make demo`,
+`colo-kit run-notebooks`). A cell needing missing hardware says in one line what it does instead
+(`colo_kit.env.Machine`); the runner rewrites nothing, and what it adds against hangs is below.
 """
 
 from __future__ import annotations
@@ -16,70 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_kit.paths import REPO_ROOT, runs_dir
-from colo_kit.results import measured_times
 
 log = logging.getLogger(__name__)
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
-SOURCES = NOTEBOOKS / "src"
-
-
-def parse_source(text: str) -> list[dict]:
-    """Percent-format text, read by jupytext -> a list of {'type', 'source', 'tags'}, without the blank
-    lines jupytext keeps right after a `# %%` marker (a notebook would open with an empty first line)."""
-    import jupytext
-
-    cells = []
-    for cell in jupytext.reads(text, fmt="py:percent").cells:
-        lines = cell.source.split("\n")
-        while len(lines) > 1 and not lines[0].strip():
-            lines.pop(0)
-        cells.append({"type": cell.cell_type, "source": "\n".join(lines), "tags": list(cell.metadata.get("tags", []))})
-    return cells
-
-
-# A source's header says `**Time** (Run All, measured): {{measured_times}}` and the build writes the times the
-# committed check runs measured there (`colo_kit.results.measured_times`): a typed time would go stale.
-TIMES = "{{measured_times}}"
-
-
-def build_notebook(src: Path):
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    # the kernelspec as JupyterLab writes it, so a notebook does not open as modified
-    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
-                   "language_info": {"name": "python"},
-                   "colo_kit": {"source": str(src.relative_to(REPO_ROOT))}}
-    makers = {"code": nbformat.v4.new_code_cell, "markdown": nbformat.v4.new_markdown_cell, "raw": nbformat.v4.new_raw_cell}
-    for i, c in enumerate(parse_source(src.read_text())):
-        text = c["source"].replace(TIMES, measured_times(src.stem)) if TIMES in c["source"] else c["source"]
-        cell = makers[c["type"]](text)
-        cell.id = f"cell-{i:02d}"
-        if c["tags"]:
-            cell.metadata["tags"] = c["tags"]
-        nb.cells.append(cell)
-    return nb
-
-
-def notebook_text(src: Path) -> str:
-    import nbformat
-
-    return nbformat.writes(build_notebook(src)) + "\n"
-
-
-def build_all() -> list[Path]:
-    written = []
-    for src in sorted(SOURCES.glob("[0-9][0-9]_*.py")):
-        dst = NOTEBOOKS / (src.stem + ".ipynb")
-        text = notebook_text(src)
-        if not dst.exists() or dst.read_text() != text:
-            # whole or not at all: a write cut midway (a full disk) would leave a notebook that no longer opens
-            tmp = dst.with_name(f".{dst.name}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, dst)
-        written.append(dst)
-    return written
 
 
 class NotebookWallTimeout(TimeoutError):
@@ -228,10 +165,8 @@ def _find_nbconvert_templates() -> None:
 
 @dataclass
 class RunNotebooksArgs:
-    """`colo-kit run-notebooks [notebook ...]`'s flags."""
+    """`colo-kit run-notebooks [notebook ...]`'s flag."""
 
-    build: bool = field(default=False, metadata={"help": "regenerate the .ipynb files from notebooks/src/ first"})
-    build_only: bool = field(default=False, metadata={"help": "regenerate them, execute none"})
     out: str | None = field(default=None, metadata={"help": "folder for executed copies (default results/runs/notebooks)"})
 
 
@@ -242,11 +177,6 @@ def cli_main(argv: list[str]) -> int:
     n = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
     (args,) = parse_dataclasses((RunNotebooksArgs,), argv[n:], prog="colo-kit run-notebooks", description=(
         "notebooks (words before the flags): paths (default: every notebooks/NN_*.ipynb)"))
-    if args.build or args.build_only:
-        for p in build_all():
-            print(f"built {p.relative_to(REPO_ROOT)}")
-        if args.build_only:
-            return 0
     paths = [Path(p) for p in argv[:n]] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     for p in paths:
         if not p.is_file():

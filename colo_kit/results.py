@@ -58,16 +58,3 @@ def measured_runs() -> dict[str, dict[str, dict]]:
                 machine = rec.get("machine") or machine_label(record.get("env") or {})
                 out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine}
     return out
-
-
-def minutes(rec: dict | None) -> str:
-    return f"~{rec['seconds'] / 60:.1f} min" if rec else "not measured"
-
-
-def measured_times(stem: str) -> str:
-    """A notebook header's Run All times on each kind of machine, with the files they come from."""
-    runs = measured_runs().get(stem, {})
-    times = [f"{runs[t]['machine']} {minutes(runs[t])}" if t in runs else f"{UNMEASURED[t]}: not measured"
-             for t in CHECKS]
-    where = [f"`results/{name}`" for t, name in CHECKS.items() if t in runs]
-    return " · ".join(times + ["8 GPUs: not measured"]) + (f" ({', '.join(where)})" if where else "")

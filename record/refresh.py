@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from colo_kit.results import CHECKS, UNMEASURED, measured_runs
-from colo_kit.results import minutes as _minutes
+from record.notebooks import minutes as _minutes
 
 FACT_KEY = "colo_kit_fact"  # the metadata `colo_kit.labs.lab.see` puts on its box; the check collects it
 

@@ -374,7 +374,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
     `lanes`: lists of notebook numbers; the lanes run at the same time, each one notebook after
     another (a GPU with room for two notebooks' engines checks them in half the time; each record
     says which lane it ran in and beside how many others)."""
-    from colo_kit.notebook import SOURCES
+    from record.notebooks import SOURCES
     from record.refresh import source_digest
 
     by_number = _notebook_numbers()  # main() refused numbers that name no notebook
@@ -423,7 +423,7 @@ def notebooks_done(path: Path) -> set[str]:
     """The numbers of the notebooks the record at `path` holds as completed with this package and the notebook's
     source as it is now, their HTML copies beside the record (`--resume`: the notebooks part goes on where the last
     call's time limit stopped it, as the tests part does)."""
-    from colo_kit.notebook import SOURCES
+    from record.notebooks import SOURCES
     from record.refresh import source_digest
 
     kit, html = kit_digest(), path.with_suffix("")
@@ -600,14 +600,10 @@ def _prune(path: Path, record: dict, suite: set[str]) -> list[str]:
 def refresh() -> int:
     """The committed records' times and peaks written where a learner reads them: each notebook's header (built
     from its source), README.md's hardware matrix, docs/INSTRUCTOR.md's schedule and memory tables."""
-    from colo_kit import notebook
+    from record.notebooks import build_all
     from record.refresh import refresh_tables
 
-    # colo_kit.notebook.build_all's loop, each file replaced whole: a plain write under a full disk cut a notebook
-    for src in sorted(notebook.SOURCES.glob("[0-9][0-9]_*.py")):
-        nb, text = notebook.NOTEBOOKS / (src.stem + ".ipynb"), notebook.notebook_text(src)
-        if not nb.exists() or nb.read_text(encoding="utf-8") != text:
-            write_text_atomic(nb, text)
+    for nb in build_all():  # each file replaced whole: a plain write under a full disk cut a notebook
         print(f"[check] built {nb.relative_to(REPO)}")
     for doc in (REPO / "README.md", REPO / "docs" / "INSTRUCTOR.md"):
         text = doc.read_text(encoding="utf-8")

@@ -449,7 +449,7 @@ def test_resume_runs_only_the_notebooks_not_completed_with_this_package_at_their
     done, nothing runs and nothing is written."""
     import json
 
-    from colo_kit.notebook import SOURCES
+    from record.notebooks import SOURCES
     from record.refresh import source_digest
 
     check = load_script("scripts/check.py")

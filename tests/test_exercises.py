@@ -9,9 +9,9 @@ import re
 import pytest
 
 from colo_kit.labs import lab
-from colo_kit.notebook import NOTEBOOKS, SOURCES, TIMES, parse_source
 from colo_kit.paths import REPO_ROOT
-from colo_kit.results import UNMEASURED, machine_label, measured_times
+from colo_kit.results import UNMEASURED, machine_label
+from record.notebooks import NOTEBOOKS, SOURCES, TIMES, measured_times, parse_source
 from record.refresh import refresh_tables
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))

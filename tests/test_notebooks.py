@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from colo_kit.notebook import NOTEBOOKS, SOURCES, notebook_text
+from colo_kit.notebook import NOTEBOOKS
+from record.notebooks import SOURCES, notebook_text
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
 
@@ -20,7 +21,7 @@ def test_every_notebook_has_a_source():
 @pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
 def test_notebook_is_built_from_source_without_outputs(src: Path):
     ipynb = NOTEBOOKS / (src.stem + ".ipynb")
-    assert ipynb.read_text() == notebook_text(src), f"{ipynb.name} is stale: run `colo-kit run-notebooks --build-only`"
+    assert ipynb.read_text() == notebook_text(src), f"{ipynb.name} is stale: run `python -m record.notebooks`"
 
 
 @pytest.mark.notebook
@@ -68,21 +69,18 @@ def test_run_notebooks_and_demo_take_their_flags(tmp_path, monkeypatch):
     from colo_kit.cli import main
     from colo_kit.paths import runs_dir
 
-    ran, built = [], []
+    ran = []
     monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path))  # demo's default folder is under it
-    monkeypatch.setattr(notebook, "build_all", lambda: built.append(1) or [])
     monkeypatch.setattr(notebook, "execute", lambda path, out: ran.append((path, out)) or {
         "notebook": path, "seconds": 0, "executed": "e", "html": "h"})
     first, second = NOTEBOOKS / "00_quickstart.ipynb", NOTEBOOKS / "01_ping_pong.ipynb"
-    assert main(["run-notebooks", str(first), str(second), "--build", "--out", str(tmp_path)]) == 0
-    assert main(["run-notebooks", "--build-only"]) == 0 and main(["demo"]) == 0
-    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
-    assert built == [1, 1] and ran == [(first, tmp_path), (second, tmp_path), (first, runs_dir() / "demo"),
-                                       (first, tmp_path / "demo")]
+    assert main(["run-notebooks", str(first), str(second), "--out", str(tmp_path)]) == 0
+    assert main(["demo"]) == 0 and main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    assert ran == [(first, tmp_path), (second, tmp_path), (first, runs_dir() / "demo"), (first, tmp_path / "demo")]
 
 
 def test_sources_are_read_as_jupytext_percent_format():
-    from colo_kit.notebook import parse_source
+    from record.notebooks import parse_source
 
     text = ('# %% [markdown]\n# # Title\n#\n# prose\n\n# %% tags=["solution"]\n\nx = 1\n\n\n'
             '# %% Named cell\nprint(x)\n\n# %% [raw]\nraw text\n')

@@ -102,8 +102,8 @@ root = pathlib.Path(sys.argv[2])
 spec = importlib.util.spec_from_file_location("check", sys.argv[1])
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
-import colo_kit.notebook
-check.REPO, colo_kit.notebook.NOTEBOOKS = root, root / "notebooks"  # copies, never the committed files
+import record.notebooks
+check.REPO, record.notebooks.NOTEBOOKS = root, root / "notebooks"  # copies, never the committed files
 sys.exit(check.main(["refresh"]))
 """
 
@@ -112,7 +112,7 @@ def test_a_refresh_cut_by_a_full_disk_leaves_the_notebook_whole(tmp_path):
     """`check.py refresh` rewrites the notebooks, README.md and docs/INSTRUCTOR.md; under a file-size limit it cut
     notebooks/00_quickstart.ipynb. Now the notebook stays as it was; without the limit it is rebuilt from its
     source."""
-    from colo_kit.notebook import SOURCES, notebook_text
+    from record.notebooks import SOURCES, notebook_text
 
     root = tmp_path / "repo"
     (root / "notebooks").mkdir(parents=True)
