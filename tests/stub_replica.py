@@ -3,7 +3,7 @@ aiohttp, its own process, so a test can kill it like a crashed replica) that ans
 measure the proxy alone, its routing, broadcast and failure handling, without vLLM's own
 milliseconds. Not part of the kit.
 
-    python tests/stub_replica.py --port 9001 --name a [--token-env NAME] [--fail PATH,...]
+    python tests/stub_replica.py --port 9001 --name a [--host 127.0.0.1] [--token-env NAME] [--fail PATH,...]
 """
 
 import os
@@ -66,8 +66,8 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         await hang_if_told(request)
         challenge = request.headers.get(CHALLENGE_HEADER)
         if token and challenge:
-            port = request.transport.get_extra_info("sockname")[1]
-            return web.Response(text="", headers={PROOF_HEADER: replica_proof(token, port, challenge)})
+            host, port = request.transport.get_extra_info("sockname")[:2]
+            return web.Response(text="", headers={PROOF_HEADER: replica_proof(token, host, port, challenge)})
         return web.Response(text="")
 
     async def world_size(request):
@@ -160,10 +160,10 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
 
 
 def _spawn_stub(port: int, name: str, token_env: str | None = None, log_path=None,
-                fail: tuple[str, ...] = ()) -> subprocess.Popen:
+                fail: tuple[str, ...] = (), host: str = "127.0.0.1") -> subprocess.Popen:
     import sys
 
-    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name, "--host", host]
     if token_env:
         argv += ["--token-env", token_env]
     if fail:
@@ -172,12 +172,12 @@ def _spawn_stub(port: int, name: str, token_env: str | None = None, log_path=Non
     return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> subprocess.Popen:
+def _wait_healthy(port: int, proc: subprocess.Popen, deadline: float, host: str = "127.0.0.1") -> subprocess.Popen:
     import httpx
 
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+            if httpx.get(f"http://{host}:{port}/health", timeout=0.5).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.05)
@@ -186,11 +186,11 @@ def _wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> subproc
 
 
 def start_stub(port: int, name: str, token_env: str | None = None, log_path=None,
-               fail: tuple[str, ...] = ()) -> subprocess.Popen:
+               fail: tuple[str, ...] = (), host: str = "127.0.0.1") -> subprocess.Popen:
     """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica).
     `fail` paths answer 500 from the first request on: set later, a health poll could come first."""
     # a deadline, not a count of tries: on 2 busy cores the interpreter and aiohttp alone took 3-10 s
-    return _wait_healthy(port, _spawn_stub(port, name, token_env, log_path, fail), time.monotonic() + 60)
+    return _wait_healthy(port, _spawn_stub(port, name, token_env, log_path, fail, host), time.monotonic() + 60, host)
 
 
 def start_stubs(stubs: dict[int, dict]) -> dict[int, subprocess.Popen]:
@@ -216,6 +216,7 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python tests/stub_replica.py")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--name", default="stub")
     ap.add_argument("--token-env", default=None)
     ap.add_argument("--fail", default="", help="comma-separated paths that answer 500 from the start")
@@ -228,7 +229,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         loop_factory = None
     kwargs = {"loop": loop_factory()} if loop_factory else {}
-    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host="127.0.0.1", port=a.port,
+    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host=a.host, port=a.port,
                 access_log=None, print=None, handler_cancellation=True, **kwargs)
     return 0
 

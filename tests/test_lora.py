@@ -254,12 +254,14 @@ def test_the_replica_middleware_asks_for_the_key_everywhere_but_health(monkeypat
     assert _asgi(mw, "/health", method="GET")[::2] == (200, True)  # health checks carry no key
     assert _asgi(mw, "/collective_rpc", method="OPTIONS")[::2] == (200, True)  # CORS preflight, as vLLM lets it
     assert _asgi(mw, "/collective_rpc", kind="websocket")[0] == 1008
-    # the proof of the key for the port it listens on, for a challenge it was given
+    # the proof of the key for the host and port it was reached at, for a challenge it was given
     _, headers, _ = _asgi(mw, "/health", [(CHALLENGE_HEADER, "c1")], method="GET", port=8123)
     proof = headers[PROOF_HEADER.lower().encode()].decode()
-    assert proof_ok("k-replica", 8123, "c1", proof)
-    assert not proof_ok("k-replica", 8124, "c1", proof) and not proof_ok("k-replica", 8123, "c2", proof)
-    assert not proof_ok("other-key", 8123, "c1", proof)
+    assert proof_ok("k-replica", "127.0.0.1", 8123, "c1", proof)
+    assert not proof_ok("k-replica", "127.0.0.1", 8124, "c1", proof) and not proof_ok("k-replica", "127.0.0.2", 8123,
+                                                                                      "c1", proof)
+    assert not proof_ok("k-replica", "127.0.0.1", 8123, "c2", proof)
+    assert not proof_ok("other-key", "127.0.0.1", 8123, "c1", proof)
     monkeypatch.delenv("VLLM_API_KEY")
     assert _asgi(ReplicaAuthMiddleware(None), "/collective_rpc")[::2] == (200, True)  # no key: as vLLM, open
 
@@ -295,7 +297,7 @@ def test_a_real_replica_refuses_its_dev_endpoints_without_the_key(monkeypatch, l
     proxy = RoutingProxy(ProxyConfig(replicas=reps.urls, port=0, token_env="COLO_KIT_TEST_KEY")).start_in_thread()
     try:
         assert proxy.config.block_size == 32  # asked with the key
-        assert proxy.replicas[url].proof.proves is True  # the start's health poll got the proof
+        assert proxy.replicas[url].proof.trusted is True  # the start's health poll got the proof
         assert httpx.get(proxy.url + "/v1/models", timeout=30).status_code == 200
     finally:
         proxy.stop_thread()

@@ -473,21 +473,6 @@ def test_a_process_on_a_dead_replicas_port_is_never_sent_the_token(stubs, adapte
         p.stop_thread()
 
 
-def test_a_replica_that_never_proved_the_key_is_trusted_as_before(tmp_path, monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, test_proxy.TOKEN)
-    port = free_port()
-    plain = start_stub(port, "plain", log_path=tmp_path / "plain.log")  # no proof: a plain vllm serve --api-key
-    p = _proxy([port])
-    try:
-        _wait_for(lambda: _state(port)["health_polls"] >= 2, 15, "the proxy polling it")
-        assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40}).status_code == 200
-        assert p.snapshot()["replicas"][f"http://127.0.0.1:{port}"]["healthy"]
-    finally:
-        p.stop_thread()
-        plain.kill()
-        plain.wait()
-
-
 # ---------------------------------------------------------------------------------------------
 # (8) TRL's clients send the proxy's client token inside `trl_client_auth`
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class RoutingProxy:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        await self._poll_health()  # first: the token goes only to replicas that proved the key
         if self.config.block_size is None:
             self.config.block_size = await self._ask_block_size()
         self.keyer = PrefixKeyer(self.config.block_size, self.config.max_prefix_blocks, self.config.tokenizer)
@@ -85,7 +86,6 @@ class RoutingProxy:
             raise
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.config.host}:{port}"
-        await self._poll_health()
         self._health_task = asyncio.create_task(self._health_loop())
         log.info("proxy on %s -> %s (policy=%s, block_size=%d, replica auth=%s, client auth=%s)", self.url,
                  list(self.replicas), self.config.policy, self.config.block_size,
@@ -94,7 +94,7 @@ class RoutingProxy:
 
     async def _ask_block_size(self) -> int:
         """The replicas' KV block size from `/server_info` (a dev-mode endpoint); 16 if none says."""
-        for url in self.config.replicas:
+        for url in (u for u, r in self.replicas.items() if r.healthy):
             status, text = await self._send(url, "GET", "/server_info?config_format=json", b"",
                                             self._upstream_headers(), self.config.upstream_timeout_s)
             try:

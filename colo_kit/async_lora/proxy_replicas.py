@@ -46,7 +46,7 @@ class Replica:
 
     @property
     def trusted(self) -> bool:
-        """False while what answers on its port cannot prove the key it proved before: never sent the token."""
+        """False until its last health poll proved the replicas' key for its address: never sent the token."""
         return self.proof is None or self.proof.trusted
 
     async def probe(self, session, *, challenge: bool, timeout_s: float, failures_to_drop: int) -> bool:
@@ -73,7 +73,9 @@ class Replica:
             return False
         if nonce is not None and not self.proof.verify(nonce, answer):
             self.last_error = ("answers /health without the proof of the replicas' key it gave before: another "
-                               "process on its port? Not sent the token; restart the replica")
+                               "process on its address? Not sent the token; restart the replica" if self.proof.proved
+                               else "has not proved it holds the replicas' key (start it with colo_kit.async_lora."
+                               "lora.replica_launch(api_key_env=...)): not sent the token until it does")
             self.failed_polls = failures_to_drop
             return False
         self.failed_polls = 0

@@ -3,22 +3,23 @@
 vLLM checks its key only under `/v1` and a few other prefixes (serve/middleware/authenticate.py), yet a dev-mode
 replica also serves `/collective_rpc` and `/pause` to any local process: `ReplicaAuthMiddleware` asks for the key on
 every path but `/health`. A process that binds a dead replica's port must not be handed the token, so each health poll
-carries a fresh challenge answered with HMAC-SHA256(key, port, challenge).
+carries a fresh challenge answered with HMAC-SHA256(key, host, port, challenge): the address the replica was reached
+on, so a process on another host's port that relays the challenge to a live replica gets a proof for the wrong address.
+A replica is sent the token only while its polls prove the key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
-import logging
 import os
 import secrets
+import socket
 from urllib.parse import urlsplit
 
 from colo_kit.async_lora.routing import bearer_ok
-
-log = logging.getLogger("colo_kit.async_lora.proxy")  # the proxy logs what KeyProof finds
 
 MIDDLEWARE = "colo_kit.async_lora.replica_auth.ReplicaAuthMiddleware"  # the import path vLLM's --middleware takes
 KEY_ENV = "VLLM_API_KEY"  # where vLLM reads its key, and the middleware with it
@@ -33,18 +34,24 @@ def new_challenge() -> str:
     return secrets.token_hex(16)
 
 
-def replica_proof(key: str, port: int | None, challenge: str) -> str:
-    """What a replica holding `key` and listening on `port` answers to `challenge`."""
-    message = f"colo-kit-replica-proof|{port}|{challenge}".encode("utf-8", "surrogateescape")
+def address(host: str) -> str:
+    """An IP address as both sides spell it (IPv4 reached through an IPv6 socket as IPv4)."""
+    ip = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def replica_proof(key: str, host: str, port: int | None, challenge: str) -> str:
+    """What a replica holding `key`, reached at `host`:`port`, answers to `challenge`."""
+    message = f"colo-kit-replica-proof|{address(host)}|{port}|{challenge}".encode("utf-8", "surrogateescape")
     return hmac.new(key.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
-def proof_ok(key: str, port: int | None, challenge: str, answer: str | None) -> bool:
-    """Whether `answer` is the proof for `challenge` of a replica holding `key` on `port` (constant time)."""
+def proof_ok(key: str, host: str, port: int | None, challenge: str, answer: str | None) -> bool:
+    """Whether `answer` is the proof for `challenge` of a replica holding `key` at `host`:`port` (constant time)."""
     if not answer:
         return False
     return hmac.compare_digest(answer.strip().encode("utf-8", "surrogateescape"),
-                               replica_proof(key, port, challenge).encode())
+                               replica_proof(key, host, port, challenge).encode())
 
 
 def _header(scope, name: str) -> str | None:
@@ -85,8 +92,8 @@ class ReplicaAuthMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _with_proof(self, scope, challenge: str, send):
-        server = scope.get("server") or (None, None)  # uvicorn: the address of the socket the request came in on
-        proof = replica_proof(self.key, server[1], challenge).encode()
+        host, port = scope.get("server") or ("0.0.0.0", None)  # uvicorn: the socket's own address, as reached
+        proof = replica_proof(self.key, host, port, challenge).encode()
 
         async def send_with_proof(message):
             if message["type"] == "http.response.start":
@@ -97,24 +104,26 @@ class ReplicaAuthMiddleware:
 
 
 class KeyProof:
-    """The proxy's side, for one replica: trust on first proof; one that never proved the key is trusted with a warning."""
+    """The proxy's side, for one replica: trusted only while its polls prove the key for the address it is reached at
+    (a host name: any address it resolves to)."""
 
     def __init__(self, key: str, base_url: str, shown: str | None = None):
         self.key = key
         self.shown = shown or base_url  # the URL as logs show it (no password)
-        self.port = urlsplit(base_url).port or (443 if base_url.startswith("https") else 80)
-        self.proves: bool | None = None  # None: not asked yet
-        self.trusted = True  # False while what answers on the port cannot prove the key it proved before
+        parts = urlsplit(base_url)
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            self.hosts = {address(parts.hostname or "")}
+        except ValueError:  # a name: what it resolves to now
+            try:
+                self.hosts = {address(a[4][0]) for a in socket.getaddrinfo(parts.hostname, self.port)}
+            except (OSError, UnicodeError):
+                self.hosts = set()
+        self.proved = False  # has it ever proved the key?
+        self.trusted = False  # did its last poll?
 
     def verify(self, challenge: str, answer: str | None) -> bool:
-        """Whether a poll's answer to `challenge` lets the replica be trusted."""
-        if proof_ok(self.key, self.port, challenge, answer):
-            self.proves = self.trusted = True
-        elif self.proves:
-            self.trusted = False
-        elif self.proves is None:
-            self.proves = False
-            log.warning("replica %s does not prove it holds the replicas' key (not started by colo_kit.async_lora.lora."
-                        "replica_launch?): a process that took its port after it died would be sent the token",
-                        self.shown)
+        """Whether a poll's answer to `challenge` lets the replica be trusted (and sent the token) now."""
+        self.trusted = any(proof_ok(self.key, h, self.port, challenge, answer) for h in self.hosts)
+        self.proved |= self.trusted
         return self.trusted

@@ -1,0 +1,120 @@
+"""Whom the proxy trusts with the replicas' token, and what it answers under load: a relay on a dead replica's address
+(another host, the same port) and a replica that never proved the key are never sent the token; a replica that refuses
+connections gets a 503 with Retry-After, counted. Real HTTP servers on 127.0.0.0/8 (`tests/stub_replica.py`)."""
+
+import asyncio
+import contextlib
+import threading
+
+from stub_replica import start_stub
+from test_proxy import TOKEN, TOKEN_ENV, H, _state
+from test_proxy_hardening import _wait_for
+
+from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
+from colo_kit.async_lora.replica_auth import CHALLENGE_HEADER
+from colo_kit.parallel.launch import free_port
+
+
+@contextlib.contextmanager
+def _tcp_relay(host: str, port: int, to_host: str, to_port: int):
+    """A process's worth of relay in a thread: every byte sent to host:port goes on to to_host:to_port and back, as a
+    squatter would relay a challenge to a live replica. Yields the bytes it was sent."""
+    seen = bytearray()
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader, writer, record):
+        try:
+            while data := await reader.read(65536):
+                if record:
+                    seen.extend(data)
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader, writer):
+        try:
+            up_reader, up_writer = await asyncio.open_connection(to_host, to_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    server = loop.run_until_complete(asyncio.start_server(handle, host, port))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        server.close()
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, server.wait_closed(), return_exceptions=True))
+        loop.close()
+
+
+def _stop(*procs):
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_relay_on_a_dead_replicas_host_is_never_sent_the_token(monkeypatch, tmp_path):
+    """Replicas at 127.0.0.1:P and 127.0.0.2:P (one port, two hosts, as 10.0.0.5:8000 and 10.0.0.6:8000); b dies and a
+    process on b's address relays everything to a: a's proof is for a's address, so the relay stays out."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    port = free_port()
+    a = start_stub(port, "a", TOKEN_ENV, tmp_path / "a.log", host="127.0.0.1")
+    b = start_stub(port, "b", TOKEN_ENV, tmp_path / "b.log", host="127.0.0.2")
+    url_a, url_b = f"http://127.0.0.1:{port}", f"http://127.0.0.2:{port}"
+    p = RoutingProxy(ProxyConfig(replicas=[url_a, url_b], port=0, token_env=TOKEN_ENV, health_interval_s=0.2,
+                                 block_size=16)).start_in_thread()
+    try:
+        assert all(r["healthy"] for r in p.snapshot()["replicas"].values())  # both proved the key for their address
+        _stop(b)
+        _wait_for(lambda: not p.snapshot()["replicas"][url_b]["healthy"], 15, "the killed replica leaving rotation")
+        with _tcp_relay("127.0.0.2", port, "127.0.0.1", port) as seen:
+            _wait_for(lambda: seen.count(CHALLENGE_HEADER.encode()) >= 3, 30, "the proxy polling the relay")
+            for i in range(6):
+                assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40}).json()["replica"] == "a"
+            assert H.get(p.url + "/v1/models").status_code == 200
+            assert b"authorization" not in bytes(seen).lower(), bytes(seen)[:2000]
+        snap = p.snapshot()["replicas"][url_b]
+        assert not snap["healthy"] and "proof" in snap["last_error"], snap
+    finally:
+        p.stop_thread()
+        _stop(a)
+
+
+def test_a_replica_that_never_proved_the_key_is_never_sent_the_token(monkeypatch, tmp_path):
+    """A process on a replica's port before the proxy starts (a re-run cell) is not asked for the block size, not
+    routed to and not sent a broadcast, until a replica that holds the key answers there."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    squat, good = free_port(), free_port()
+    plain = start_stub(squat, "plain", log_path=tmp_path / "plain.log")  # no key: cannot prove it
+    keyed = start_stub(good, "keyed", TOKEN_ENV, tmp_path / "keyed.log")
+    url = f"http://127.0.0.1:{squat}"
+    p = RoutingProxy(ProxyConfig(replicas=[url, f"http://127.0.0.1:{good}"], port=0, token_env=TOKEN_ENV,
+                                 health_interval_s=0.2)).start_in_thread()  # block size asked of the replicas
+    try:
+        assert p.config.block_size == 32  # from the keyed one
+        _wait_for(lambda: _state(squat)["health_polls"] >= 3, 15, "the proxy polling it")
+        for i in range(6):
+            assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [i] * 40}).json()["replica"] == "keyed"
+        assert H.post(p.url + "/reset_prefix_cache").status_code == 200
+        assert H.get(p.url + "/v1/models").status_code == 200
+        state = _state(squat)
+        assert state["auth_headers"] == 0 and state["requests"] == 0 and state["calls"] == [], state
+        snap = p.snapshot()["replicas"][url]
+        assert not snap["healthy"] and "has not proved" in snap["last_error"], snap
+        _stop(plain)  # the replica itself, with the key, on that port: trusted once it proves it
+        plain = start_stub(squat, "r0", TOKEN_ENV, tmp_path / "again.log")
+        _wait_for(lambda: p.snapshot()["replicas"][url]["healthy"], 15, "the keyed replica coming in")
+    finally:
+        p.stop_thread()
+        _stop(plain, keyed)
