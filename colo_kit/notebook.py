@@ -50,9 +50,7 @@ def _client_class():
     from nbclient import NotebookClient
 
     class SlicedPollClient(NotebookClient):
-        # Seen on the 2-core CI machine: a cell's reply sat unread while the client waited, both
-        # processes idle (py-spy); notebook 04 (5 s when clean) took 305 s: the cell's 300 s poll
-        # expired, and the reply that had been waiting was read at once.
+        # a missed zmq wake-up leaves a cell's reply unread until the whole poll expires (300 s, both sides idle)
         async def async_start_new_kernel_client(self):
             kc = await super().async_start_new_kernel_client()
             for channel in (kc.shell_channel, kc.iopub_channel):
@@ -87,17 +85,16 @@ def _execute_within(client, wall_s: float, kernel_env: dict) -> None:
 def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html: bool = True,
             wall_s: float | None = None) -> dict:
     """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy (and an HTML
-    one) under `out_dir`, and return where they are and how long it took; a failing cell raises
-    `nbclient.exceptions.CellExecutionError`. `timeout_s` bounds each cell, `wall_s` (default 2 × timeout_s, or
-    COLO_KIT_NOTEBOOK_WALL_S) the whole notebook, for the hangs no cell timeout catches (below)."""
+    one) under `out_dir`; return where they are and how long it took. A failing cell raises nbclient's
+    `CellExecutionError`; `timeout_s` bounds each cell, `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S)
+    the whole notebook."""
     import nbformat
 
     path = Path(path)
     out_dir = Path(out_dir or runs_dir() / "notebooks")
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(path, as_version=4)
-    # A kernel is a fresh single process: it must not inherit a rank or a rendezvous address. It gets
-    # its own environment; this process's os.environ is left as it is (other threads read it).
+    # the kernel is a single process: no rank or rendezvous address (other threads read this process's os.environ)
     from colo_kit.procs import without_rank_vars
     from nbclient.exceptions import CellTimeoutError
 
@@ -106,8 +103,7 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
     pristine = nbformat.from_dict(json.loads(json.dumps(nb)))
     wall_s = float(wall_s or os.environ.get("COLO_KIT_NOTEBOOK_WALL_S") or 2 * timeout_s)
     for attempt in (1, 2):
-        # the kernel's own log stays quiet below errors: ipykernel 7 warns on every start that its loopback TCP is
-        # unencrypted, which `make demo` printed as a warning for the learner to worry about
+        # below errors the kernel's log is ipykernel 7's warning, on every start, that its loopback TCP is unencrypted
         client = _client_class()(nb, timeout=timeout_s, kernel_name="python3",
                                  extra_arguments=["--IPKernelApp.log_level=ERROR"],
                                  resources={"metadata": {"path": str(path.parent)}})
@@ -115,10 +111,8 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
             _execute_within(client, wall_s, kernel_env)
             break
         except (CellTimeoutError, NotebookWallTimeout) as exc:
-            # Seen on the 2-core CI machine: the kernel finished a cell and sat idle while the
-            # client waited (py-spy: both sides idle), for 300 s once and over 8 minutes once.
-            # The sliced polls above should make that a one-second hiccup; this is the backstop.
-            # A real cell error is never retried; a timeout is, once, in a new kernel.
+            # the backstop to the sliced polls, should a reply still go unread: a timeout is retried once in a new
+            # kernel, a cell error never
             if attempt == 2:
                 raise
             log.warning("%s: %s; retrying once in a new kernel", path.name, exc)
