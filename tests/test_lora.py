@@ -65,9 +65,11 @@ def test_launch_recipe(monkeypatch):
 
 
 def test_the_recipe_command_takes_the_model_first_then_replica_launchs_flags(capsys):
-    from colo_kit.async_lora.lora import PROG, cli_recipe
     from colo_kit.commands import run
+    from conftest import load_script
 
+    script = load_script("scripts/lora_replicas.py")
+    cli_recipe, PROG = script.main, script.PROG
     assert run(cli_recipe, ["/models/qwen", "--replicas", "2", "--base-port", "9000", "--max_staleness", "2",
                             "--lora-rank", "3"], PROG) == 0
     out = capsys.readouterr().out.splitlines()

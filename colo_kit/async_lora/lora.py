@@ -8,7 +8,6 @@ serves the version (behind a proxy, a load that reached one replica only is othe
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -230,39 +229,3 @@ def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
                      "loaded_during_sync": min(v, max_staleness + 2),
                      "unloaded_after": v - max_staleness - 1 if v > max_staleness + 1 else None})
     return rows
-
-
-PROG = "python -m colo_kit.async_lora.lora"
-
-
-@dataclass
-class RecipeArgs:
-    """`python -m colo_kit.async_lora.lora MODEL`'s flags, named as `replica_launch`'s arguments."""
-
-    replicas: int = field(default=2, metadata={"help": "replicas, one per GPU"})
-    base_port: int = field(default=8001, metadata={"help": "the first replica's port; the next ones count up"})
-    max_staleness: int = field(default=4, metadata={"help": "versions a rollout may lag behind (sets --max-loras)"})
-    lora_rank: int = field(default=1, metadata={"help": "the adapter's rank (sets --max-lora-rank)"})
-
-
-def cli_recipe(argv: list[str]) -> int:
-    """Print the launch lines for N replicas (used by the README and scripts/gpu)."""
-    from colo_kit.commands import UsageError, parse_dataclasses
-
-    # HfArgumentParser takes flags only: the model, a leading word, is taken off first
-    model, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
-    (a,) = parse_dataclasses((RecipeArgs,), argv, prog=PROG, description="model (a first word, before the flags): "
-                             "a model folder or hub id. Prints each replica's launch line and the slots they need.")
-    if model is None:
-        raise UsageError(f"no model: give one first, e.g. {PROG} Qwen/Qwen2.5-1.5B-Instruct --replicas 2")
-    for i in range(a.replicas):
-        print(replica_launch(model, port=a.base_port + i, gpu=i, max_staleness=a.max_staleness,
-                             lora_rank=a.lora_rank).shell())
-    print(json.dumps({"max_loras": max_loras_for(a.max_staleness), "max_lora_rank": max_lora_rank_for(a.lora_rank)}))
-    return 0
-
-
-if __name__ == "__main__":
-    from colo_kit.commands import run
-
-    raise SystemExit(run(cli_recipe, sys.argv[1:], PROG))
