@@ -18,8 +18,8 @@ from stub_replica import start_stub, start_stubs
 
 from colo_kit.parallel.launch import free_port
 from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
-from colo_kit.async_lora.routing import (NEVER, ROUTES, PrefixIndex, PrefixKeyer, check_adapter_load, choose_replica,
-                              normalise_path, rendezvous_order)
+from colo_kit.async_lora.routing import (NEVER, ROUTES, PrefixIndex, PrefixKeyer, choose_replica, normalise_path,
+                                         rendezvous_order, vet_adapter_load)
 
 TOKEN_ENV = "COLO_KIT_TEST_PROXY_TOKEN"
 CLIENT_ENV = "COLO_KIT_TEST_PROXY_CLIENT_TOKEN"
@@ -237,6 +237,10 @@ def test_paths_are_normalised_before_routing(raw, expected):
 
 def test_collective_rpc_is_never_a_route():
     assert all(path not in NEVER for _, path in ROUTES)
+
+
+def check_adapter_load(body, adapter_root):
+    return vet_adapter_load(body, adapter_root)[0]  # why the body is refused, or None
 
 
 def test_adapter_loads_need_a_plain_name_and_a_path_under_the_root(adapters):

@@ -240,11 +240,6 @@ def already_done(path: str, status: int | None, text: str) -> bool:
     return False
 
 
-def check_adapter_load(body, adapter_root: str | None) -> str | None:
-    """Why a `/v1/load_lora_adapter` body must not reach the replicas, or None when it may."""
-    return vet_adapter_load(body, adapter_root)[0]
-
-
 def bearer_ok(header: str | None, token: str) -> bool:
     """Whether an `Authorization` header carries `token`, checked as vLLM does (serve/middleware/authenticate.py):
     the scheme in any case (RFC 7235), the tokens' SHA-256 compared in constant time."""
