@@ -8,7 +8,6 @@ Why the trend flips: TP adds two all-reduces per layer, which a 1.5B model's sma
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from colo_kit.env import has_cuda
 from colo_kit.models import resolve_model
-from colo_kit.paths import results_dir
+from colo_kit.results import load
 
 # What post 1 reports: the 7B peak, and for 1.5B only the direction.
 POST_REFERENCE = {
@@ -289,12 +288,9 @@ def tp_ratio(sweep: dict, key: str) -> float | None:
     return round(b / a, 3) if key == "tok_per_s" else round(a / b, 3)
 
 
-def load_gpu_results(path: Path | None = None) -> dict | None:
+def load_gpu_results() -> dict | None:
     """The committed H200 results (results/tp_gpu.json), or None while the GPU run is pending."""
-    path = Path(path or results_dir() / GPU_RESULTS)
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
+    return load(GPU_RESULTS)
 
 
 def kv_room(models=("qwen2.5-1.5b", "qwen2.5-7b"), tp_sizes=(1, 2), gpus: int = 2,
