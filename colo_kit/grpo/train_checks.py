@@ -9,6 +9,33 @@ MODES = ("colocate", "server", "plain")
 MAX_PER_DEVICE_BATCH = 65536  # completions per device per step; the planner's recipes use 8-256
 MAX_SEED = 2**32 - 1  # numpy's seed range: TRL's set_seed seeds numpy too
 NO_CONFIG_MAX_POSITIONS = 1_048_576  # a completion-length bound when the model's config cannot be read offline
+MAX_YAML_ALIASES = 16  # `*name` repeats a whole value: 9 levels of 9 make 9**9 elements from 400 bytes
+
+
+def shown(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error message never formats a whole huge value."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = short.maxdict = 8
+    short.maxstring = short.maxother = limit
+    return short.repr(value)[:limit]
+
+
+def check_yaml_aliases(path) -> None:
+    """Refuse a YAML file with more than a few aliases, counted in its event stream before anything is built."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            count = 0
+            for event in yaml.parse(f, Loader=yaml.SafeLoader):
+                count += isinstance(event, yaml.AliasEvent)
+                if count > MAX_YAML_ALIASES:
+                    raise ValueError(f"--config {str(path)!r}: more than {MAX_YAML_ALIASES} YAML aliases (*name), each "
+                                     "a copy of a whole value; write the values out")
+    except (OSError, UnicodeError, yaml.YAMLError):
+        return  # the parser reads it next and says what is wrong
 
 
 def check_settings(mode: str, *, max_steps: int, num_generations: int, per_device_train_batch_size: int,
@@ -161,7 +188,7 @@ def check_grpo_fields(fields: dict) -> None:
     kinds = typing.get_type_hints(GRPOConfig)  # not the fields' .type, which HfArgumentParser rewrites in place
     for name, value in fields.items():
         if name in kinds and _fits(value, kinds[name]) is False:
-            raise ValueError(f"{name}={value!r}: GRPOConfig's {name} is {_kind_name(kinds[name])}, "
+            raise ValueError(f"{name}={shown(value)}: GRPOConfig's {name} is {_kind_name(kinds[name])}, "
                              f"not {type(value).__name__}; give one (--{name} or '{name}:' in the --config YAML)")
     if "loss_type" in fields and (known := loss_types()) and fields["loss_type"] not in known:
         raise ValueError(f"loss_type={fields['loss_type']!r}: TRL implements {', '.join(known)}; choose one")

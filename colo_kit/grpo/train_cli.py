@@ -8,7 +8,7 @@ from enum import Enum
 
 from colo_kit.env import has_cuda
 from colo_kit.grpo.train import RUN_DEFAULTS
-from colo_kit.grpo.train_checks import MODES, check_context, check_grpo_fields, check_settings
+from colo_kit.grpo.train_checks import MODES, check_context, check_grpo_fields, check_settings, check_yaml_aliases
 
 
 @dataclass
@@ -49,6 +49,11 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
     if "--config" in args and args.index("--config") == len(args) - 1:
         raise UsageError("--config needs a YAML file of GRPOConfig fields")
     path = args[args.index("--config") + 1] if "--config" in args else None
+    if path is not None:
+        try:
+            check_yaml_aliases(path)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     def one_line(message):
         raise UsageError(f"{message} (GRPOConfig fields in TRL's spelling, e.g. --beta 0.04)")
@@ -83,7 +88,7 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
         zero = next((n for n in on_line + parser.from_config if getattr(ns, n, None) == 0), "a count")
         raise UsageError(f"{zero}=0: give a whole number of at least 1 (TRL's GRPOConfig divides by it)") from None
     except ValueError as exc:
-        first = str(exc).splitlines()[0].rstrip(".")
+        first = str(exc).splitlines()[0].rstrip(".")[:300]  # TRL's message may hold a whole YAML value
         if "must contain a YAML mapping" in first:
             raise UsageError(f"--config {path!r}: not a YAML mapping of GRPOConfig fields") from None
         if "not used by the HfArgumentParser" in first:
