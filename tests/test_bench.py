@@ -36,6 +36,25 @@ def test_committed_results_follow_the_posts_normalisation(name):
     assert res["env"]["versions"]["trl"] and all("steps" in r for r in res["runs"] if "error" not in r)
 
 
+def test_a_sweep_run_in_stages_merges_into_the_result_it_would_have_been(tmp_path, monkeypatch, capsys):
+    """scripts/gpu/pingpong.sh runs the server stage and the colocate stage apart; record.pingpong_merge joins them."""
+    from record.pingpong_merge import main
+
+    whole = load_result("pingpong_cpu")
+    paths = []
+    for mode in ("server", "colocate"):
+        server = mode == "server"
+        part = {**whole, "runs": [r for r in whole["runs"] if r["mode"] == mode],
+                "gen_probe": whole["gen_probe"] if server else [], "server": whole["server"] if server else {}}
+        paths.append(tmp_path / f"{mode}.json")
+        paths[-1].write_text(json.dumps(part))
+    monkeypatch.setenv("COLO_KIT_RESULTS", str(tmp_path))  # the charts go to its runs/
+    merged = main(str(tmp_path / "merged.json"), [str(p) for p in paths] + [str(tmp_path / "missing.json")])
+    assert json.loads((tmp_path / "merged.json").read_text()) == json.loads(json.dumps(merged))
+    assert merged["summary"] == whole["summary"] and len(merged["runs"]) == len(whole["runs"])
+    assert merged["model_costs"] and (tmp_path / "runs" / "merged.html").exists()
+
+
 @pytest.mark.slow
 def test_colocate_sweep_reuses_one_engine(tiny_model_path, tmp_path):
     from colo_kit.serving import bench

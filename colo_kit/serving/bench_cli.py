@@ -1,8 +1,7 @@
-"""`colo-kit bench` (the sweep of `colo_kit.serving.bench`) and the entry points its own processes use:
+"""`colo-kit bench` (the sweep of `colo_kit.serving.bench`) and the entry point of the sweep's own processes:
 
     colo-kit bench --batches 8,32 --modes server,colocate
-    python -m colo_kit.serving.bench_cli worker PLAN.json        # one device's runs (started by the sweep)
-    python -m colo_kit.serving.bench_cli merge OUT.json PART...  # stages run separately -> one results file
+    python -m colo_kit.serving.bench_cli worker PLAN.json  # one device's runs (started by the sweep)
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_kit.serving.bench import _worker_main, attach_model, merge_results, sweep, write_plots
+from colo_kit.serving.bench import _worker_main, sweep, write_plots
 from colo_kit.env import has_cuda
 from colo_kit.paths import runs_dir
 
@@ -127,13 +126,6 @@ if __name__ == "__main__":
     colo_kit.setup()
     if len(sys.argv) >= 3 and sys.argv[1] == "worker":
         raise SystemExit(_worker_main(sys.argv[2]))
-    if len(sys.argv) >= 3 and sys.argv[1] == "merge":  # merge OUT PART...
-        loaded = [json.loads(Path(p).read_text()) for p in sys.argv[3:] if Path(p).exists()]
-        merged = attach_model(merge_results(loaded))
-        Path(sys.argv[2]).write_text(json.dumps(merged, indent=1))
-        print(f"[colo_kit] plots: {write_plots(merged, runs_dir() / (Path(sys.argv[2]).stem + '.html'))}")
-        print(json.dumps({k: merged.get(k) for k in ("summary", "colocate_variants", "model_validation")}, indent=1))
-        raise SystemExit(0)
     from colo_kit.commands import run
 
     raise SystemExit(run(cli_main, sys.argv[1:], "python -m colo_kit.serving.bench_cli"))

@@ -54,6 +54,6 @@ timeout -k 15 $((S2 + 40)) $PY -m colo_kit bench --model "$MODEL" $FIXED --modes
   | grep --line-buffered -v "Warning\|warn(" | sed -u 's/^/[colocate] /' | tee -a "$LOG" | grep --line-buffered "^\[colocate\] \[\|wrote\|Error\|error"
 echo "== stage 2 done ($(( $(date +%s) - START )) s since start)" | tee -a "$LOG"
 
-$PY -m colo_kit.serving.bench_cli merge "$FINAL" "$PARTS/server.json" "$PARTS/colocate.json" 2>&1 | tee -a "$LOG"
+$PY -m record.pingpong_merge "$FINAL" "$PARTS/server.json" "$PARTS/colocate.json" 2>&1 | tee -a "$LOG"
 echo "== total $(( $(date +%s) - START )) s; wrote $FINAL" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$FINAL" "$OUT/" 2>/dev/null; cp "$LOG" "$OUT/pingpong.log"; fi
