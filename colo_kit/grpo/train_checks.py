@@ -95,6 +95,38 @@ def check_server_url(url) -> None:
                          "(colo_kit.serving.server starts a server)")
 
 
+def check_server_listens(url: str, timeout_s: float = 3.0) -> None:
+    """Something accepts connections at `url`'s host and port: else TRL waits 240 s after the model loads."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"vllm server {url!r}: nothing answers at {parts.hostname}:{port} ({exc.strerror or exc}); "
+                         "start it first (colo_kit.serving.server.start_server) or fix the address") from None
+
+
+def check_train_args(kit) -> None:
+    """The kit's own settings, from flags or a YAML (whose values TRL's parser hands on unchecked): types, choices, and
+    a model folder that holds a model."""
+    import dataclasses
+    import os
+    import typing
+
+    kinds = typing.get_type_hints(type(kit))
+    for f in dataclasses.fields(kit):
+        value, choices = getattr(kit, f.name), f.metadata.get("choices")
+        if _fits(value, kinds[f.name]) is False or (choices and value not in choices):
+            want = f"one of {', '.join(choices)}" if choices else _kind_name(kinds[f.name])
+            raise ValueError(f"{f.name}={shown(value)}: give {want}")
+    if os.path.isdir(str(kit.model)) and not os.path.isfile(os.path.join(str(kit.model), "config.json")):
+        raise ValueError(f"model={str(kit.model)!r}: a folder without a config.json; give a preset, a folder saved by "
+                         "save_pretrained or a hub id")
+
+
 def model_max_positions(model: str) -> int | None:
     """The model's `max_position_embeddings` when its config can be read without a download; None otherwise."""
     import json

@@ -8,7 +8,8 @@ from enum import Enum
 
 from colo_kit.env import has_cuda
 from colo_kit.grpo.train import RUN_DEFAULTS
-from colo_kit.grpo.train_checks import MODES, check_context, check_grpo_fields, check_settings, check_yaml_aliases
+from colo_kit.grpo.train_checks import (MODES, check_context, check_grpo_fields, check_server_listens, check_settings,
+                                        check_train_args, check_yaml_aliases)
 
 
 @dataclass
@@ -105,7 +106,7 @@ def cli_main(argv: list[str]) -> int:
     import json
 
     from colo_kit.grpo import train  # looked up at call time: tests stand a recording run_grpo in for it
-    from colo_kit.commands import UsageError, writable_file
+    from colo_kit.commands import UsageError, writable_dir, writable_file
     from colo_kit.models import resolve_model
 
     grpo, kit, given = parse(argv)
@@ -117,6 +118,7 @@ def cli_main(argv: list[str]) -> int:
     use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
     mode = "plain" if use_vllm is False else vllm_mode or kit.mode
     try:
+        check_train_args(kit)
         if kit.target_length < 0:
             raise ValueError(f"target_length={kit.target_length}: give a whole number of at least 0 (characters)")
         check_grpo_fields(checked)
@@ -124,8 +126,17 @@ def cli_main(argv: list[str]) -> int:
                        **{k: v for k, v in settings.items() if k != "vllm_enable_sleep_mode"})  # a bool: no check
         resolve_model(kit.model, build=False)
         check_context(kit.model, settings["max_completion_length"])
-    except (ValueError, LookupError) as exc:
+        if mode == "colocate" and settings["vllm_enable_sleep_mode"] and not has_cuda():
+            from colo_kit.colocate.sleep import SleepModeUnavailable
+
+            raise SleepModeUnavailable.for_this_platform("vllm_enable_sleep_mode=True")
+        if mode == "server":
+            check_server_listens(settings["vllm_server_base_url"] or f"http://{overrides['vllm_server_host']}:"
+                                 f"{overrides.get('vllm_server_port', 8000)}")
+    except (ValueError, LookupError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
+    if output_dir is not None:
+        writable_dir(output_dir, "--output_dir")
     out = writable_file(kit.json, "--json") if kit.json else None
     dataset = None
     if kit.reward == "math500":
