@@ -5,6 +5,7 @@ before any model is loaded or any run starts. Each case here once ended in a tra
 import pytest
 
 from colo_kit.cli import main
+from colo_kit.env import has_cuda
 
 
 @pytest.fixture
@@ -15,6 +16,8 @@ def files(tmp_path):
     (tmp_path / "a_file").write_text("not a folder\n")
     levels = ["l0: &l0 [0, 0, 0, 0, 0, 0, 0, 0, 0]"] + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)]
     (tmp_path / "bomb.yaml").write_text("\n".join(levels) + "\nbeta: *l5\n")  # 9**6 zeros from 300 bytes
+    (tmp_path / "reward.yaml").write_text("reward: bogus\n")
+    (tmp_path / "etc.yaml").write_text("model: /etc\n")
     (tmp_path / "huge.yaml").write_text(f"beta: [{', '.join(['0'] * 100_000)}]\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 4096}')
@@ -62,6 +65,14 @@ CASES = [
     (["train", "--learning_rate", "-1"], "learning_rate=-1.0: give a finite number above 0"),
     (["train", "--config", "{files}/bomb.yaml"], "bomb.yaml': more than 16 YAML aliases (*name)"),
     (["train", "--config", "{files}/huge.yaml"], "beta=[0, 0, 0, 0, 0, 0, 0, 0, ...]: GRPOConfig's beta is float"),
+    (["train", "--config", "{files}/reward.yaml"], "reward='bogus': give one of length, math500"),
+    (["train", "--config", "{files}/etc.yaml"], "model='/etc': a folder without a config.json"),
+    (["train", "--target_length", "5", "--output_dir", "{files}/a_file"], "a_file: is a file, not a folder"),
+    (["train", "--output_dir", "/proc/nope"], "--output_dir /proc/nope: cannot create it"),
+    (["train", "--mode", "server", "--vllm_server_base_url", "http://127.0.0.1:1"],
+     "vllm server 'http://127.0.0.1:1': nothing answers at 127.0.0.1:1 (Connection refused)"),
+    (["train", "--mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", "1"],
+     "nothing answers at 127.0.0.1:1"),
     (["bench", "--model", "nope"], "'nope' is neither a local folder"),
     (["bench", "--port", "70000"], "--port 70000: give a TCP port from 1 to 65535"),
     (["bench", "--port", "0"], "--port 0: give a TCP port"),
@@ -87,6 +98,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, files, nothing_runs, caps
     assert "Traceback" not in captured.err + captured.out
 
 
+@pytest.mark.skipif(has_cuda(), reason="a GPU has sleep mode")
+def test_sleep_mode_on_a_cpu_is_the_kits_one_line(nothing_runs, capsys):
+    assert main(["train", "--vllm_enable_sleep_mode", "true"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "vllm_enable_sleep_mode=True: vLLM sleep mode needs an NVIDIA GPU" in lines[0], lines
+
+
 @pytest.mark.parametrize("gpus, argv, words", [
     (0, ["--tensor-parallel-size", "8"], "--tensor-parallel-size 8: the CPU tier runs the evaluation with TP 1"),
     (0, ["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: the CPU tier"),
@@ -106,6 +124,7 @@ def test_eval_math500_tp_fits_the_machine(gpus, argv, words, nothing_runs, monke
 
 def test_good_train_settings_still_reach_the_run(monkeypatch, tmp_path):
     """The checks refuse only what would fail: edge values and TRL's own fields pass through."""
+    import socket
     import types
 
     from colo_kit.grpo import train
@@ -118,10 +137,15 @@ def test_good_train_settings_still_reach_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train, "run_grpo", run_grpo)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("learning_rate: 1e-3\ngeneration_kwargs: {detokenize: false}\ntemperature: 0.7\nbeta: 0\n")
-    assert main(["train", "--config", str(recipe), "--seed", "4294967295", "--loss_type", "dr_grpo",
-                 "--max-completion-length", "2048", "--per_device_train_batch_size", "65536", "--mode", "server",
-                 "--vllm-server-base-url", "https://gpu-host:8000"]) == 0
+    recipe.write_text("learning_rate: 1e-3\ngeneration_kwargs: {detokenize: false}\ntemperature: 0.7\nbeta: 0\n"
+                      "reward: math500\n")
+    monkeypatch.setattr("colo_kit.data.load_math", lambda: types.SimpleNamespace(map=lambda f: None))
+    with socket.socket() as server:  # a listening socket stands for the server
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert main(["train", "--config", str(recipe), "--seed", "4294967295", "--loss_type", "dr_grpo",
+                     "--max-completion-length", "2048", "--per_device_train_batch_size", "65536", "--mode", "server",
+                     "--vllm-server-base-url", f"http://127.0.0.1:{server.getsockname()[1]}"]) == 0
     assert (seen["seed"], seen["loss_type"], seen["max_completion_length"], seen["per_device_train_batch_size"]) == \
         (4294967295, "dr_grpo", 2048, 65536)
     assert (seen["learning_rate"], seen["temperature"], seen["beta"], seen["generation_kwargs"]) == \
