@@ -64,3 +64,20 @@ def test_math500_reward_checks_a_number_as_its_string_form(gold):
     n = len(gold) if isinstance(gold, list) else 1
     assert math500_reward([r"\boxed{2}"] * n, answer=gold) == [1.0] * n
     assert math500_reward([r"\boxed{3}"] * n, answer=gold) == [0.0] * n
+
+
+def test_a_target_past_any_length_is_one_line():
+    with pytest.raises(ValueError, match="target above 1000000000") as info:
+        length_reward(["a"], target=10**400)
+    assert len(str(info.value)) < 200  # the 401 digits are not printed
+
+
+@pytest.mark.parametrize("gold", [1e20, [1e20], 10**20])
+def test_math500_reward_reads_a_float_gold_as_the_number_it_is(gold):
+    """A dataset's float 1e20 is 10**20: its string '1e+20' would read as e times 20 and fail a right answer."""
+    from colo_kit.grpo.rewards import math500_reward
+
+    right = [r"\boxed{1e20}", r"\boxed{100000000000000000000}", "so the answer is $\\boxed{1E+20}$"]
+    assert math500_reward(right, answer=gold if not isinstance(gold, list) else gold * 3) == [1.0, 1.0, 1.0]
+    assert math500_reward([r"\boxed{1e21}", r"\boxed{2e20}"], answer=1e20) == [0.0, 0.0]
+    assert math500_reward([r"\boxed{0.00000000000000000001}", r"\boxed{1e-20}"], answer=1e-20) == [1.0, 1.0]

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
+from decimal import Decimal
+
+MAX_TARGET_CHARS = 10**9  # a completion longer than this is not generated
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")  # 1e20, as a float gold is written
 
 
 def completion_text(completion) -> str:
@@ -38,6 +43,9 @@ def length_reward(completions, target: int = 20, **kwargs) -> list[float]:
     """`-abs(target - len(text))`: 0 for exactly `target` characters, more negative further away."""
     if not isinstance(target, int) or isinstance(target, bool) or target < 0:
         raise ValueError(f"target={target!r}: the target length is a number of characters, an int >= 0")
+    if target > MAX_TARGET_CHARS:
+        raise ValueError(f"target above {MAX_TARGET_CHARS}: the target length is a number of characters; give at most "
+                         f"{MAX_TARGET_CHARS}")
     return [-float(abs(target - len(completion_text(c)))) for c in _completion_list(completions)]
 
 
@@ -54,9 +62,17 @@ def _gold_text(gold) -> str | None:
     """The gold answer as the checker reads it (a number as its string), or None for a label that is no answer."""
     if isinstance(gold, str):
         return gold
-    if isinstance(gold, numbers.Real) and not isinstance(gold, bool):
-        return str(gold) if math.isfinite(gold) else None
+    if isinstance(gold, numbers.Real) and not isinstance(gold, bool):  # 1e20 as 100000000000000000000, not 1e+20
+        return format(Decimal(repr(gold)), "f") if math.isfinite(gold) else None
     return None
+
+
+def _same_number(text: str, gold) -> bool:
+    """A boxed answer written as Python writes a float (1e20) equal to a number gold: the checker reads `e` as Euler's."""
+    from colo_kit.answers.answer_check import last_boxed
+
+    boxed = (last_boxed(text) or "").strip()
+    return isinstance(gold, numbers.Real) and _SCIENTIFIC.fullmatch(boxed) is not None and float(boxed) == gold
 
 
 def math500_reward(completions, answer, **kwargs) -> list[float | None]:
@@ -70,13 +86,13 @@ def math500_reward(completions, answer, **kwargs) -> list[float | None]:
         raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers; TRL passes one "
                          "`answer` per completion (the dataset needs an `answer` column)")
     rewards: list[float | None] = []
-    for completion, gold in zip(completions, answer):
-        text, gold = completion_text(completion), _gold_text(gold)
+    for completion, raw in zip(completions, answer):
+        text, gold = completion_text(completion), _gold_text(raw)
         if gold is None:
             rewards.append(None)  # no usable label: TRL ignores the entry instead of punishing the policy
             continue
         try:
-            rewards.append(1.0 if is_correct(text, gold) else 0.0)
+            rewards.append(1.0 if _same_number(text, raw) or is_correct(text, gold) else 0.0)
         except (UnparseableGold, CheckerTimeout):
             # a checker that ran out of time knows nothing about the answer: None, never a 0.0 reward
             rewards.append(None)
