@@ -4,15 +4,20 @@ connections gets a 503 with Retry-After, counted. Real HTTP servers on 127.0.0.0
 
 import asyncio
 import contextlib
+import logging
+import socket
 import threading
 
 from stub_replica import start_stub
-from test_proxy import TOKEN, TOKEN_ENV, H, _state
+import test_proxy
+from test_proxy import TOKEN, TOKEN_ENV, H, _proxy, _state
 from test_proxy_hardening import _wait_for
 
 from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
 from colo_kit.async_lora.replica_auth import CHALLENGE_HEADER
 from colo_kit.parallel.launch import free_port
+
+stubs, _stub_pool = test_proxy.stubs, test_proxy._stub_pool  # tests/test_proxy.py's
 
 
 @contextlib.contextmanager
@@ -118,3 +123,22 @@ def test_a_replica_that_never_proved_the_key_is_never_sent_the_token(monkeypatch
     finally:
         p.stop_thread()
         _stop(plain, keyed)
+
+
+def test_a_client_closing_mid_body_is_counted_not_logged_as_a_traceback(stubs, caplog):
+    ports, _ = stubs
+    p = _proxy(ports)  # no client token: any local process may do this
+    host, port = p.url.removeprefix("http://").split(":")
+    try:
+        with caplog.at_level(logging.INFO):
+            for i in range(2):
+                with socket.create_connection((host, int(port))) as s:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 1000\r\n\r\n{\"model\": ")
+                    _wait_for(lambda: p.snapshot()["requests"] > i, 10, "the proxy reading the body")
+            _wait_for(lambda: p.snapshot()["client_hangups"] >= 2, 10, "both hang-ups counted")
+            assert H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40}).status_code == 200
+        tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+        assert not tracebacks, [r.getMessage() for r in tracebacks]
+    finally:
+        p.stop_thread()

@@ -198,6 +198,11 @@ class RoutingProxy:
         except web.HTTPRequestEntityTooLarge:
             self.counters["refused"] += 1
             return error(413, f"body over the proxy's {self.config.max_body_mb:g} MB (--max-body-mb)", "too_large")
+        except ConnectionError:  # the client closed mid-body: counted, not logged as aiohttp's traceback
+            self.counters["client_hangups"] += 1
+            resp = error(400, "the connection closed before the body arrived", "client_hangup")
+            resp.force_close()
+            return resp
         except asyncio.TimeoutError:  # a client that stalls mid-body holds a socket and a handler: let both go
             self.counters["refused"] += 1
             resp = error(408, f"the body did not arrive within {self.config.client_timeout_s:g} s; send it "
