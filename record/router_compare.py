@@ -34,7 +34,15 @@ def lookup(result: dict, source: str):
 def router_table(result: dict) -> list[dict]:
     """Rows of {router, label, what, workload, value, unit, source, note} from a router comparison's JSON, one
     per measured number or capability check (value True/False, None when it could not be checked; `note` says
-    what was observed). Parts or routers the run lacks give no rows."""
+    what was observed). Parts or routers the run lacks give no rows; anything else malformed is one ValueError."""
+    try:
+        return _rows(result)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"not a router comparison as scripts/router_compare.py writes it ({type(exc).__name__}: "
+                         f"{str(exc)[:100]})") from None
+
+
+def _rows(result: dict) -> list[dict]:
     rows: list[dict] = []
 
     def add(router, what, path, unit, workload=None, note=None):

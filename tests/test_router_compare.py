@@ -73,6 +73,14 @@ def test_a_run_without_vllm_router_or_a_part_gives_fewer_rows_not_an_error():
     assert router_table({}) == []
 
 
+@pytest.mark.parametrize("bad", [[], {"vllm": []}, {"vllm": {"workloads": {"w": {"proxy_affinity": 3}}}},
+                                 {"stub": {"latency": {"added_ms": {"proxy_affinity": {"p50": 1}}}}},
+                                 {"capabilities": {"token_injection": {"proxy_affinity": "yes"}}}])
+def test_a_malformed_comparison_is_one_line(bad):
+    with pytest.raises(ValueError, match="not a router comparison as scripts/router_compare.py writes it"):
+        router_table(bad)
+
+
 def _script():
     spec = importlib.util.spec_from_file_location("router_compare_script", REPO_ROOT / "scripts" / "router_compare.py")
     module = importlib.util.module_from_spec(spec)
