@@ -28,6 +28,15 @@ def test_one_seed_per_tp_worker_makes_the_workers_disagree_and_trls_rule_does_no
     assert per_worker["same token on both workers"] < 0.5
 
 
+def test_break_its_name_the_choices_when_a_marked_value_is_mistyped():
+    from colo_kit.labs.pitfalls import one_adapter_name, tp_seed_rule
+
+    with pytest.raises(ValueError, match="use one of"):
+        tp_seed_rule("tiny", rules=("seed = 0",))
+    with pytest.raises(ValueError, match="versioned"):
+        one_adapter_name("http://127.0.0.1:1", None, None, None, "/tmp", publish=("one-name",))
+
+
 @pytest.mark.slow
 def test_lost_buffers_change_the_probe_and_restoring_them_brings_it_back():
     import torch
@@ -40,9 +49,12 @@ def test_lost_buffers_change_the_probe_and_restoring_them_brings_it_back():
                              enforce_eager=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.bfloat16)
-        built, lost, restored = lost_buffers(engine, model)
+        first = engine.probe()
+        built, lost = lost_buffers(engine, model, restore=False)  # notebook 02's marked value, as shipped
         assert "rotary_emb" in built["buffers"]
         assert lost["max |log-prob change|"] > 0.1
+        assert engine.probe()["logprobs"] == first["logprobs"]  # the engine gets its buffers back for the next cells
+        _, restored = lost_buffers(engine, model, restore=True)  # the learner's fix
         assert restored["same tokens"] and restored["max |log-prob change|"] == 0.0
     finally:
         engine.close()

@@ -47,7 +47,7 @@ SEED_RULES = {"seed = rank // tp (TRL's rule)": lambda rank, tp: rank // tp,
               "seed = rank (one seed per worker)": lambda rank, tp: rank}
 
 
-def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -> dict:
+def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None, rules=tuple(SEED_RULES)) -> dict:
     """One rank of a TP-2 engine (inside `colo_kit.parallel.launch`): sample the group's prompts under each seed rule."""
     import torch.distributed as dist
 
@@ -62,7 +62,8 @@ def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -
     try:
         prompts = random_prompts(2, 16, seed=rank)
         samples = {}
-        for rule, seed_of in SEED_RULES.items():
+        for rule in rules:
+            seed_of = SEED_RULES[rule]
             # vLLM draws a request's tokens from a generator seeded with the request's seed: the same mechanism as
             # the engine seed TRL sets, per request, so both rules run on one engine
             out = engine.generate(prompts, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=False,
@@ -73,20 +74,25 @@ def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None) -
     return {"rank": rank, "samples": samples}
 
 
-def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool | None = True) -> list[dict]:
+def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool | None = True,
+                 rules=tuple(SEED_RULES)) -> list[dict]:
     """Launch a TP-2 engine on two processes (2 GPUs, or 2 CPU processes) and compare what its two workers
-    sampled under each seed rule: one row per rule with the share of token positions where they agree."""
+    sampled under each seed rule in `rules` (keys of SEED_RULES): one row per rule with the share of token
+    positions where they agree."""
+    unknown = [r for r in rules if r not in SEED_RULES]
+    if unknown:
+        raise ValueError(f"seed rule {unknown[0]!r}: use one of {list(SEED_RULES)}")
     from colo_kit.parallel.launch import free_port, launch
     from colo_kit.parallel.tp import remove_cpu_shm
 
     port = free_port()
     try:
-        ranks = launch(_seed_rule_worker, model, max_tokens, enforce_eager, num_processes=2, port=port,
+        ranks = launch(_seed_rule_worker, model, max_tokens, enforce_eager, tuple(rules), num_processes=2, port=port,
                        echo=False).results
     finally:
         remove_cpu_shm(port)
     rows = []
-    for rule in SEED_RULES:
+    for rule in rules:
         a, b = (r["samples"][rule] for r in ranks)
         pairs = [(x, y) for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b)]
         rows.append({"rule": rule, "positions": len(pairs),
@@ -95,41 +101,54 @@ def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool 
     return rows
 
 
-def lost_buffers(engine, trainer_model) -> list[dict]:
-    """On a live `ColocatedEngine`: the greedy probe before, after losing the buffers and pushing the weights,
-    and after restoring the buffers from a snapshot taken beforehand (what `SleepManager` keeps). A random model's
-    greedy tokens often repeat one token whatever the positions say, so the rows compare log-probabilities too."""
+def lost_buffers(engine, trainer_model, restore: bool) -> list[dict]:
+    """On a live `ColocatedEngine`: the greedy probe as built, then after losing the buffers and pushing the weights,
+    with the buffers put back from a snapshot taken beforehand (what `SleepManager` keeps) when `restore`. A random
+    model's greedy tokens often repeat one token whatever the positions say, so the rows compare log-probabilities
+    too. The engine gets its buffers back at the end either way."""
     import torch
-
-    def gap(probe, ref) -> float:
-        return round(max(abs(a - b) for a, b in zip(probe["logprobs"], ref["logprobs"])), 4)
 
     before = engine.probe()
     buffers = dict(engine.vllm_model.named_buffers())
     snapshot = {name: b.detach().clone() for name, b in buffers.items()}
+
+    def put_back():
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.copy_(snapshot[name])
+
     rows = [{"step": "awake, as built", "buffers": ", ".join(buffers) or "none", "greedy tokens": before["token_ids"][:6],
              "same tokens": True, "max |log-prob change|": 0.0}]
     noise = torch.Generator().manual_seed(0)  # the same "garbage" every run
-    with torch.no_grad():
-        for b in buffers.values():  # freed memory mapped again holds whatever it holds
-            b.copy_(torch.randn(b.shape, generator=noise).to(b.dtype) * 100)
-    engine.push_weights(trainer_model)  # parameters only: load_weights does not touch buffers
-    for step, probe_of in (("buffers lost, weights pushed", None), ("buffers restored from the snapshot", snapshot)):
-        if probe_of is not None:
-            with torch.no_grad():
-                for name, b in buffers.items():
-                    b.copy_(probe_of[name])
+    try:
+        with torch.no_grad():
+            for b in buffers.values():  # freed memory mapped again holds whatever it holds
+                b.copy_(torch.randn(b.shape, generator=noise).to(b.dtype) * 100)
+        engine.push_weights(trainer_model)  # parameters only: load_weights does not touch buffers
+        if restore:
+            put_back()
         probe = engine.probe()
-        rows.append({"step": step, "buffers": "overwritten" if probe_of is None else "restored",
-                     "greedy tokens": probe["token_ids"][:6], "same tokens": probe["token_ids"] == before["token_ids"],
-                     "max |log-prob change|": gap(probe, before)})
+        rows.append({"step": "weights pushed, buffers " + ("restored from the snapshot" if restore else "lost"),
+                     "buffers": "restored" if restore else "overwritten", "greedy tokens": probe["token_ids"][:6],
+                     "same tokens": probe["token_ids"] == before["token_ids"],
+                     "max |log-prob change|": round(max(abs(a - b) for a, b in zip(probe["logprobs"], before["logprobs"])), 4)})
+    finally:
+        put_back()
     return rows
 
 
+PUBLISHING = {"one name": ("one name, one folder", ("policy", "policy")),
+              "versioned": ("versioned (trl-policy-vN)", ("policy-v1", "policy-v2"))}
+
+
 def one_adapter_name(replica_url: str, token: str | None, first, second, workdir,
-                     prompt_tokens: int = 128) -> list[dict]:
+                     prompt_tokens: int = 128, publish=tuple(PUBLISHING)) -> list[dict]:
     """On a live LoRA replica: prompt tokens served from cached blocks when the second adapter version follows
-    the first under one name and folder, and under versioned names and folders (the replica's own counters)."""
+    the first under one name and folder, or under versioned names and folders (`publish`: keys of PUBLISHING;
+    the replica's own counters)."""
+    unknown = [p for p in publish if p not in PUBLISHING]
+    if unknown:
+        raise ValueError(f"publish={unknown[0]!r}: use one of {list(PUBLISHING)}")
     import random
     import shutil
     from pathlib import Path
@@ -151,22 +170,22 @@ def one_adapter_name(replica_url: str, token: str | None, first, second, workdir
         (after,) = settled_counters([replica_url], [before], 1, token)  # once the counters include this request
         return after["hits"] - before["hits"]
 
-    def publish(src, dst: Path):
+    def copy_in(src, dst: Path):
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(src, dst)
         return str(dst)
 
     workdir = Path(workdir)
     rows = []
-    for case, names, folders in (("one name, one folder", ("policy", "policy"), ("policy", "policy")),
-                                 ("versioned (trl-policy-vN)", ("policy-v1", "policy-v2"), ("policy-v1", "policy-v2"))):
+    for case, names in (PUBLISHING[p] for p in publish):
+        folders = names  # a fixed-name sync overwrites one folder too
         post("/reset_prefix_cache")
         loaded = []
         for version, (name, folder, src) in enumerate(zip(names, folders, (first, second)), start=1):
             if name in loaded:  # the new version replaces the old one under its name, as a fixed-name sync would
                 post("/v1/unload_lora_adapter", lora_name=name)
                 loaded.remove(name)
-            post("/v1/load_lora_adapter", lora_name=name, lora_path=publish(src, workdir / case.split()[0] / folder))
+            post("/v1/load_lora_adapter", lora_name=name, lora_path=copy_in(src, workdir / case.split()[0] / folder))
             loaded.append(name)
             hits = reused(name)
             rows.append({"publishing": case, "version": version, "adapter name": name,

@@ -47,9 +47,10 @@ MACHINE.say(f"vLLM {vllm_version()}; " + ("one engine on GPU 0, sleep levels 1 a
 # %% [markdown]
 # ## 1 · Control panel
 #
-# The engine is sized from **training settings**, as in the post: `max_num_seqs = per_device_train_batch_size × tp ×
-# grad_accum`, `max_model_len = prompt + completion length`, and `vllm_gpu_memory_utilization`, the share of the
-# GPU the engine may take beside the trainer. Change the values and re-run the cells below.
+# The engine is sized from **training settings**, as in the post: how many sequences it generates at once
+# (`max_num_seqs`), the longest sequence it holds (`max_model_len`, prompt plus completion), and
+# `vllm_gpu_memory_utilization`, the share of the GPU the engine may take beside the trainer. Change the values and
+# re-run the cells below.
 
 # %%
 wide = {"description_width": "initial"}
@@ -198,14 +199,23 @@ lab.check("02.no_buffer_restore", answer)
 # What losing them does, on the engine built above. A level-2 sleep on an old vLLM left the memory of the model's
 # buffers (here the rotary embedding's cos/sin table) unrestored: memory mapped again holds whatever it holds. On a
 # CPU there is no sleep, so the cell plays the loss by overwriting the buffers with arbitrary values. Then it pushes
-# the trainer's weights (parameters only, as `load_weights` does), compares the greedy probe with the one before,
-# restores the buffers from a snapshot taken before (what `SleepManager` keeps), and compares again. A random
-# model's greedy output repeats one token whatever the positions say, so the log-probabilities are compared too.
+# the trainer's weights (parameters only, as `load_weights` does) and compares the greedy probe with the one before.
+# A random model's greedy output repeats one token whatever the positions say, so the log-probabilities are compared
+# too. `restore_buffers` is what `SleepManager` does after a wake-up: put the buffers back from a snapshot taken
+# before the sleep. It starts off; run the cell, then set it to `True` and run it again. (The engine gets its buffers
+# back after the cell either way, for the cells below.)
 
 # %%
 from colo_kit.labs.pitfalls import lost_buffers
 
-display(pd.DataFrame(lost_buffers(engine, trainer_model)).set_index("step"))
+restore_buffers = False  # <- change to True: the snapshot goes back before the probe
+rows = lost_buffers(engine, trainer_model, restore=restore_buffers)
+display(pd.DataFrame(rows).set_index("step"))
+after = rows[-1]
+print(f"✔ the same greedy tokens and log-probs as before the sleep (change {after['max |log-prob change|']})"
+      if after["same tokens"] and after["max |log-prob change|"] == 0 else
+      f"✘ the engine now generates from other numbers than the trainer's weights: log-probs moved by up to "
+      f"{after['max |log-prob change|']} nats, with no error raised")
 
 # %%
 try:
@@ -252,7 +262,7 @@ ref = h200_reference()
 display(Markdown(f"**Source:** {ref['source']}"))
 if "summary" in ref:
     scalars = {m: {k: v for k, v in s.items() if not isinstance(v, dict)} for m, s in ref["summary"].items()}
-    display(pd.DataFrame(scalars).T)
+    display(pd.DataFrame(scalars))  # one column per model: the measured values stay on screen
     display(pd.DataFrame(switch_rows(ref)).set_index(["model", "level"]).round(4))
     switch_figure(ref).show()
 
