@@ -4,7 +4,7 @@
 # **You will**
 # - start multi-process cells from a notebook with `colo_kit.parallel.launch`, and see a worker's crash come back as an error;
 # - measure generation and colocated GRPO at TP 1 (and TP 2 where the machine has two GPUs);
-# - see why every TP group needs one seed, and what breaks without it;
+# - see what the seed of each TP worker does to the tokens the engine samples;
 # - weigh the post's explanation of the TP trend against what the kit measured.
 #
 # **Time** (Run All, measured): {{measured_times}}.
@@ -23,7 +23,7 @@
 # safe. Then it explains the flip: communication against room for the KV cache.
 #
 # **On a CPU** (a laptop, or the kit's test machine) the same cells run the kit's tiny model on 2 processes over gloo: a
-# *functional demo* of the code path — 2 processes, TP groups, the same seed inside a group — **not a speed
+# *functional demo* of the code path — 2 processes, TP groups, each worker's seed — **not a speed
 # result**. The H200 numbers come from the committed `results/tp_gpu.json`.
 
 # %%
@@ -172,7 +172,7 @@ for sw in gen_sweeps:
 first = gen_sweeps[0]
 seen = dict(model=first["model"], tp1_tok_per_s=round(first["tp"][1]["tok_per_s"]))
 if 2 in first["tp"]:
-    lab.see("03.generation", "one seed per TP group (0, 0 at TP 2; 0, 1 at TP 1 with two processes), and a KV cache "
+    lab.see("03.generation", "seeds 0, 0 at TP 2 and 0, 1 at TP 1 with two processes, and a KV cache "
             "at least as large per engine at TP 2", **seen, tp2_over_tp1=tp.tp_ratio(first, "tok_per_s"))
 else:  # one GPU: TP 2 cannot run here, so there is no ratio to show (the panel above has the 2×H200 one)
     lab.see("03.generation", "TP 1 alone, seed 0: TP 2 needs two GPUs (the panel above shows the 2×H200 ratio)",
@@ -181,8 +181,8 @@ title = "generation throughput, this machine" + ("" if TIER == "gpu" else " — 
 tp.throughput_figure(gen_sweeps, title).show()
 
 # %% [markdown]
-# At TP 1 the two engines have seeds 0 and 1 (two independent samplers); at TP 2 both ranks have seed 0, one
-# seed per TP group — the rule the post bisected its way to in vLLM #15895. Why it matters is the exercise.
+# At TP 1 the two engines have seeds 0 and 1 (two independent samplers); at TP 2 both ranks have seed 0
+# (`seed = rank // tp`). What would change if the two ranks of one TP-2 engine had seeds 0 and 1 is the exercise.
 #
 # ### Exercise 1 · Break the seed rule
 #
@@ -198,25 +198,32 @@ lab.check("03.tp_seed", answer)
 #
 # **They diverge.** Each TP worker runs its own sampler over the same logits; with different seeds they pick different
 # tokens, the shards' sequences drift apart and the engine produces garbage or hangs. TRL and the kit both use
-# `seed = rank // tp` (`trl/generation/vllm_generation.py`, `colo_kit.colocate.engine.ColocatedEngine`).
+# `seed = rank // tp`, one seed per TP group (`trl/generation/vllm_generation.py`,
+# `colo_kit.colocate.engine.ColocatedEngine`): the rule the post bisected its way to in vLLM #15895.
 # </details>
 #
 # ### Break it · one seed per worker
 #
-# Now see it. The cell builds one TP-2 engine on two processes and samples the group's prompts twice: once with
-# one seed for the group (`rank // tp`, TRL's rule) and once with one seed per worker (`rank`). vLLM draws a
-# request's tokens from a generator seeded with the request's seed, the same mechanism as the engine seed, so both
-# rules run on one engine. Each worker reports the tokens the whole group generated.
+# Now see it. The cell builds one TP-2 engine on two processes and samples the group's prompts with the seed
+# rule below: `"rank"` gives each worker its own seed (the bug), `"rank // tp"` one seed for the group (TRL's rule).
+# vLLM draws a request's tokens from a generator seeded with the request's seed, the same mechanism as the engine
+# seed. Each worker reports the tokens the whole group generated. Run it, then change `seed` to `"rank // tp"` and
+# run it again.
 
 # %%
-from colo_kit.labs.pitfalls import tp_seed_rule
+from colo_kit.labs.pitfalls import SEED_RULES, tp_seed_rule
 
+seed = "rank"  # <- each TP worker's seed: "rank" (one per worker) or "rank // tp" (one per TP group)
+rule = next((k for k in SEED_RULES if k.startswith(f"seed = {seed} (")), f"seed = {seed}")
 if TIER == "gpu" and MACHINE.gpus < 2:
     MACHINE.say("a TP-2 engine needs two GPUs: run this cell on a CPU machine (two processes) or a 2-GPU node")
 else:
-    for r in tp_seed_rule("tiny"):
-        print(f"{r['rule']:<36} same token on both workers at {r['same token on both workers']:.0%} of "
-              f"{r['positions']} positions; rank 0 {r['rank 0 first tokens']} · rank 1 {r['rank 1 first tokens']}")
+    (r,) = tp_seed_rule("tiny", rules=(rule,))
+    print(f"{r['rule']}: rank 0 {r['rank 0 first tokens']} · rank 1 {r['rank 1 first tokens']}")
+    same = r["same token on both workers"]
+    print(f"✔ the two workers of one engine sampled the same token at all {r['positions']} positions" if same == 1 else
+          f"✘ the two workers of one engine agree at only {same:.0%} of {r['positions']} positions: each half of "
+          "every weight matrix now computes on a different sequence, and nothing raises")
 
 # %% [markdown]
 # Under one seed the two workers agree on every token: they are one model. Under a seed each, they agree only
