@@ -182,10 +182,27 @@ def cli_main(argv: list[str]) -> int:
         except Exception as exc:  # nbformat raises several kinds for a file that is not a notebook
             raise UsageError(f"{p}: not a Jupyter notebook ({type(exc).__name__}); give an .ipynb file") from None
     out = writable_dir(args.out, "--out") if args.out else None
+    import sys
+
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    failed = 0
     for p in paths:
-        r = execute(p, out)
+        try:
+            r = execute(p, out)
+        except CellExecutionError as exc:  # one line, not nbclient's frames; the executed copy shows the rest
+            executed = Path(out or runs_dir() / "notebooks") / p.name
+            cells = nbformat.read(executed, as_version=4).cells
+            cell = next((i for i, c in enumerate(cells, 1)
+                         if any(o.get("output_type") == "error" for o in c.get("outputs", []))), "?")
+            why = (exc.evalue or "").split("\n")[0][:200]
+            print(f"colo-kit run-notebooks: {p}: cell {cell} raised {exc.ename}: {why} (the executed copy: {executed})",
+                  file=sys.stderr)
+            failed += 1
+            continue
         print(f"executed {r['notebook']} in {r['seconds']} s -> {r['executed']}" + (f" and {r['html']}" if "html" in r else ""))
-    return 0
+    return 1 if failed else 0
 
 
 @dataclass
