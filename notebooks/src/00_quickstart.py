@@ -61,9 +61,9 @@ print(f"preset {preset.name}: {preset.num_hidden_layers} layers, hidden {preset.
 # %% [markdown]
 # ## Control panel
 #
-# Move the sliders, then run the cells below again. `num_generations` is the group size G: the batch must
-# hold whole groups, so the per-device batch is set to `2 × G` completions. The reward is highest (0) for
-# completions of exactly `target` characters. A *compiled* engine (vLLM's default: torch.compile and, on a GPU,
+# Move the sliders, then run the cells below again. `num_generations` is the group size G, and the per-device batch
+# (`per_device_train_batch_size`) is set from it: twice G completions. The reward scores each completion by how far its
+# length is from `target` characters. A *compiled* engine (vLLM's default: torch.compile and, on a GPU,
 # CUDA graphs) decodes faster but starts much later; for forty steps the quickstart starts vLLM eager.
 
 # %%
@@ -81,8 +81,8 @@ display(widgets.VBox([steps_w, gen_w, target_w, compiled_w]))
 # %% [markdown]
 # ### Exercise 1 · Predict before you train
 #
-# With the panel's defaults (G = 8, per-device batch 2 × 8 = 16), how many *different prompts* does one optimizer
-# step train on? Replace the `...` and run the cell.
+# With the panel's defaults (`num_generations` = 8, `per_device_train_batch_size` = 16), how many *different
+# prompts* does one optimizer step train on? Replace the `...` and run the cell.
 
 # %%
 answer = ...  # a number
@@ -91,8 +91,8 @@ lab.check("00.prompts_per_step", answer)
 # %% [markdown]
 # <details><summary>Solution (click)</summary>
 #
-# **2.** Sixteen completions in groups of eight completions of one prompt: two prompts, each compared within its
-# own group — that comparison is GRPO's "advantage".
+# **2.** The batch holds whole groups: sixteen completions in groups of eight completions of one prompt, so two
+# prompts, each compared within its own group — that comparison is GRPO's "advantage".
 # </details>
 
 # %% [markdown]
@@ -124,10 +124,10 @@ fig.add_scatter(x=steps, y=run.series("completions/mean_length"), name="mean com
                 mode="lines", line=dict(dash="dot"), secondary_y=True)
 fig.update_layout(title=f"GRPO, colocated vLLM, length reward (target {target_w.value} characters), this run",
                   xaxis_title="optimizer step", height=420)
-fig.update_yaxes(title_text="reward = -|target - len(text)|", secondary_y=False)
+fig.update_yaxes(title_text="mean length reward", secondary_y=False)
 fig.update_yaxes(title_text="tokens", secondary_y=True)
 fig.show()
-lab.see("00.reward", "the mean reward climbs towards 0 within the first few dozen steps. Read the climb, not the "
+lab.see("00.reward", "the mean reward climbs within the first few dozen steps. Read the climb, not the "
         "digits: with the same seed, the start and the end differ from machine to machine, because CPUs with "
         "different instruction sets and GPUs round differently and sample different tokens from there on "
         "(compare the lines below)", steps=len(run.steps), first=run.rewards[0], last=run.rewards[-1],
@@ -219,8 +219,8 @@ for sample in out.outputs:
 # %% [markdown]
 # ### Exercise 3 · The reward by hand
 #
-# What does the length reward (target 20) give the completion `"Exactly twenty chars"`? Check with
-# `colo_kit.grpo.rewards.length_reward([...])` afterwards if you like.
+# The length reward is the first post's `-abs(target - len(completion))`. What does it give (target 20) the
+# completion `"Exactly twenty chars"`? Check with `colo_kit.grpo.rewards.length_reward([...])` afterwards if you like.
 
 # %%
 answer = ...  # a number
@@ -229,7 +229,8 @@ lab.check("00.reward_value", answer)
 # %% [markdown]
 # <details><summary>Solution (click)</summary>
 #
-# **0.** The text has exactly 20 characters, spaces included: −|20 − 20| = 0, the best any completion scores.
+# **0.** The text has exactly 20 characters, spaces included: −|20 − 20| = 0, the best any completion scores —
+# the value the reward curve above climbs towards.
 # </details>
 
 # %% [markdown]
