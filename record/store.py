@@ -26,6 +26,20 @@ from pathlib import Path
 from colo_kit.commands import UsageError
 
 
+def commit() -> str | None:
+    """The short commit a result ran at: COLO_KIT_COMMIT when set (a copied tree's .git may be older), else git's."""
+    if os.environ.get("COLO_KIT_COMMIT"):
+        return os.environ["COLO_KIT_COMMIT"][:7]
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 class RecordError(UsageError):
     """A record that cannot be read back or written, as one line naming the file, the problem and the fix (a
     UsageError: `colo_kit.commands.run` prints it as one line, exit code 2)."""

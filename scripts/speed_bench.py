@@ -27,7 +27,8 @@ def run(args) -> int:
 
     colo_kit.setup()
     from colo_kit.colocate.engine_reuse import release_engines, reuse_engines
-    from colo_kit.env import commit, describe
+    from colo_kit.env import describe
+    from record.store import commit
     from record.speed import STOP_PAST_FRACTION, run_seed
 
     reuse_engines()

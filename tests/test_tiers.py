@@ -74,13 +74,15 @@ def test_commit_is_the_given_one_else_gits(monkeypatch, tmp_path):
     """Results name the commit they ran at: the one the GPU machine is told (its copy of .git is older than the
     tree), else what git answers, else None where there is no git."""
     monkeypatch.setenv("COLO_KIT_COMMIT", "0123456789abcdef")
-    assert env.commit() == "0123456"
+    from record.store import commit
+
+    assert commit() == "0123456"
     monkeypatch.delenv("COLO_KIT_COMMIT")
     # a `git` of our own on PATH answers a commit no real checkout has, so the value can only come from git
     fake = tmp_path / "git"
     fake.write_text("#!/bin/sh\necho fedcba9\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert env.commit() == "fedcba9"
+    assert commit() == "fedcba9"
     fake.unlink()
-    assert env.commit() is None
+    assert commit() is None

@@ -112,7 +112,8 @@ def main() -> int:
     if a.one:
         print("RESULT " + json.dumps(one_mode(a.one, a)), flush=True)
         return 0
-    from colo_kit.env import commit, describe
+    from colo_kit.env import describe
+    from record.store import commit
 
     result = {"benchmark": "vLLM.generate inside TRL's GRPO trainer, with and without the garbage collector",
               "model": a.model, "config": a.config, "budget_s": a.budget_s, "commit": commit(), "env": describe(),

@@ -102,7 +102,8 @@ def one_variant(name: str, model: str) -> dict:
         runs.append(timed(8))
     if name == "trl":
         runs += [timed(8, logprobs=None), timed(8, detokenize=True)]
-    from colo_kit.env import commit, describe
+    from colo_kit.env import describe
+    from record.store import commit
 
     return {"variant": name, "commit": commit(), "env": describe(), "llm_args": args, "overrides": VARIANTS[name],
             "startup_s": round(startup_s, 1),
