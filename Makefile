@@ -56,7 +56,8 @@ numbers-status: | $(STAMP)
 # LAB_IP=0.0.0.0 to listen beyond this machine (then `export LAB_TOKEN=...` first: it
 # reaches JupyterLab through its environment, not its command line, where `ps` would show it); as root
 # (containers) it adds --allow-root, which JupyterLab otherwise demands and refuses.
-# LAB_DIR=lab-NAME gives each learner sharing one clone on a GPU node a working copy of their own.
+# LAB_DIR=lab-NAME gives each learner sharing one clone on a GPU node a working copy of their own; a copy that a
+# JupyterLab has open is refused (scripts/lab_run.py).
 LAB_IP ?= 127.0.0.1
 LAB_PORT ?= 8888
 LAB_DIR ?= lab
@@ -66,7 +67,7 @@ LAB_DIR_OK = [[ "$(LAB_DIR)" =~ ^lab(-[A-Za-z0-9]+)?$$ ]] || { echo "LAB_DIR=$(L
 lab: venv
 	@$(LAB_DIR_OK)
 	@$(BIN)/python $(KIT)scripts/lab_copy.py $(LAB_DIR) notebooks/*.ipynb
-	@if [ -n "$$LAB_TOKEN" ]; then export JUPYTER_TOKEN="$$LAB_TOKEN"; fi; $(BIN)/jupyter lab $(LAB_DIR)/ $(LAB_ARGS)
+	@[ -z "$$LAB_TOKEN" ] || export JUPYTER_TOKEN="$$LAB_TOKEN"; $(BIN)/python $(KIT)scripts/lab_run.py $(LAB_DIR) $(BIN)/jupyter lab $(LAB_DIR)/ $(LAB_ARGS)
 
 lab-reset:
 	@$(LAB_DIR_OK)
