@@ -58,6 +58,35 @@ def costs_from_speed(result: dict, learning_rate: float = 5e-3) -> PhaseCosts:
                       source="results/speed_1xh200.json", notes=notes)
 
 
+def costs_7b_from_speed(result: dict, base: PhaseCosts) -> PhaseCosts:
+    """H200 phase costs of a colocated 7B step from `results/speed_1xh200.json` (measured): generation per call at 8
+    and 16 completions (`trl_defaults`, `spg2`), training at per-device batch 8 without gradient checkpointing
+    (`spg2`, as the 1.5B points) and TRL's weight push, from the newest race that ran both. Where 7B was not
+    measured (more completions per call, other batches) each term follows `base`'s (1.5B) measured curve from the
+    7B's own point: the rule is named in `notes`."""
+    key = next(k for k, g in reversed(result["summary"]["qwen2.5-7b"].items())
+               if {"trl_defaults", "spg2"} <= set(g["configs"]))
+    configs = result["summary"]["qwen2.5-7b"][key]["configs"]
+    recs = {r["config"]: r for r in result["records"] if r["model"] == "qwen2.5-7b" and race.race(r) == key
+            and r["seed"] == 0}
+    gen = {recs[c]["completions_per_generation"]: configs[c]["phase_s_per_step"]["generation"]
+           * recs[c]["steps_per_generation"] for c in ("trl_defaults", "spg2")}
+    measured, top = sorted(gen), max(gen)
+    for x in (64, 256):  # the 1.5B's growth from `top` completions per call, from the 7B's measured time there
+        gen[x] = gen[top] * base.gen(x) / base.gen(top)
+    batch = recs["spg2"]["grpo_config"]["per_device_train_batch_size"]
+    scale = configs["spg2"]["phase_s_per_step"]["training"] / base.train(batch)
+    push = configs["trl_defaults"]["switch"]["weight_sync"]["median_s"]
+    notes = [f"measured on one H200 (results/speed_1xh200.json, 7B): generation at {' and '.join(map(str, measured))} "
+             f"completions per call, training at batch {batch}, TRL's push; generation beyond {top} completions and "
+             "training at other batches follow the 1.5B's measured curves from the 7B's own point (a rule, not a "
+             "measurement); a server generates as fast as the colocated engine (assumption)"]
+    return PhaseCosts(gen_points=sorted((b, round(t, 4)) for b, t in gen.items()),
+                      train_fixed_s=base.train_fixed_s * scale, train_per_sample_s=base.train_per_sample_s * scale,
+                      sync_server_s=push, sync_colocate_s=push, tokens_per_sample=256.0,
+                      source="results/speed_1xh200.json", notes=notes)
+
+
 def _entry(results: Path, name: str, machine: str | None = None, **shown) -> dict:
     path = results / f"{name}.json"
     env = json.loads(path.read_text()).get("env") if machine is None else None
@@ -115,6 +144,8 @@ def build(results: Path | None = None) -> dict:
     router = json.loads((results / "router_vs_proxy_cpu.json").read_text())
     return {
         "01.h200_costs": _entry(results, "speed_1xh200", "1×H200", costs=costs_from_speed(sp).to_dict()),
+        "01.h200_costs_7b": _entry(results, "speed_1xh200", "1×H200",
+                                   costs=costs_7b_from_speed(sp, costs_from_speed(sp)).to_dict()),
         "04.speed": _entry(results, "speed_1xh200", "1×H200", rows=current_race(sp)),
         "04.speed_7b": _entry(results, "speed_1xh200", "1×H200", rows=current_race(sp, "qwen2.5-7b")),
         "04.peaks_at_0.3": _entry(results, "speed_1xh200", "1×H200", rows=peaks_at(sp)),

@@ -54,11 +54,25 @@ def test_predict_rejects_bad_configs():
         fit_costs([{"label": "x", "mode": "server", "error": "boom"}])
 
 
-def test_scaled_costs_scale_step_time():
+def test_slower_training_moves_the_eight_gpu_ratio_towards_one():
     c = costs()
-    big = c.scaled(4.0, "x4")
-    assert predict(big, "colocate", 8, 32)["step_s"] == pytest.approx(4 * predict(c, "colocate", 8, 32)["step_s"])
-    assert big.notes == ["x4"]
+    slow = c.with_training(4.0)
+    assert slow.train(32) == pytest.approx(4 * c.train(32)) and slow.gen(448) == c.gen(448)
+    assert 1 < speedup(slow, 8, 64)["normalised"] < speedup(c, 8, 64)["normalised"]
+    assert slow.notes == ["training x4 (a what-if)"] and c.with_training(1.0).notes == []
+
+
+def test_step_time_for_a_target_gives_that_target_back():
+    """The rest of a step the post's 1.43x needs: fed back into the model, it returns 1.43x."""
+    c = costs()
+    need = pingpong.step_time_for(c, 1.43, 64)
+    extra = need["rest_of_step_for_target_s"] - need["rest_of_step_modelled_s"]
+    assert extra > 0 and need["generation_share_for_target"] < need["generation_share_modelled"]
+    padded = PhaseCosts(**{**c.to_dict(), "other_server_s": c.other_server_s + extra,
+                           "other_colocate_s": c.other_colocate_s + extra})
+    assert speedup(padded, 8, 64)["normalised"] == pytest.approx(1.43, abs=0.01)
+    with pytest.raises(ValueError, match="above 1"):
+        pingpong.step_time_for(c, 0.9, 64)
 
 
 def test_model_on_committed_cpu_measurements():
@@ -94,3 +108,9 @@ def test_costs_from_the_h200_speed_runs_are_gpu_costs_the_projection_can_use():
     assert pingpong.speedup(costs, 2, 64)["normalised"] == pytest.approx(1.0)
     # one server for seven trainers: it generates 7b while they wait
     assert all(r["normalised"] > 1 for r in pingpong.project_post(costs))
+    # 7B: its own measured points (8 and 16 completions per call, batch-8 training), slower than the 1.5B's
+    from record.lessons import costs_7b_from_speed
+
+    big = costs_7b_from_speed(result, costs)
+    assert [b for b, _ in big.gen_points][:2] == [8, 16] and big.gen(8) > 1.5 * costs.gen(8)
+    assert big.train(8) > 1.5 * costs.train(8) and big.sync_server_s > 0 and "rule" in big.notes[0]

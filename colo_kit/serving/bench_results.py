@@ -56,7 +56,7 @@ def throughput_figure(result: dict, title: str = ""):
                 name=f"server × {s['n_devices']}/{s['n_devices'] - s['k_server']} (post's normalisation)")
     fig.add_bar(x=xs, y=[r["colocate_tok_per_s"] for r in rows], name=f"colocate ({s['n_devices']} devices)")
     fig.update_layout(barmode="group", title=title, xaxis_title="per-device batch (completions)",
-                      yaxis_title="completion tokens / s", legend_orientation="h")
+                      yaxis_title="completion tokens / s")  # legend at the right: a horizontal one covers the x title
     return fig
 
 

@@ -12,7 +12,7 @@ trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 POST_SPEEDUPS = {"qwen2.5-1.5b": 1.43, "qwen2.5-7b": 1.35}  # post 1, experiments 1 and 3 (8 GPUs, 7+1)
 
@@ -56,15 +56,12 @@ class PhaseCosts:
             return self.train_colocate[0] + self.train_colocate[1] * b
         return self.train_fixed_s + self.train_per_sample_s * b
 
-    def scaled(self, factor: float, note: str) -> "PhaseCosts":
-        """Every time × `factor`: a crude model-size change, an assumption labelled wherever it is shown."""
-        return PhaseCosts([(b, t * factor) for b, t in self.gen_points], self.train_fixed_s * factor,
-                          self.train_per_sample_s * factor, self.sync_server_s * factor,
-                          self.sync_colocate_s * factor, self.other_server_s * factor,
-                          self.other_colocate_s * factor, self.tokens_per_sample, self.source,
-                          self.notes + [note],
-                          [(b, t * factor) for b, t in self.gen_points_colocate] if self.gen_points_colocate else None,
-                          tuple(v * factor for v in self.train_colocate) if self.train_colocate else None)
+    def with_training(self, factor: float) -> "PhaseCosts":
+        """Training × `factor` in both modes, nothing else: what a slower trainer (an all-reduce over 7 or 8 GPUs,
+        gradient checkpointing, longer completions) does to the ratio. A factor on every cost would cancel in it."""
+        return replace(self, train_fixed_s=self.train_fixed_s * factor, train_per_sample_s=self.train_per_sample_s * factor,
+                       train_colocate=tuple(v * factor for v in self.train_colocate) if self.train_colocate else None,
+                       notes=self.notes + [f"training x{factor:g} (a what-if)"] if factor != 1 else self.notes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,6 +213,25 @@ def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
     return rows
 
 
+def step_time_for(costs: PhaseCosts, target: float, per_device_train_batch_size: int, n_devices: int = 8,
+                  k_server: int = 1) -> dict:
+    """What per-step time outside generation (training, sync, the rest, in both modes alike) makes the normalised
+    speedup `target`: normalised = step_server / step_colocate, so s = (step_server − target·step_colocate) /
+    (target − 1) seconds more per step. Returns the model's own split beside the one `target` needs."""
+    if target <= 1:
+        raise ValueError(f"target={target}: a speedup above 1 (the post's 1.43 or 1.35)")
+    b = per_device_train_batch_size
+    s = predict(costs, "server", n_devices, b, k_server)
+    c = predict(costs, "colocate", n_devices, b)
+    extra = max((s["step_s"] - target * c["step_s"]) / (target - 1), 0.0)
+    rest = c["step_s"] - c["parts_s"]["generation"]
+    return {"per_device_train_batch_size": b, "gen_server_s": s["parts_s"]["generation"],
+            "gen_colocate_s": c["parts_s"]["generation"], "rest_of_step_modelled_s": round(rest, 3),
+            "rest_of_step_for_target_s": round(rest + extra, 3),
+            "generation_share_modelled": round(c["parts_s"]["generation"] / c["step_s"], 3),
+            "generation_share_for_target": round(c["parts_s"]["generation"] / (c["step_s"] + extra), 3)}
+
+
 def project_post(costs: PhaseCosts, batches=(8, 16, 32, 64), n_devices: int = 8, k_server: int = 1) -> list[dict]:
     """The post's 8-GPU experiments (7 train + 1 vLLM) from these costs."""
     return [speedup(costs, n_devices, b, k_server) for b in batches]
@@ -230,8 +246,7 @@ def projection_figure(rows: list[dict], post_value: float | None = None, title: 
     fig.add_scatter(x=xs, y=[r["raw"] for r in rows], mode="lines+markers", name="model: raw speedup",
                     line_dash="dot")
     if post_value:
-        fig.add_hline(y=post_value, line_dash="dash", annotation_text=f"post: {post_value}× (largest batch)")
+        fig.add_hline(y=post_value, line_dash="dash", annotation_text=f"post: {post_value}× (quoted, its largest batch)")
     fig.add_hline(y=1.0, line_color="gray")
-    fig.update_layout(title=title, xaxis_title="per-device batch", yaxis_title="colocate / server",
-                      legend_orientation="h")
+    fig.update_layout(title=title, xaxis_title="per-device batch", yaxis_title="colocate / server")
     return fig
