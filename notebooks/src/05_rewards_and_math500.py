@@ -3,7 +3,7 @@
 #
 # **You will**
 # - compute the first post's length reward by hand and with the kit, for strings and chat messages;
-# - see why a Math500 checker must compare values, not strings, and bound its time on hostile inputs;
+# - see what a Math500 checker has to compare, and why it bounds its time on hostile inputs;
 # - train the same GRPO run with vLLM colocated and with TRL's own `generate` (no vLLM), and compare the curves;
 # - evaluate base and trained models on Math500 with an honest interval.
 #
@@ -60,8 +60,26 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # %% [markdown]
 # ## 2 · The Math500 checker
 #
+# A Math500 reward gives 1 when a completion's final answer is the gold answer. The kit's checker is
+# `colo_kit.answers.math500.is_correct(completion, gold)`; predict one of its verdicts before reading how it works.
+#
+# ### Exercise 1 · Value or string?
+#
+# Does `is_correct(r"The answer is \boxed{\dfrac{1}{2}}", "0.5")` say True or False? Predict, then run it.
+
+# %%
+answer = ...  # True or False
+lab.check("05.checker", answer)
+
+# %% [markdown]
+# <details><summary>Solution (click)</summary>
+#
+# **True.** The checker takes the last `\boxed{}` and lets math-verify compare values: ½ and 0.5 are one number.
+# A string comparison says False, which is how Math500 scores go wrong.
+# </details>
+#
 # Comparing strings is not enough: `\dfrac{1}{2}`, `0.5` and `\frac{2}{4}` are one answer, `(2, 1)` is not
-# `(1, 2)`, and `25\%`, `25` and `30^\circ` vs `30` are what graders accept. `colo_kit.answers.math500.is_correct`
+# `(1, 2)`, and `25\%`, `25` and `30^\circ` vs `30` are what graders accept. `is_correct`
 # takes the **last** `\boxed{}` (braces matched by depth), normalises the forms math-verify does not read
 # the way a grader does, and lets **math-verify** compare values (LaTeX → sympy). Without a box only an
 # answer the text *states* counts, so a random model's noise that contains the number scores 0.
@@ -72,6 +90,7 @@ display(pd.DataFrame({"completion": [e if isinstance(e, str) else f"(chat) {e[0]
 # %%
 from colo_kit.answers.math500 import default_checker
 from colo_kit.answers.math500 import is_correct, last_boxed
+
 
 cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
 picked_ids = ["c000", "c017", "c026", "c035", "c047", "c076", "c087", "c098", "c114", "c119", "c130",
@@ -93,22 +112,6 @@ table = pd.DataFrame([{"category": c["category"], "gold": c["gold"],
 display(table)
 print(f"string comparison agrees with the label on {(table['string =='] == table['label']).sum()}/{len(table)}, "
       f"the checker on {(table['is_correct'] == table['label']).sum()}/{len(table)} of these")
-
-# %% [markdown]
-# ### Exercise 1 · Value or string?
-#
-# Does `is_correct(r"The answer is \boxed{\dfrac{1}{2}}", "0.5")` say True or False? Predict, then run it.
-
-# %%
-answer = ...  # True or False
-lab.check("05.checker", answer)
-
-# %% [markdown]
-# <details><summary>Solution (click)</summary>
-#
-# **True.** The checker takes the last `\boxed{}` and lets math-verify compare values: ½ and 0.5 are one number.
-# A string comparison says False, which is how Math500 scores go wrong.
-# </details>
 
 # %% [markdown]
 # ### Break it · reward by string comparison
@@ -253,12 +256,20 @@ display(summary)
 # %%
 names = list(reports)
 acc = [reports[n]["accuracy"] for n in names]
-fig = go.Figure(go.Bar(x=names, y=acc, error_y=dict(type="data", symmetric=False,
-                                                    array=[reports[n]["ci95"][1] - a for n, a in zip(names, acc)],
-                                                    arrayminus=[a - reports[n]["ci95"][0] for n, a in zip(names, acc)])))
-fig.update_layout(title=f"Math500 accuracy with 95% Wilson intervals ({reports['base']['dataset'][:60]})",
-                  yaxis_title="accuracy", yaxis_range=[0, 1], height=380)
+none_right = not any(reports[n]["correct"] for n in names)
+fig = go.Figure(go.Bar(x=names, y=acc, text=[f"{reports[n]['correct']}/{reports[n]['n']} right" for n in names],
+                       textposition="outside",
+                       error_y=dict(type="data", symmetric=False,
+                                    array=[reports[n]["ci95"][1] - a for n, a in zip(names, acc)],
+                                    arrayminus=[a - reports[n]["ci95"][0] for n, a in zip(names, acc)])))
+what, whiskers = (("0 right for every model (random weights)", "no bars; a whisker is how high the accuracy could "
+                   f"still be: {reports['base']['ci95'][1]:.0%} from {reports['base']['n']} problems") if none_right
+                  else ("accuracy", "whiskers: 95% Wilson intervals"))
+fig.update_layout(title=f"Math500, this run: {what}<br><sup>{whiskers}</sup><br><sup>{reports['base']['dataset']}</sup>",
+                  yaxis_title="accuracy", yaxis_range=[0, 1], height=440, margin_t=120)
 fig.show()
+if none_right:
+    MACHINE.say("random-weight models score 0 by construction; with a hub model (see above) the bars are accuracies")
 subjects = pd.DataFrame({n: {k: v["accuracy"] for k, v in r["by_subject"].items()} for n, r in reports.items()})
 display(subjects.style.format("{:.2f}").set_caption("accuracy by subject"))
 
