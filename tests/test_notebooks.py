@@ -197,3 +197,13 @@ def test_sliced_polls_keep_asking_until_a_message_or_the_deadline(monkeypatch):
     with pytest.raises(Empty):
         asyncio.run(notebook._sliced(never)(timeout=0.3))
     assert 0.25 < time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("src", SRCS, ids=[p.stem for p in SRCS])
+def test_a_notebook_reads_within_its_slot(src: Path):
+    # a 20-minute slot holds about 2,500 words of prose beside running the cells and the exercises
+    import json
+
+    nb = json.loads((NOTEBOOKS / (src.stem + ".ipynb")).read_text())
+    words = sum(len("".join(c["source"]).split()) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert words <= 2500, f"{src.stem}: {words} words of markdown; a slot holds about 2,500"
