@@ -13,7 +13,8 @@ from pathlib import Path
 
 def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
     """The stand-in's aiohttp app. Completions answer `{"replica": name, ...}` (after
-    `delay_ms` from the request body, if any; a request whose connection closes while it waits is
+    `delay_ms` from the request body, if any, or with the whole process blocked for `block_ms`; a request whose
+    connection closes while it waits is
     counted in `aborted`, as vLLM aborts it), or at once the HTTP `answer_status` of the body (on the
     replica named `fail_on` only, if given);
     `"stream": true` sends `chunks` SSE events
@@ -88,6 +89,8 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
         if body.get("answer_status") and body.get("fail_on", name) == name:
             return web.json_response({"error": f"{name} told to answer {body['answer_status']}"},
                                      status=body["answer_status"])
+        if body.get("block_ms"):  # the whole process busy, accepting no connection: an overloaded replica
+            time.sleep(body["block_ms"] / 1000)
         if body.get("delay_ms"):
             try:
                 await asyncio.sleep(body["delay_ms"] / 1000)
@@ -160,10 +163,11 @@ def stub_app(name: str, token: str | None = None, fail: tuple[str, ...] = ()):
 
 
 def _spawn_stub(port: int, name: str, token_env: str | None = None, log_path=None,
-                fail: tuple[str, ...] = (), host: str = "127.0.0.1") -> subprocess.Popen:
+                fail: tuple[str, ...] = (), host: str = "127.0.0.1", backlog: int = 128) -> subprocess.Popen:
     import sys
 
-    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name, "--host", host]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--name", name, "--host", host,
+            "--backlog", str(backlog)]
     if token_env:
         argv += ["--token-env", token_env]
     if fail:
@@ -186,11 +190,11 @@ def _wait_healthy(port: int, proc: subprocess.Popen, deadline: float, host: str 
 
 
 def start_stub(port: int, name: str, token_env: str | None = None, log_path=None,
-               fail: tuple[str, ...] = (), host: str = "127.0.0.1") -> subprocess.Popen:
+               fail: tuple[str, ...] = (), host: str = "127.0.0.1", backlog: int = 128) -> subprocess.Popen:
     """Start a stand-in upstream as its own process (so a test can kill it like a crashed replica).
     `fail` paths answer 500 from the first request on: set later, a health poll could come first."""
     # a deadline, not a count of tries: on 2 busy cores the interpreter and aiohttp alone took 3-10 s
-    return _wait_healthy(port, _spawn_stub(port, name, token_env, log_path, fail, host), time.monotonic() + 60, host)
+    return _wait_healthy(port, _spawn_stub(port, name, token_env, log_path, fail, host, backlog), time.monotonic() + 60, host)
 
 
 def start_stubs(stubs: dict[int, dict]) -> dict[int, subprocess.Popen]:
@@ -217,6 +221,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python tests/stub_replica.py")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--backlog", type=int, default=128, help="the listening socket's accept queue")
     ap.add_argument("--name", default="stub")
     ap.add_argument("--token-env", default=None)
     ap.add_argument("--fail", default="", help="comma-separated paths that answer 500 from the start")
@@ -229,7 +234,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         loop_factory = None
     kwargs = {"loop": loop_factory()} if loop_factory else {}
-    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host=a.host, port=a.port,
+    web.run_app(stub_app(a.name, token, tuple(p for p in a.fail.split(",") if p)), host=a.host, port=a.port, backlog=a.backlog,
                 access_log=None, print=None, handler_cancellation=True, **kwargs)
     return 0
 

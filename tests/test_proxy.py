@@ -620,7 +620,9 @@ def test_all_replicas_dead_gives_a_clear_error(stubs):
             proc.kill()
             proc.wait()
         r = H.post(p.url + "/v1/completions", json={"model": "m", "prompt": [1] * 40})
-        assert r.status_code == 502 and "no replica could serve /v1/completions" in r.json()["error"]["message"]
+        # none takes a connection: 503 and Retry-After, which TRL's client waits out and retries
+        assert r.status_code == 503 and "no replica could serve /v1/completions" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "1"
         deadline = time.time() + 10
         while time.time() < deadline and H.get(p.url + "/health").status_code != 503:
             time.sleep(0.1)

@@ -142,3 +142,38 @@ def test_a_client_closing_mid_body_is_counted_not_logged_as_a_traceback(stubs, c
         assert not tracebacks, [r.getMessage() for r in tracebacks]
     finally:
         p.stop_thread()
+
+
+def test_an_overloaded_replica_gets_503_with_retry_after_not_502(monkeypatch, tmp_path):
+    """500 completions at once to one replica whose accept queue holds one connection and which blocks 100 ms per
+    request: what it cannot take is shed with 503 and a Retry-After (TRL's client waits that long and retries), and
+    counted; nothing is a 502."""
+    import aiohttp
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    port = free_port()
+    stub = start_stub(port, "busy", TOKEN_ENV, tmp_path / "busy.log", backlog=1)
+    p = RoutingProxy(ProxyConfig(replicas=[f"http://127.0.0.1:{port}"], port=0, token_env=TOKEN_ENV, block_size=16,
+                                 connect_timeout_s=0.5, health_interval_s=60)).start_in_thread()
+
+    async def flood():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=300)) as s:
+            async def one(i):
+                body = {"model": "m", "prompt": [i] * 40, "block_ms": 100}
+                async with s.post(p.url + "/v1/completions", json=body) as r:
+                    return r.status, r.headers.get("Retry-After"), await r.text()
+
+            return await asyncio.gather(*(one(i) for i in range(500)))
+
+    try:
+        answers = asyncio.run(flood())
+        statuses = [status for status, _, _ in answers]
+        shed = [(after, text) for status, after, text in answers if status == 503]
+        assert set(statuses) <= {200, 503} and shed and 200 in statuses, sorted(set(statuses))
+        assert all(after and int(after) >= 1 and "retry after" in text for after, text in shed), shed[:3]
+        assert p.snapshot()["shed"] == len(shed) and p.snapshot()["errors"] == 0
+        assert f"colo_proxy_shed_total {len(shed)}.0" in H.get(p.url + "/metrics").text
+    finally:
+        p.stop_thread()
+        _stop(stub)

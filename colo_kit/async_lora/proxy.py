@@ -25,6 +25,7 @@ from colo_kit.async_lora.routing import (ANY, BROADCAST, OWN, PrefixIndex, Prefi
 log = logging.getLogger("colo_kit.async_lora.proxy")
 
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (well under a millisecond)
+RETRY_AFTER_S = 1  # a 503's Retry-After: TRL's client (urllib3's Retry) waits this long before it tries again
 
 # one hop's headers (RFC 9110 7.6.1), those aiohttp recomputes, and the client's credentials
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -253,7 +254,7 @@ class RoutingProxy:
             chain, stream = await asyncio.get_running_loop().run_in_executor(None, self._parse, body)
         headers = self._upstream_headers(request.headers)
         tried: set[str] = set()
-        last_error = "no replica"
+        last_error, busy = "no replica", True  # busy: no replica took the connection (down or overloaded)
         for attempt in range(self.config.max_attempts):
             try:
                 rep, hit = self._pick(chain, tried)
@@ -269,7 +270,7 @@ class RoutingProxy:
             try:
                 return await self._forward(request, rep, path, body, headers, stream, t0, hit, chain)
             except Retryable as exc:  # this request fails over; the others on `rep` carry on
-                last_error = f"{rep.url}: {exc}"
+                last_error, busy = f"{rep.url}: {exc}", busy and exc.busy
                 rep.failures += 1
                 self._mark_dead(rep, str(exc))
             except HungUp as exc:  # counted here only, once: a failed write is followed by the cancellation
@@ -280,9 +281,14 @@ class RoutingProxy:
                 raise
             finally:
                 rep.inflight -= 1
+        message = f"no replica could serve {path} (tried {sorted(tried)}; last error: {last_error})"
+        if busy:  # shed: the caller retries later, rather than fail on a 502
+            self.counters["shed"] += 1
+            resp = error(503, f"{message}; retry after {RETRY_AFTER_S} s", "proxy_overloaded")
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         self.counters["errors"] += 1
-        return error(502, f"no replica could serve {path} (tried {sorted(tried)}; last error: {last_error})",
-                      "proxy_upstream_error")
+        return error(502, message, "proxy_upstream_error")
 
     async def _forward(self, request, rep, path, body, headers, stream, t0, hit, chain):
         import aiohttp
@@ -295,7 +301,8 @@ class RoutingProxy:
             async with rep.waiting_on():
                 up = await upstream_cm.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # bytes that are not HTTP too
-            raise Retryable(describe(exc)) from exc
+            busy = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+            raise Retryable(describe(exc), busy) from exc
         try:
             resp_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
             if stream and up.status == 200:

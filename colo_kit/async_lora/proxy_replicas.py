@@ -15,7 +15,12 @@ log = logging.getLogger("colo_kit.async_lora.proxy")
 
 
 class Retryable(Exception):
-    """The request never produced an answer on this replica: try another one."""
+    """The request never produced an answer on this replica: try another one. `busy`: it took no connection (refused,
+    or none within --connect-timeout-s, as a replica whose accept queue is full), so the caller may retry later."""
+
+    def __init__(self, why: str, busy: bool = False):
+        super().__init__(why)
+        self.busy = busy
 
 
 class HungUp(Exception):
