@@ -7,7 +7,8 @@ while the trainers wait, then the trainers train while vLLM waits (throughput: n
     step_colocate(N, b)    = gen(b)       + sync_colocate + train(b) + other
 
 gen(x) grows much more slowly than x (decoding is memory-bound), yet at N=8, k=1 one server generates 7·b while seven
-trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show but the model can.
+trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show. The model projects them from one
+GPU's costs, and `step_time_for` says how long the rest of a step must be for the post's number.
 """
 
 from __future__ import annotations
