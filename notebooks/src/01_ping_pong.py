@@ -419,6 +419,8 @@ else:
 # - The post's normalisation (server × N/(N−k)) asks what each *training* GPU gives; at N = 2 the modes about tie,
 #   and the gap opens when one vLLM GPU serves many trainers (the post's 7 + 1, up to 1.43× quoted).
 # - The ping-pong model turns measured phase costs into those predictions; it is checked on runs it was not fitted
-#   to, and projects to GPUs only from costs measured on GPUs.
+#   to, and projects to GPUs only from costs measured on GPUs. Fed one H200's costs, it lands near the post at batch 8
+#   and about twice above it at batch 64: the post's steps spent far longer outside generation, which only a
+#   measurement on the post's 8-GPU layout can pin down.
 #
 # **Next:** `02_sleep_mode` — how a colocated engine gives its memory back while the trainer runs.
