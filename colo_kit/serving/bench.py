@@ -191,8 +191,10 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
     plan = workdir / f"plan-{int(time.time() * 1000)}.json"
     plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))
     from colo_kit.procs import child_env
+    from colo_kit.serving.server import KEY_ENV, server_key
 
-    env = child_env(gpus)
+    # the server's key, through the workers' environment (TRL's client there reads it)
+    env = child_env(gpus, **{KEY_ENV: k for c in configs if (k := server_key(c.get("vllm_server_base_url") or ""))})
     log_path = workdir / (plan.stem + ".log")
     with open(log_path, "w") as f:
         try:

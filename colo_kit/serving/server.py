@@ -36,10 +36,14 @@ def weight_sync_dirs() -> list[Path]:
     return [Path("/dev/shm") / f"colo_kit-weight-sync-{os.getuid()}", runs_dir() / "weight-sync"]
 
 
+def server_key(url: str) -> str | None:
+    """The key of the server at `url`: the one this process started, else `$VLLM_API_KEY`."""
+    return _keys.get(url.rstrip("/")) or os.environ.get(KEY_ENV) or None
+
+
 def server_headers(url: str) -> dict:
-    """`Authorization: Bearer <key>` for the server at `url`: the key of the one this process started, else
-    `$VLLM_API_KEY`."""
-    key = _keys.get(url.rstrip("/")) or os.environ.get(KEY_ENV)
+    """`Authorization: Bearer <key>` for the server at `url`."""
+    key = server_key(url)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
