@@ -316,7 +316,8 @@ display(Markdown(
 
 # %%
 need = {size: pingpong.step_time_for(c, post[size], batches[-1]) for size, c in (("1.5B", costs), ("7B", costs_7b))}
-display(pd.DataFrame(need).T.rename(columns=lambda c: c.replace("_", " ") + ("" if c.startswith("per") else " (modelled)")))
+display(pd.DataFrame(need).T.astype({"per_device_train_batch_size": int}).rename(
+    columns=lambda c: c.replace("_", " ").replace(" modelled", "") + ("" if c.startswith("per") else " (modelled)")))
 n15 = need["1.5B"]
 print(f"1.5B at batch {batches[-1]}: the model's colocated step spends {n15['generation_share_modelled']:.0%} of its time "
       f"generating (modelled); the post's 1.43x needs {n15['generation_share_for_target']:.0%}, i.e. training and "
