@@ -257,8 +257,7 @@ display(summary)
 names = list(reports)
 acc = [reports[n]["accuracy"] for n in names]
 none_right = not any(reports[n]["correct"] for n in names)
-fig = go.Figure(go.Bar(x=names, y=acc, text=[f"{reports[n]['correct']}/{reports[n]['n']} right" for n in names],
-                       textposition="outside",
+fig = go.Figure(go.Bar(x=[f"{n}<br>{reports[n]['correct']}/{reports[n]['n']} right" for n in names], y=acc,
                        error_y=dict(type="data", symmetric=False,
                                     array=[reports[n]["ci95"][1] - a for n, a in zip(names, acc)],
                                     arrayminus=[a - reports[n]["ci95"][0] for n, a in zip(names, acc)])))
