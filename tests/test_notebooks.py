@@ -207,3 +207,33 @@ def test_a_notebook_reads_within_its_slot(src: Path):
     nb = json.loads((NOTEBOOKS / (src.stem + ".ipynb")).read_text())
     words = sum(len("".join(c["source"]).split()) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert words <= 2500, f"{src.stem}: {words} words of markdown; a slot holds about 2,500"
+
+
+# Phrases that give an exercise's answer away (not its listed options): none may stand anywhere above the exercise's
+# check cell, in prose or code (the explanation belongs under the check, in its solution or after it).
+GIVEAWAYS = {
+    "00.prompts_per_step": ["whole groups", "2 × G"],
+    "00.reward_value": ["highest (0)", "climbs towards 0", "-|target - len(text)|"],
+    "01.two_gpus": ["about tie", "modes tie", "should about"],
+    "02.max_num_seqs": ["× tp ×", "* tp *"],
+    "03.tp_seed": ["one seed per TP group", "same seed inside", "drift apart"],
+    "05.checker": ["`0.5` and", "are one answer", "compare values, not strings"],
+    "06.slots": ["check_slots(5, 4)", "max_staleness + 2", "+ 2`"],
+    "06.best_hit_rate": ["other seven reuse", "7/8"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(GIVEAWAYS))
+def test_no_answer_stands_above_its_question(key):
+    from record.notebooks import parse_source
+
+    src = next(SOURCES.glob(f"{key[:2]}_*.py"))
+    above = []
+    for cell in parse_source(src.read_text()):
+        if f'lab.check("{key}"' in cell["source"]:
+            break
+        above.append(cell["source"])
+    else:
+        pytest.fail(f"{src.name}: no check cell for {key}")
+    text = "\n".join(above)
+    assert not [p for p in GIVEAWAYS[key] if p in text], f"{src.name}: {key}'s answer stands above its question"
