@@ -215,6 +215,7 @@ GIVEAWAYS = {
     "00.prompts_per_step": ["whole groups", "2 × G"],
     "00.reward_value": ["highest (0)", "climbs towards 0", "-|target - len(text)|"],
     "01.two_gpus": ["about tie", "modes tie", "should about"],
+    "01.eight_gpus": ["colocation wins", "colocate wins", "gen(7b) > gen(b)"],
     "02.max_num_seqs": ["× tp ×", "* tp *"],
     "03.tp_seed": ["one seed per TP group", "same seed inside", "drift apart"],
     "05.checker": ["`0.5` and", "are one answer", "compare values, not strings"],
