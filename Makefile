@@ -75,7 +75,7 @@ lab-reset:
 		notebooks/*.ipynb && echo "$(LAB_DIR)/: fresh copies of notebooks/"
 
 data: venv
-	$(BIN)/python -m colo_kit data
+	$(BIN)/python scripts/make_data.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -14,7 +14,6 @@ from colo_kit.commands import run
 # name -> (module:function, one-line help)
 COMMANDS = {
     "build-model": ("colo_kit.models:cli_main", "build a preset model (random weights, local tokenizer)"),
-    "data": ("colo_kit.data:cli_main", "regenerate the offline prompt sets under data/"),
     "train": ("colo_kit.grpo.train_cli:cli_main", "GRPO with TRL, colocate or server mode"),
     "demo": ("colo_kit.notebook:cli_demo", "execute notebooks/00_quickstart.ipynb headless, save it and an HTML copy"),
     "run-notebooks": ("colo_kit.notebook:cli_main", "execute notebooks headless"),

@@ -4,14 +4,16 @@ import json
 
 import pytest
 
-from colo_kit.data import load_math, load_tldr, make_math_rows, make_tldr_rows, math_prompt
+from colo_kit.data import load_math, load_tldr, math_prompt
 from colo_kit.paths import data_dir
+from conftest import load_script
 
 
 def test_shipped_files_match_the_generators():
-    for name, rows in (("tldr_prompts.jsonl", make_tldr_rows()), ("math_problems.jsonl", make_math_rows())):
+    make_data = load_script("scripts/make_data.py")
+    for name, rows in (("tldr_prompts.jsonl", make_data.make_tldr_rows()), ("math_problems.jsonl", make_data.make_math_rows())):
         shipped = [json.loads(line) for line in (data_dir() / name).read_text().splitlines()]
-        assert shipped == rows, f"data/{name} is stale: run `colo-kit data`"
+        assert shipped == rows, f"data/{name} is stale: run `make data`"
 
 
 def test_offline_loaders(caplog):
