@@ -125,6 +125,16 @@ def seeds_over(result: dict, model: str = "qwen2.5-1.5b") -> dict:
     return out
 
 
+def side_by_side(result: dict, model: str) -> dict:
+    """The newest race of `model` as one row per configuration (tokens/s, seconds per step, NVML peak against the
+    planner's): a race without TRL's defaults, such as 7B on one 80 GB GPU, where they do not fit."""
+    races = result["summary"][model]
+    key = next(reversed(races))
+    return {"race": key.split(", at ")[0], "configs": {
+        name: {k: c.get(k) for k in ("adds", "seeds", "completion_tokens_per_s", "s_per_step", "nvml_peak_gib",
+                                     "planner_peak_gib")} for name, c in races[key]["configs"].items()}}
+
+
 def peaks_at(result: dict, configs=("batch32", "batch32_on_policy")) -> list[dict]:
     """The newest seed-0 record of each batch-32 configuration: NVML's peak and PyTorch's own, at u = 0.3."""
     rows = []
@@ -142,6 +152,7 @@ def build(results: Path | None = None) -> dict:
     sp = json.loads((results / "speed_1xh200.json").read_text())
     latency = json.loads((results / "gen_latency_1xh200.json").read_text())
     router = json.loads((results / "router_vs_proxy_cpu.json").read_text())
+    h100 = json.loads((results / "speed_1xh100.json").read_text())
     return {
         "01.h200_costs": _entry(results, "speed_1xh200", "1×H200", costs=costs_from_speed(sp).to_dict()),
         "01.h200_costs_7b": _entry(results, "speed_1xh200", "1×H200",
@@ -151,8 +162,8 @@ def build(results: Path | None = None) -> dict:
         "04.peaks_at_0.3": _entry(results, "speed_1xh200", "1×H200", rows=peaks_at(sp)),
         "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
                                                                               for r in speed.latency_table(latency)]),
-        "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB",
-                                **seeds_over(json.loads((results / "speed_1xh100.json").read_text()))),
+        "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB", **seeds_over(h100)),
+        "04.h100_7b": _entry(results, "speed_1xh100", "1×H100 80 GB", **side_by_side(h100, "qwen2.5-7b")),
         "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),
     }
 

@@ -72,11 +72,13 @@ def notebook_text(src: Path) -> str:
     return nbformat.writes(build_notebook(src)) + "\n"
 
 
-def build_all() -> list[Path]:
-    """Every notebook whose text differs from its source's, rewritten whole or not at all (a write cut by a full
-    disk would leave a notebook that no longer opens)."""
+def build_all(only=()) -> list[Path]:
+    """Every notebook (or those whose names start with one of `only`, e.g. "04") whose text differs from its
+    source's, rewritten whole or not at all (a write cut by a full disk would leave a notebook that no longer opens)."""
     written = []
     for src in sorted(SOURCES.glob("[0-9][0-9]_*.py")):
+        if only and not src.stem.startswith(tuple(only)):
+            continue
         dst = NOTEBOOKS / (src.stem + ".ipynb")
         text = notebook_text(src)
         if not dst.exists() or dst.read_text(encoding="utf-8") != text:
@@ -86,5 +88,9 @@ def build_all() -> list[Path]:
 
 
 if __name__ == "__main__":
-    for path in build_all():
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build notebooks/NN_*.ipynb from notebooks/src/NN_*.py.")
+    ap.add_argument("only", nargs="*", help="the notebooks to build, by number or name (default: all), e.g. 04")
+    for path in build_all(ap.parse_args().only):
         print(f"built {path.relative_to(REPO_ROOT)}")

@@ -82,8 +82,10 @@ def merge(args) -> int:
               "benchmark": "record.speed: TRL's colocate defaults against the kit's chain, one knob at a time",
               "method": __import__("record.speed", fromlist=["x"]).__doc__,
               "summary": {m: summarize(rs) for m, rs in by_model.items()}, "parts": parts, "records": records}
+    from record.store import write_text_atomic
+
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    write_text_atomic(args.out, json.dumps(result, indent=1, default=str))  # a cut write never replaces the record
     print(json.dumps(result["summary"], indent=1, default=str)[:6000])
     return 0
 

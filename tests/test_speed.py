@@ -606,12 +606,19 @@ def test_the_h100_race_ran_the_recipe_for_an_h100_over_at_least_five_seeds_each(
                 "time_to_reward_over_seeds"]
 
 
-@pytest.mark.xfail(strict=True, reason="owed: the planner within 10% of every H100 NVML peak; the recipe's "
-                                       "allocator reserve came out 2.6-2.9 GiB in three seeds and 12.0-12.2 in four "
-                                       "(the planner's 12.15 fits the second), so 62.0 GiB predicted is 13.5% over "
-                                       "the 54.5-54.7 GiB the first three peaked at")
-def test_the_planner_is_within_10pct_of_every_h100_peak():
+def test_the_planner_is_within_10pct_of_every_h100_peak_of_the_newest_race():
+    """Out of sample: every configuration of the newest H100 race of each model (1.5B: TRL's defaults and the recipe
+    with expandable segments, whose reserve term was set before that race; 7B: the recipe and the defaults with sleep)
+    against the planner for the settings each seed ran. The older race's recipe ran PyTorch's default allocator, whose
+    reserve landed at 2.6-3.0 GiB in some seeds and 12.0-12.2 in others: no single prediction is within 10% of both,
+    which is why the recipe now sets expandable segments."""
     result = json.loads(H100_RESULT.read_text())
-    errors = [(r["config"], r["seed"], speed.planner_estimate_for_record(r)["peak_gib_per_gpu"] / r["nvml_peak_gib"] - 1)
-              for r in result["records"]]
-    assert all(abs(e) <= 0.10 for _, _, e in errors), errors
+    checked = set()
+    for model, races in result["summary"].items():
+        newest = next(reversed(races))
+        for r in result["records"]:
+            if r["model"] == model and race.race(r) == newest:
+                error = speed.planner_estimate_for_record(r)["peak_gib_per_gpu"] / r["nvml_peak_gib"] - 1
+                assert abs(error) <= 0.10, (model, r["config"], r["seed"], error)
+                checked.add((model, r["config"]))
+    assert {("qwen2.5-1.5b", "trl_defaults"), ("qwen2.5-1.5b", "recipe"), ("qwen2.5-7b", "recipe")} <= checked

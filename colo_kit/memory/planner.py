@@ -1,10 +1,8 @@
 """Memory planner: will this GRPO run fit on these GPUs, and with which settings? Notebook 04.
 
-The engine and the trainer share each GPU (TRL's colocate OOM reports #2688, #3128), so the engine's share, the sleep
-level, vLLM's TP, the ZeRO stage and offload decide together whether a step fits. This estimates a step's per-GPU
-memory by part in its generation and training phases and recommends the cheapest settings that fit. What TRL keeps:
-a model given by path loads in float32 (16 bytes per parameter with AdamW), checkpointing is on by default, log-probs
-use a chunked LM head (`trl.kernels.ChunkedLogProbFunction`), sleep is level 2 with `empty_cache()` before waking.
+A step's per-GPU memory by part, in its generation and training phases, and the cheapest settings that fit (engine
+share, sleep level, TP, ZeRO stage, offload). TRL's own choices are modelled: float32 weights for a model given by path,
+checkpointing on, a chunked LM head for log-probs, sleep at level 2 with `empty_cache()` before waking.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under
 # sampler buffers at start-up, and they vary with max_num_seqs and vLLM's version, so the bare minimum may leave
 # its KV cache short of one generation (it would preempt and recompute).
 GENERATION_SHARE_MARGIN = 2.0
-# With PyTorch's expandable segments a freed block is reused by any later size, so the reserve above the live tensors
-# is rounding, not fragmentation: a prior of 5% of the step's transient memory, set before the H100 run that checks it.
+# Expandable segments reuse a freed block for any later size: the reserve is rounding, not fragmentation. A prior
+# of 5% of the step's transient memory, set before the H100 race checked it (results/speed_1xh100.json).
 EXPANDABLE_RESERVE = 0.05
 
 # ---- fitted to the measured peaks (record.planner_validation) ----
@@ -435,21 +433,3 @@ def what_fits(model: str, gpu_counts=(8, 16, 32), host_mem_gib: float | None = 1
                          "fits_gpu": r["fits_gpu"], "fits_host": r["fits_host"]})
     return rows
 
-
-def parts_figure(report: dict, title: str | None = None):
-    """Plotly stacked bars: one bar per phase, one colour per part, the GPU's memory as a line."""
-    import plotly.graph_objects as go
-
-    parts = report["parts"]
-    names = list(dict.fromkeys(list(parts["training"]) + list(parts["generation"])))
-    fig = go.Figure()
-    for name in names:
-        ys = [parts[ph].get(name, 0.0) for ph in ("training", "generation")]
-        if any(ys):
-            fig.add_bar(name=name, x=["training phase", "generation phase"], y=ys)
-    mem = report["settings"]["gpu_mem_gib"]
-    fig.add_hline(y=mem, line_dash="dash", annotation_text=f"GPU memory {mem:.0f} GiB")
-    verdict = "fits" if report["fits"] else "does not fit"
-    fig.update_layout(barmode="stack", yaxis_title="GiB per GPU", height=420,
-                      title=title or f"{report['model']}: peak {report['peak_gib_per_gpu']:.0f} GiB per GPU, {verdict}")
-    return fig
