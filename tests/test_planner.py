@@ -353,3 +353,19 @@ def test_plan_write_configs_never_changes_the_committed_files(monkeypatch, capsy
         assert (tmp_path / p.relative_to(REPO_ROOT / "configs")).read_text() == text
     proposed = [v for v in report["configs"].values() if ".proposed." in v]
     assert all(any(v in n for n in report["notes"]) for v in proposed)
+
+
+def test_a_config_past_any_model_is_one_line(tmp_path, capsys):
+    """hidden_size 10**12 used to end in torch's 51-line overflow while the meta model was laid out."""
+    from colo_kit.cli import main
+
+    config = {"model_type": "qwen2", "hidden_size": 10**12, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 100, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hidden_size=1000000000000" in err[0] and "parameters" in err[0]
+    real = {**config, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+            "num_key_value_heads": 2, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps(real))
+    assert main(["plan", "--model", str(tmp_path)]) == 0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from colo_kit.models import Preset
 
+MAX_PARAMS = 1e13  # ten trillion: past any model trained today, and torch cannot even lay out the meta tensors
+
 def model_shape(model) -> Preset:
     """`model` (a preset name such as `qwen2.5-7b`, a config.json path or folder, or a dict) as a `models.Preset`
     (from a config: hub_id None, not buildable); a multimodal config gives its text model's."""
@@ -44,6 +46,12 @@ def model_shape(model) -> Preset:
     for key, value in shape.items():
         if type(value) is not int or value < 1:
             raise ValueError(f"config of {name!r}: {key}={value!r} is not a positive whole number")
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    approx = 2 * shape["vocab_size"] * h + shape["num_hidden_layers"] * (4 * h * h + 3 * h * inter)
+    if approx > MAX_PARAMS:
+        raise ValueError(f"config of {name!r}: hidden_size={h}, intermediate_size={inter} and "
+                         f"num_hidden_layers={shape['num_hidden_layers']} make about {approx:.1e} parameters, more "
+                         f"than the {MAX_PARAMS:.0e} the planner sizes: check the config's sizes")
     return Preset(str(name), None, shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
                   shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"],
                   bool(getattr(config, "tie_word_embeddings", False)), buildable=False)
