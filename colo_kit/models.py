@@ -162,8 +162,6 @@ def _meta_param_counts(shape: tuple) -> tuple[int, int]:
     return counts
 
 
-# ---- Tokenizer ----
-
 def _training_text() -> list[str]:
     """The BPE's training text: the kit's prompt sets plus digits and LaTeX, so math prompts tokenise sensibly."""
     lines: list[str] = []
@@ -221,8 +219,6 @@ def build_tokenizer(vocab_size: int, bpe_vocab: int):
     )
     return fast
 
-
-# ---- Models ----
 
 def model_dir(preset_name: str) -> Path:
     return cache_dir() / "models" / preset_name

@@ -22,18 +22,6 @@ def test_settings_follow_the_post():
     assert s.validate(world_size=4) is s
 
 
-def test_settings_from_trl_grpo_config(tmp_path):
-    from trl import GRPOConfig
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                      num_generations=4, max_completion_length=64, vllm_gpu_memory_utilization=0.25, report_to=[],
-                      bf16=False, use_cpu=True)
-    s = ColocateSettings.from_grpo_config(args, max_prompt_length=128)
-    # TRL 1.16: max_num_seqs = per_device_train_batch_size * vllm_tensor_parallel_size * steps_per_generation
-    assert s.max_num_seqs == 4 * 1 * 2
-    assert (s.max_model_len, s.vllm_gpu_memory_utilization) == (192, 0.25)
-
-
 @pytest.mark.parametrize("kwargs, world, words", [
     ({"vllm_tensor_parallel_size": 3}, 2, ["vllm_tensor_parallel_size=3", "world size 2", "[1, 2]"]),
     ({"vllm_tensor_parallel_size": 0}, 1, ["vllm_tensor_parallel_size=0", "positive"]),

@@ -40,8 +40,6 @@ class Verdict:
     timed_out: bool = False  # no verdict at all: `correct` is meaningless
 
 
-# ---- Extraction ----
-
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 

@@ -43,8 +43,6 @@ def published_versions(output_dir: str | os.PathLike) -> list[int]:
     return sorted(out)
 
 
-# ---- Slot and rank arithmetic ----
-
 def max_loras_for(max_staleness: int) -> int:
     """Adapter slots a replica needs: the current policy, `max_staleness` older ones in flight, and one more because
     each sync loads the new version before it unloads the oldest."""
@@ -102,8 +100,6 @@ def check_sleep_level(sleep_level: int | None, adapter_only: bool = True) -> Non
                          "never re-sends them, so a woken replica would serve every adapter on an empty base model. "
                          "Use sleep_level=1 (weights kept in CPU memory), no sleep, or merged-weight sync.")
 
-
-# ---- The launch recipe ----
 
 @dataclass
 class ReplicaLaunch:
@@ -172,8 +168,6 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
     return ReplicaLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 
-# ---- The probe ----
-
 class AdapterMismatch(RuntimeError):
     pass
 
@@ -217,8 +211,6 @@ def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | Non
                               + "; ".join(f"{r['replica']}: {r['error']}" for r in bad))
     return reports
 
-
-# ---- The publish/load cycle, driven from outside the trainer ----
 
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
     """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""

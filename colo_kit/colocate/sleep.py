@@ -38,8 +38,6 @@ class SelfCheckFailed(AssertionError):
     pass
 
 
-# ---- NVML memory ----
-
 def _nvml_handle(device):
     """The NVML handle of a torch CUDA device, by PCI bus id (CUDA_VISIBLE_DEVICES renumbers for torch only)."""
     import pynvml
@@ -68,8 +66,6 @@ def device_memory_gib(device) -> dict:
     return {"used_gib": round(info.used / 2**30, 3), "free_gib": round(info.free / 2**30, 3),
             "total_gib": round(info.total / 2**30, 3)}
 
-
-# ---- The manager ----
 
 class SleepManager:
     """Sleep and wake a `ColocatedEngine` built with `ColocateSettings(vllm_enable_sleep_mode=True)`.
@@ -100,8 +96,6 @@ class SleepManager:
         self.stages: list[dict] = []
         self.record("awake")
 
-    # -- bookkeeping ---------------------------------------------------------------------------
-
     def record(self, stage: str, seconds: float | None = None, **extra) -> dict:
         on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
         memory = device_memory_gib(self.device) if on_gpu else {"used_gib": None, "free_gib": None, "total_gib": None}
@@ -120,8 +114,6 @@ class SleepManager:
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
-
-    # -- the API -------------------------------------------------------------------------------
 
     def sleep(self, level: int | None = None) -> float:
         level = level or self.level
@@ -201,8 +193,6 @@ class SleepManager:
         return result
 
 
-# ---- Reference numbers for the notebooks ----
-
 def h200_reference() -> dict:
     """The committed GPU benchmark (results/engine_bench.json) labelled with its vLLM, or how to measure it."""
     path = results_dir() / "engine_bench.json"
@@ -214,8 +204,6 @@ def h200_reference() -> dict:
     return {"source": "not measured here: bash scripts/gpu/engine_bench.sh on a GPU node writes "
                       "results/engine_bench.json"}
 
-
-# ---- Charts (notebook 02) ----
 
 def memory_figure(stages: list[dict], title: str = "GPU memory at each stage (NVML)"):
     """Stacked used/free GiB per stage, in the order the stages happened."""

@@ -63,7 +63,6 @@ class Timeline:
     meta: dict = field(default_factory=dict)
     _undo: list = field(default_factory=list, init=False, repr=False, compare=False)  # hook()'s, for unhook()
 
-    # -- recording -------------------------------------------------------------------------------
     def add(self, device: str, phase: str, start_s: float, end_s: float, rank: int = 0, step: int = -1) -> None:
         self.intervals.append(Interval(device, phase, start_s, end_s, rank, step))
 
@@ -173,7 +172,6 @@ class Timeline:
         while self._undo:
             self._undo.pop()()
 
-    # -- analysis ---------------------------------------------------------------------------------
     def devices(self) -> list[str]:
         seen = []
         for iv in self.intervals:
@@ -235,7 +233,6 @@ class Timeline:
         return {dev: {p: round(f([v.get(s, 0.0) for s in steps]), 4) for p, v in ph.items()}
                 for dev, ph in per.items()} if steps else {}
 
-    # -- I/O ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"intervals": [asdict(iv) for iv in self.intervals], "util": self.util, "meta": self.meta}
 

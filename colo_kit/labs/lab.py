@@ -160,10 +160,7 @@ def check(key: str, answer) -> None:
         print(f"✘ not yet. Hint: {ex.hint}")
 
 
-# ---------------------------------------------------------------------------------------------
 # "What you should see": your numbers beside the ones measured on each kind of machine
-# ---------------------------------------------------------------------------------------------
-
 FACT_KEY = "colo_kit_fact"  # the box's values ride along as output metadata, which the check runs record
 
 

@@ -67,8 +67,6 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-# ---- vLLM-CPU's TP all-reduce buffers: one name per launch ----
-
 def _shm_tag() -> str:
     return f"colo-kit-{os.environ.get('MASTER_PORT', '0')}"
 
@@ -105,8 +103,6 @@ def remove_cpu_shm(port: int) -> list[str]:
             pass
     return removed
 
-
-# ---- Generation only ----
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 1000) -> list[list[int]]:
     """Token-id prompts in the learned range of the kit's tokenizer (ids keep the prompt length exact)."""
@@ -217,8 +213,6 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
     return out
 
 
-# ---- Colocated GRPO with TRL ----
-
 def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size: int, num_generations: int,
                 max_completion_length: int, vllm_gpu_memory_utilization: float, overrides: dict,
                 vllm_enforce_eager: bool = False) -> dict:
@@ -276,8 +270,6 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
         preimport=_preimport() + (("trl", "colo_kit.grpo.train") if not gpu else ()))
     return out
 
-
-# ---- Ratios, the reference, the "why", the charts ----
 
 def tp_ratio(sweep: dict, key: str) -> float | None:
     """TP 2 over TP 1 from one sweep: throughput ratio for generation, speed-up (t1/t2) for GRPO."""

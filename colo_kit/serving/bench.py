@@ -29,8 +29,6 @@ from colo_kit.grpo.timeline import Timeline, UtilSampler
 log = logging.getLogger(__name__)
 
 
-# --- one measured run -------------------------------------------------------------------------------
-
 def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int = 8, max_steps: int = 4, num_generations: int = 4,
             max_completion_length: int = 32, vllm_server_base_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
@@ -156,8 +154,6 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
         best = min(best, time.perf_counter() - t0)
     return round(best, 4)
 
-
-# --- the sweep ----------------------------------------------------------------------------------------
 
 def _worker_cmd(n_procs: int) -> list[str]:
     if n_procs <= 1:

@@ -203,8 +203,6 @@ def send_server_key() -> None:
     VLLMClient.check_server = check_server
 
 
-# --- the weight sync over HTTP (CPU, or a server sharing the trainer's GPU) ---------------------------
-
 def _http_init_communicator(self, device=0):
     """No NCCL group: check instead that the server can load weights from a file."""
     info = self.get_server_info()
