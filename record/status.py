@@ -185,6 +185,7 @@ def report(root: Path = REPO_ROOT) -> dict:
                       "commits_after": commits_after(root, when["commit"] or "", paths),
                       "read_by": sorted(read.get(path.name, ()))})
         goals += [f"results/{path.name}: {key} is false" for key in _false_goals(data)]
+        goals += race_goals(path.name, data)
     for name, who in sorted(read.items()):
         if not (root / "results" / name).exists():
             writers = sorted(str(p.relative_to(root)) for p in (root / "scripts").rglob("*.[ps][yh]")
@@ -218,6 +219,30 @@ def report(root: Path = REPO_ROOT) -> dict:
         goals.append(f"results/planner_validation.json: the planner's largest error is {err:.1%} "
                      f"(goal {PLANNER_GOAL:.0%})")
     return {"files": files, "notebook_runs": runs, "owed": owed + goals, "problems": problems}
+
+
+SEEDS_GOAL, TOKENS_GOAL, SOONER_GOAL = 5, 4.0, 2.0  # per configuration; x TRL's defaults; median x sooner
+
+
+def race_goals(name: str, data: dict) -> list[str]:
+    """The speed goals a race file (`speed_1x<gpu>.json`) does not meet yet in its newest 1.5B race: at least five
+    seeds each of TRL's defaults and the recipe, 4x their tokens/s, the threshold 2x sooner by the median."""
+    races = (data.get("summary") or {}).get("qwen2.5-1.5b") if name.startswith("speed_1x") else None
+    if not isinstance(races, dict) or not races:
+        return []
+    newest = next(reversed(races))
+    configs, out = races[newest].get("configs", {}), []
+    for config in ("trl_defaults", "recipe"):
+        seeds = len((configs.get(config) or {}).get("seeds", []))
+        if seeds < SEEDS_GOAL:
+            out.append(f"results/{name}: the newest 1.5B race has {seeds} seed(s) of {config} (goal: {SEEDS_GOAL})")
+    recipe = configs.get("recipe") or {}
+    for key, goal, what in (("tokens_per_s_vs_defaults", TOKENS_GOAL, "tokens/s"),
+                            ("time_to_reward_median_vs_defaults", SOONER_GOAL, "median time to the threshold")):
+        if not isinstance(recipe.get(key), (int, float)) or recipe[key] < goal:
+            got = f"{recipe[key]}x TRL's defaults" if isinstance(recipe.get(key), (int, float)) else "not measured"
+            out.append(f"results/{name}: the recipe's {what} is {got} (goal: {goal:g}x TRL's defaults)")
+    return out
 
 
 def _false_goals(data, where: str = "") -> list[str]:

@@ -149,3 +149,19 @@ def test_readmes_copy_of_the_report_does_not_count_as_reading_a_record(repo):
     assert next(f for f in status.report(root)["files"] if f["file"] == "x.json")["read_by"] == []
     (root / "README.md").write_text(f"# kit\n\n{copy}\n## Tests\n\nmeasured in `results/x.json`\n")
     assert next(f for f in status.report(root)["files"] if f["file"] == "x.json")["read_by"] == ["README"]
+
+
+def test_a_race_short_of_its_goals_is_owed_in_the_report():
+    """The newest 1.5B race of a speed file: fewer than five seeds, or the recipe under 4x the tokens/s or 2x sooner
+    by the median, is a line in the report's "Owed" list; a race that meets them is none."""
+    def race(seeds, tokens, sooner):
+        configs = {"trl_defaults": {"seeds": list(range(seeds))},
+                   "recipe": {"seeds": list(range(seeds)), "tokens_per_s_vs_defaults": tokens,
+                              "time_to_reward_median_vs_defaults": sooner}}
+        return {"summary": {"qwen2.5-1.5b": {"older": {"configs": {}}, "newest": {"configs": configs}}}}
+
+    assert status.race_goals("speed_1xh100.json", race(5, 4.58, 2.28)) == []
+    short = status.race_goals("speed_1xh200.json", race(2, 4.39, 1.9))
+    assert len(short) == 3 and all(line.startswith("results/speed_1xh200.json: ") for line in short)
+    assert "2 seed(s) of trl_defaults" in short[0] and "1.9x" in short[2]
+    assert status.race_goals("gpu_check.json", race(2, 1.0, 1.0)) == []  # only race files
