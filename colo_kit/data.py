@@ -1,7 +1,5 @@
-"""Prompt sets: the posts' hub datasets when online, the kit's offline stand-ins when not.
-
-`load_tldr()`: `trl-lib/tldr` (the first post's example script) or `data/tldr_prompts.jsonl`; `load_math()`:
-`HuggingFaceH4/MATH-500` or `data/math_problems.jsonl`. Both say which source they used (`dataset.info.description`).
+"""Prompt sets: `trl-lib/tldr` and `HuggingFaceH4/MATH-500` when online, `data/*.jsonl` stand-ins when not; each
+says which it used (`dataset.info.description`).
 """
 
 from __future__ import annotations

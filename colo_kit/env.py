@@ -1,11 +1,7 @@
-"""The runtime the kit needs: environment defaults, the tier (CPU or GPU), the machine every results JSON describes.
-
-`colo_kit.setup()` sets these before torch or vLLM load (the user's values win):
-- `OMP_NUM_THREADS=1`: a trainer and an engine each wanting a thread per core fight over 2 cores.
-- `VLLM_CPU_KVCACHE_SPACE=1` (GiB): enough for the tiny model; vLLM-CPU otherwise reserves a large share of memory.
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU: an in-process engine starts several times faster.
-- `PYTORCH_NVML_BASED_CUDA_CHECK=1` on GPU: `torch.cuda.is_available()` asks NVML instead of initialising CUDA, so
-  the process can still fork multi-GPU workers (`colo_kit.parallel.launch`).
+"""The runtime the kit needs: defaults set before torch or vLLM load (`setup`; the user's values win), the tier (CPU or
+GPU), the machine every results JSON describes. OMP_NUM_THREADS=1: a trainer and an engine share 2 cores; on CPU an
+in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) starts several times faster; on GPU PYTORCH_NVML_BASED_CUDA_CHECK
+keeps `torch.cuda.is_available()` from initialising CUDA, so the process can still fork workers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Before an engine starts: is its share of the GPU free, or does another process hold it?
-
-vLLM asserts only after the model has loaded when its share is not free (usually another notebook's kernel holds an
-engine); `check_share(u)` reads NVML before anything loads and raises `GpuBusy` naming who holds it and the fixes.
+"""Before an engine starts: is its share of the GPU free? vLLM asserts only after the model has loaded (usually another
+kernel holds an engine); `check_share(u)` reads NVML first and raises `GpuBusy` naming the holder and the fixes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Offline models: real architectures with random weights, and a tokenizer made here.
-
-No machine the kit is tested on reaches a model hub, so `build_model("qwen2.5-1.5b")` writes a Hugging Face folder
-with Qwen2.5-1.5B-Instruct's exact shapes and random weights: memory and GPU timings are the real architecture's, only
-the text is noise. `tiny` is that architecture shrunk for a 2-core CPU; a hub id passes through `resolve_model`.
+"""Offline models: real architectures with random weights, and a tokenizer made here. No machine the kit is tested on
+reaches a hub, so `build_model("qwen2.5-1.5b")` writes Qwen2.5-1.5B-Instruct's exact shapes with random weights
+(memory and timings are the real architecture's); `tiny` is it shrunk for a 2-core CPU.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Notebooks executed headless, as JupyterLab's Run All runs them, and saved with an HTML copy (`make demo`,
-`colo-kit run-notebooks`). A cell needing missing hardware says in one line what it does instead
-(`colo_kit.env.Machine`); the runner rewrites nothing, and what it adds against hangs is below.
+"""Notebooks executed headless as JupyterLab's Run All runs them, saved with an HTML copy (`make demo`,
+`colo-kit run-notebooks`); the runner rewrites nothing, and what it adds against hangs is below.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Child processes the kit serves from (vLLM servers and replicas): starting them, waiting for `/health`, stopping
-them. A vLLM server's engine core, which holds the GPU memory, is a child of its own, so each server leads a process
-group of its own (`start_in_session`) that dies with its starter and `stop_groups` ends whole.
+"""Child processes the kit serves from (vLLM servers and replicas): started, waited for on `/health`, stopped. A
+server's engine core, which holds the GPU memory, is its child, so each server leads a process group of its own.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The lessons' one window on the lab record: a committed result by name, and where a number comes from.
-
-Every measured number a notebook shows is read here from a JSON under `results/` (the runs that wrote them, and the
-code that judges them, live in `record/`, outside the kit). A number comes with one footnote: the machine, the date and
-the file; how it was reached stays in the record, and `make numbers-status` says how much of the code changed since.
+"""The lessons' one window on the lab record: a committed result under `results/` by name, and one footnote on where
+a number comes from (machine, date, file). The runs that wrote them live in `record/`, outside the kit.
 """
 
 from __future__ import annotations

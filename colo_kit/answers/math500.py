@@ -1,15 +1,7 @@
-"""Math500's answer checker, the judge behind the math reward (notebook 05): the post's "both trained models beat the
-base model on Math500" takes it and an evaluation (`colo_kit.answers.math500_eval`) to reproduce.
-
-`is_correct(completion, gold)` is math-verify plus what a MATH grader does around it: the answer is the last
-`\\boxed{}`, or without a box only an answer the text states; forms math-verify misses (repeating decimals, `\\pm`,
-percent signs) are normalised first; plain numbers are settled before math-verify's slow parser. It is measured on
-the hand-labelled `data/math500_checker_cases.jsonl`.
-
-**Time bound.** math-verify's own timeout uses `signal.alarm`, main thread only, and TRL may call rewards from any
-thread; so cheap guards refuse what sympy cannot finish, and `Checker` runs each comparison in a worker process,
-killed and replaced when it overruns (`CheckerTimeout`). Plain subprocesses, since `pebble`'s pool cannot start
-inside a daemonic `multiprocessing` worker.
+"""Math500's answer checker, the judge behind the math reward (notebook 05): `is_correct(completion, gold)` is
+math-verify plus what a MATH grader does around it, measured on `data/math500_checker_cases.jsonl`. math-verify's
+timeout uses `signal.alarm` (main thread only; TRL calls rewards from any thread), so `Checker` runs each comparison in
+a plain worker process (`pebble` cannot start inside a daemonic worker), killed and replaced when it overruns.
 """
 
 from __future__ import annotations

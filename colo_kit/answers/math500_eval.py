@@ -1,6 +1,5 @@
-"""Math500 evaluation (`colo-kit eval-math500`): greedy answers from vLLM with the training prompt, scored with
-`colo_kit.answers.math500`'s checker, as accuracy with a 95% Wilson interval and per-subject / per-level breakdowns in
-JSON. `compare_models` evaluates several models on one engine by pushing each one's weights in: the colocate trick.
+"""Math500 evaluation (`colo-kit eval-math500`): greedy answers with the training prompt, accuracy with a 95% Wilson
+interval. `compare_models` evaluates several models on one engine by pushing each one's weights in: the colocate trick.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Adapter-only sync for async GRPO: the slot arithmetic, the replica launch recipe, the probe. Notebook 06.
-
-Every `weight_sync_steps` TRL's `AsyncGRPOTrainer` publishes the post's rank-1 LoRA to
-`<output_dir>/.vllm_lora/trl-policy-v{N}` and POSTs the path to `/v1/load_lora_adapter`: a few MB through a shared
-folder instead of NCCL. This module adds the launch recipe, the slot and sleep checks, and a probe that every replica
-serves the version (behind a proxy, a load that reached one replica only is otherwise invisible).
+"""Adapter-only sync for async GRPO (notebook 06): TRL's `AsyncGRPOTrainer` publishes the rank-1 LoRA to a shared
+folder and POSTs its path to `/v1/load_lora_adapter`. Here: the slot arithmetic, the replica launch recipe, and a probe
+that every replica serves the version (behind a proxy a load that reached one replica is otherwise invisible).
 """
 
 from __future__ import annotations

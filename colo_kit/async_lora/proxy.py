@@ -1,10 +1,6 @@
-"""The routing proxy of the second post: several vLLM replicas that TRL sees as one server. Notebook 06.
-
-TRL's `AsyncGRPOTrainer` talks to one URL (`vllm_server_base_url`); this aiohttp proxy stands for the replicas. It
-decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`. Clients off loopback need
-`client_token_env`; health polls send only a challenge (`replica_auth`). A completion goes to the replica holding its
-longest known prefix within a bound on load, a state change to every replica; a failed request fails over alone, a
-replica whose polls fail is dropped and caught up when it answers again.
+"""The routing proxy of the second post (notebook 06): several vLLM replicas that TRL's `AsyncGRPOTrainer` sees as
+one `vllm_server_base_url`. It decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`;
+a completion goes to the replica holding its longest known prefix, a state change to every replica.
 """
 
 from __future__ import annotations

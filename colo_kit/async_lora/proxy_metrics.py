@@ -1,5 +1,4 @@
-"""The routing proxy's numbers (`colo_kit.async_lora.proxy`): counters and its own handler time, served by `/metrics`
-as JSON (`RoutingProxy.snapshot`) or Prometheus text from a registry of the proxy's own. Notebook 06."""
+"""The routing proxy's counters and handler time, served by `/metrics` as JSON or Prometheus text. Notebook 06."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""A replica's own port, guarded: the API key on every path, and a proof that a replica holds it. Notebook 06.
-
-vLLM checks its key only under `/v1` and a few other prefixes (serve/middleware/authenticate.py), yet a dev-mode
-replica also serves `/collective_rpc` and `/pause` to any local process: `ReplicaAuthMiddleware` asks for the key on
-every path but `/health`. A process that binds a dead replica's port must not be handed the token, so each health poll
-carries a fresh challenge answered with HMAC-SHA256(key, host, port, challenge): the address the replica was reached
-on, so a process on another host's port that relays the challenge to a live replica gets a proof for the wrong address.
-A replica is sent the token only while its polls prove the key.
+"""A replica's own port, guarded (notebook 06). vLLM checks its key only under `/v1` (serve/middleware/authenticate.py),
+yet a dev-mode replica serves `/collective_rpc` to any local process: `ReplicaAuthMiddleware` asks for it on every path
+but `/health`. Each health poll carries a challenge answered with HMAC-SHA256(key, host, port, challenge), so a process
+that took a dead replica's port, or relays to a live one from another address, is never sent the token.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment. Notebook 06.
-
-`launch_replicas()` starts N vLLM servers and stops them all on exit, even on error; `measure_prefix_hits()` sends
-GRPO-shaped traffic to a proxy or router and reads the hit rate the replicas themselves count, in tokens.
+"""vLLM replicas as subprocesses (started together, all stopped on exit or error), their prefix-cache counters, and
+the affinity experiment: GRPO-shaped traffic through a proxy, the hit rate the replicas count in tokens. Notebook 06.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""How the proxy of the second post decides, without any I/O; `colo_kit.async_lora.proxy` serves it. Notebook 06.
-
-- **Routes.** `ROUTES`: what TRL's `AsyncGRPOTrainer` and an OpenAI client call, and whether each is routed,
-  broadcast (it changes state), answered by any replica or by the proxy; anything else is 404.
-- **Prefix affinity.** `PrefixKeyer` computes vLLM's prefix-cache chain (salted with the adapter's name) and
-  `PrefixIndex` finds a request's longest known one; an unseen chain is placed by rendezvous hashing under a bound
-  on load ("consistent hashing with bounded loads", Mirrokni et al. 2018).
-- **Adapter loads and credentials.** `vet_adapter_load` lets through only paths inside `--adapter-root`;
-  `bearer_ok` checks a client's header as vLLM does.
+"""How the proxy of the second post decides, without any I/O (notebook 06): `ROUTES` (routed, broadcast, any replica
+or the proxy itself), prefix affinity (`PrefixKeyer`: vLLM's prefix-cache chain salted with the adapter's name;
+rendezvous hashing under a bound on load, Mirrokni et al. 2018), `vet_adapter_load` and `bearer_ok`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The weight push in buckets: one `load_weights` call per bucket instead of one per tensor (notebook 04).
-
-TRL's colocate `sync_weights` calls `model.load_weights([(name, param)])` once per tensor, about 340 round trips
-through vLLM's loader for Qwen2.5-1.5B; SkyRL, slime and vLLM's IPC buffers batch it. Buckets hold the trainer's
-own parameters, so they cost no memory. Under ZeRO-3 and PEFT a bucket would hold tensors freed or unmerged by then,
-so there TRL's per-tensor loop is kept.
+"""The weight push in buckets: one `load_weights` call per bucket instead of TRL's one per tensor (about 340 round
+trips for Qwen2.5-1.5B; SkyRL, slime and vLLM's IPC buffers batch it too). Notebook 04. Under ZeRO-3 and PEFT a bucket
+would hold tensors freed or unmerged by then, so there TRL's per-tensor loop is kept.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The colocated engine across processes, as a command: `torchrun --nproc_per_node 2 -m
-colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 [--sampled] [--push]`.
-
-Every process builds a `ColocatedEngine`, generates and prints one JSON line per rank; at TP 2 the two ranks are one
-model: the same seed (`rank // tp`), the same group completions, each rank its own slice.
+"""The colocated engine across processes: `torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check
+--vllm-tensor-parallel-size 2 [--sampled] [--push]` prints one JSON line per rank; at TP 2 both ranks are one model.
 """
 
 from __future__ import annotations

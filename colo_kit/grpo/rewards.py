@@ -1,9 +1,6 @@
-"""The two reward functions of the posts, in TRL's reward-function signature. Notebooks 00 and 05.
-
-TRL calls `f(prompts=..., completions=..., **columns)` and takes one float per completion back, or None where the
-reward does not apply. `length_reward` (the first post's toy) needs no model quality: random weights learn it in a
-few dozen steps. `math500_reward` is 1.0 / 0.0 against the gold `answer`, None when the gold answer is unusable or
-the checker ran out of time.
+"""The two reward functions of the posts, in TRL's reward-function signature (notebooks 00 and 05): one float per
+completion, or None where the reward does not apply. `length_reward` needs no model quality (random weights learn it);
+`math500_reward` is 1.0 / 0.0 against the gold `answer`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong"). Notebook 01.
-
-`Timeline.hook(trainer)` wraps TRL's profiling timers (`trl.extras.profiling.ProfilingContext`) plus a callback for
-backward and the optimizer step. Timestamps are `time.time()`, one clock for every process on the host, taken after
-`torch.cuda.synchronize()` so a phase ends when its kernels do. In server mode the trainer's HTTP wait is `waiting`.
+"""Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong"; notebook 01), from TRL's
+profiling timers. Timestamps are `time.time()`, one clock for every process on the host, taken after
+`torch.cuda.synchronize()` so a phase ends when its kernels do.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Predict-then-run exercises for the notebooks, each checked by code: `lab.check(key, answer)` says right (and why)
-or gives a hint, never the answer; the solution sits in a collapsed cell below. The exercises are data
-(`exercises.yaml` beside this module); right answers come from the kit's own functions where one exists (slot rule,
-ping-pong model, reward), so an exercise cannot drift from its notebook. Answers are structured, never free text
-matched for words ("it won't pass" contains "pass"): a number within a tolerance, written as a learner would ("7/8",
-"two", "16 bytes", "87.5%" for a share), or one of the listed options (or its letter).
+"""Predict-then-run exercises (`exercises.yaml` beside this module): `lab.check(key, answer)` says right (and why) or
+gives a hint, never the answer. Right answers come from the kit's own functions where one exists, and answers are
+structured (a number within a tolerance, "7/8", "87.5%", or one of the options), never free text matched for words.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Tensor-parallel (TP) tuning for colocated generation (notebook 03): post 1, experiments 2 and 4.
-
-The post found more TP slower for Qwen2.5-1.5B ("avoid sharding small models") and faster for 7B, up to 1.73x;
-`generation_sweep` and `grpo_sweep` measure the same on one node (on a CPU: a functional demo, not a speed result).
-Why the trend flips: TP adds two all-reduces per layer, which a 1.5B model's small matrices do not pay back, while
-7B's weights fill a third of the engine's 0.3 share, so at TP 2 its KV cache gets 2.5x the tokens (`kv_room`).
+"""Tensor-parallel (TP) tuning for colocated generation (notebook 03; post 1, experiments 2 and 4): more TP is slower
+for Qwen2.5-1.5B and faster for 7B (up to 1.73x). Two all-reduces per layer do not pay back for small matrices, while
+7B's weights fill a third of a 0.3 share, so at TP 2 its KV cache gets 2.5x the tokens (`kv_room`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3).
-
-Each run is TRL's `GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up;
-per batch the sweep reports throughput, idle and phase time, peak memory, and the ratio colocate / server, raw and
-normalised as the post does (server × N/(N−k) when k of N devices serve). On GPU each mode's configs run in one
-`accelerate launch` worker reusing one vLLM engine (`reuse_engines`); on CPU everything runs in-process.
+"""Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3). Each run is
+TRL's `GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up; colocate / server
+raw and normalised as the post does (server × N/(N−k) when k of N devices serve).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`colo-kit bench` (the sweep of `colo_kit.serving.bench`) and the entry point of the sweep's own processes:
-
-    colo-kit bench --batches 8,32 --modes server,colocate
-    python -m colo_kit.serving.bench_cli worker PLAN.json  # one device's runs (started by the sweep)
+"""`colo-kit bench --batches 8,32 --modes server,colocate`, and the sweep's own worker processes
+(`python -m colo_kit.serving.bench_cli worker PLAN.json`).
 """
 
 from __future__ import annotations

