@@ -40,7 +40,7 @@ os.environ["COLO_KIT_BENCH_TOKEN"] = "bench-token"  # the stand-ins' and replica
 from colo_kit.env import describe  # noqa: E402
 from colo_kit.parallel.launch import free_port  # noqa: E402
 from colo_kit.paths import results_dir  # noqa: E402
-from colo_kit.async_lora.proxy import percentile  # noqa: E402
+from colo_kit.async_lora.proxy_metrics import percentile  # noqa: E402
 from stub_replica import start_stub  # noqa: E402
 
 

@@ -137,7 +137,7 @@ def prompts_for(n: int, tokens: int, shared: int, words: list[int], seed: int) -
 
 def summary(ms: list[float]) -> dict:
     """Latency summary (ms): nearest-rank percentiles, and every 5th percentile for a plot."""
-    from colo_kit.async_lora.proxy import percentile
+    from colo_kit.async_lora.proxy_metrics import percentile
 
     if not ms:
         return {"n": 0}

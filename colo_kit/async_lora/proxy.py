@@ -11,8 +11,8 @@ import logging
 import threading
 import time
 
-from colo_kit.async_lora.proxy_config import ProxyConfig  # noqa: F401  (colo_kit.async_lora.proxy.ProxyConfig, as before)
-from colo_kit.async_lora.proxy_metrics import ProxyMetrics, percentile  # noqa: F401  (colo_kit.async_lora.proxy.percentile, as before)
+from colo_kit.async_lora.proxy_config import ProxyConfig  # noqa: F401  (notebook 06 imports it from here)
+from colo_kit.async_lora.proxy_metrics import ProxyMetrics
 from colo_kit.async_lora.proxy_replicas import (Broadcaster, HungUp, Replica, Retryable, content_type, describe, error,
                                      send_upstream)
 from colo_kit.async_lora.routing import (ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, bearer_ok, choose_replica, load_bound,

@@ -15,31 +15,6 @@ from colo_kit.procs import free_port  # noqa: F401  (notebook 06 imports free_po
 from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
 
 
-def run_async(coro):
-    """`asyncio.run`, also from a Jupyter cell (whose thread already runs an event loop)."""
-    import asyncio
-    import threading
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 class ReplicaSet:
     def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike, token: str | None = None):
         self.launches = launches
@@ -181,6 +156,7 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
     import asyncio
 
     import aiohttp
+    from jupyter_core.utils import run_sync  # also from a Jupyter cell, whose thread already runs an event loop
 
     before = [replica_counters(u, token) for u in replica_urls]
 
@@ -206,7 +182,7 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
         return latencies
 
     t0 = time.perf_counter()
-    latencies = run_async(run())
+    latencies = run_sync(run)()
     wall_s = time.perf_counter() - t0
     after = settled_counters(replica_urls, before, len(prompts) * group_size, token)
     return {**{k: [a[k] - b[k] for a, b in zip(after, before)] for k in ("hits", "queries", "requests")},

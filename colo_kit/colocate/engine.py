@@ -80,7 +80,7 @@ def _unwrap(model):
     return model
 
 
-# Each idea of the module docstring in TRL: idea | TRL function | text on the line.
+# Each idea of the colocated engine in TRL: idea | TRL function | text on the line.
 TRL_LINES = [tuple(part.strip() for part in row.split(" | ")) for row in """
 one engine per process, in the trainer's group | _init_vllm | distributed_executor_backend="external_launcher"
 TP groups over consecutive ranks | _init_vllm | new_subgroups_by_enumeration
