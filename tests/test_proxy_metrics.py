@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from colo_kit.async_lora.proxy import percentile
+from colo_kit.async_lora.proxy_metrics import percentile
 from colo_kit.async_lora.proxy_metrics import HANDLER_BUCKETS_S, ProxyMetrics
 
 
