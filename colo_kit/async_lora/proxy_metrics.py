@@ -41,12 +41,9 @@ class ProxyMetrics:
 
     def handler_ms(self) -> dict:
         """p50/p90/p99 (ms) of the recent handler times, and how many there are."""
-        lat = sorted(self._handler_ms)
-
-        def q(p):
-            return round(lat[min(len(lat) - 1, int(p * len(lat)))], 4) if lat else None
-
-        return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "n": len(lat)}
+        lat = self._handler_ms
+        out = {f"p{p}": round(percentile(lat, p), 4) if lat else None for p in (50, 90, 99)}
+        return {**out, "n": len(lat)}
 
     def prometheus_text(self) -> bytes:
         """Everything in Prometheus' text format."""
@@ -73,6 +70,6 @@ class _Snapshot:
 
 
 def percentile(values, p: float) -> float:
-    """Nearest-rank percentile of raw samples, for the benchmark and the notebook."""
+    """Nearest-rank percentile of raw samples."""
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))] if s else float("nan")
