@@ -495,11 +495,11 @@ for model, dtype in (("qwen2.5-1.5b", "float32"), ("qwen2.5-7b", "bfloat16")):
     for card, gib in CARDS.items():
         r = recipe(Plan(model=model, gpu_mem_gib=gib, train_dtype=dtype))
         fields = {name: value for name, value, _ in r["fields"]}
-        sizes.append({"model": model, "GPU": card, **{k: fields.get(k) for k in KEYS},
+        sizes.append({"model": model, "GPU": card, **{k: fields.get(k, "") for k in KEYS},
                       "expandable segments": bool(r.get("environment")),
                       "predicted peak GiB (modelled)": round(r["peak_gib_per_gpu"], 1) if r["fits"] else "does not fit",
                       "raced on": RACED.get((model, gib), "")})
-pd.DataFrame(sizes).set_index(["model", "GPU"]).fillna("")
+pd.DataFrame(sizes).set_index(["model", "GPU"])
 
 # %% [markdown]
 # ### Where a step's time goes
