@@ -216,9 +216,8 @@ class Timeline:
                 out[iv.device][iv.phase] += d
         return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
 
-    def phase_per_step(self, skip_steps: int = 1, stat: str = "median") -> dict[str, dict[str, float]]:
-        """Seconds per device per phase per step after the first `skip_steps`: the median (one disturbed step does not
-        move it) or the mean."""
+    def phase_per_step(self, skip_steps: int = 1) -> dict[str, dict[str, float]]:
+        """Median seconds per device per phase per step after the first `skip_steps` (a disturbed step does not move it)."""
         import statistics
 
         steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
@@ -227,8 +226,7 @@ class Timeline:
             if iv.step + 1 in steps:  # an interval recorded while global_step = s - 1 belongs to step s
                 d = per.setdefault(iv.device, {}).setdefault(iv.phase, {})
                 d[iv.step + 1] = d.get(iv.step + 1, 0.0) + (iv.end_s - iv.start_s)
-        f = statistics.median if stat == "median" else statistics.fmean
-        return {dev: {p: round(f([v.get(s, 0.0) for s in steps]), 4) for p, v in ph.items()}
+        return {dev: {p: round(statistics.median([v.get(s, 0.0) for s in steps]), 4) for p, v in ph.items()}
                 for dev, ph in per.items()} if steps else {}
 
     def to_dict(self) -> dict:
