@@ -53,19 +53,49 @@ MACHINE.say(LIVE["plan"])
 # %% [markdown]
 # ## 1 · Multi-process cells that cannot kill the kernel
 #
-# `launch(fn, *args)` runs `fn` in one process per GPU (2 on a CPU) and returns what each rank returned.
-# Around torch elastic's `elastic_launch` (which accelerate's `notebook_launcher` wraps) it adds what a notebook needs:
+# accelerate's docs start a multi-process run from a notebook with `notebook_launcher(fn, args, num_processes=N)`.
+# Run it first, as it is: each worker adds its rank's ones over all workers and says what accelerate makes of it.
+
+# %%
+import torch.distributed as dist
+from accelerate import notebook_launcher
+
+from colo_kit.env import gpu_count
+from colo_kit.procs import free_port
+
+
+def whoami_accelerate(tag):
+    import torch
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    state = PartialState()
+    t = torch.ones(1, device=state.device)
+    if dist.is_initialized():
+        dist.all_reduce(t)  # crosses the processes: the sum is the world size
+    print(f"rank {os.environ.get('RANK', 0)}: accelerate sees {state.num_processes} process(es) "
+          f"({state.distributed_type.value}), all_reduce sum {t.item():.0f}, says {tag}", flush=True)
+    return int(os.environ.get("RANK", 0))
+
+
+# one process per GPU, or 2 on a CPU; use_port's default is 29500, which another learner's launch may hold
+returned = notebook_launcher(whoami_accelerate, ("hello",), num_processes=gpu_count() or 2, use_port=str(free_port()))
+print("notebook_launcher returned:", returned)
+
+# %% [markdown]
+# It ran, and the workers' sum shows they formed one group. What it left out is what the kit's
+# `launch(fn, *args)` adds around the same torch elastic launch (a measured row is one you just saw):
 #
-# | what goes wrong with a bare `notebook_launcher` | what `colo_kit.parallel.launch` does |
+# | with `notebook_launcher` | with `colo_kit.parallel.launch` |
 # |---|---|
-# | a CUDA context in the kernel breaks the forked workers (accelerate #1751/#3925) | `kernel_problems()` checks first; then the workers are spawned (fresh interpreters, the function cloudpickled), or `fresh_process=False` raises with the fix |
-# | a fixed `MASTER_PORT` makes a re-run collide (TRL #3979) | a free port per launch |
-# | return values are dropped | `elastic_launch`'s `{rank: value}`, in rank order |
-# | worker output lands in the terminal, a worker crash is a wall of elastic errors | per-rank logs (elastic's `DefaultLogsSpecs`) teed into the cell as `[rank N] …`; a crash becomes one `WorkerError` with the worker's traceback, and the kernel lives |
-# | on a CPU, `PartialState()` quietly makes each process a world of one (and `accelerate launch --cpu --num_processes 2` starts one process) | every worker starts `PartialState(cpu=True)`: gloo, world size 2 |
+# | the return value is `None` (seen above): `elastic_launch`'s `{rank: value}` is dropped | `{rank: value}`, in rank order |
+# | on a CPU, `PartialState()` in each worker says one process, `DistributedType.NO` (seen above), so an `Accelerator` would train each worker alone; the banner says "CUDAs" | every worker starts `PartialState(cpu=True)`: gloo, world size 2 |
+# | the workers are forked, and a CUDA context already in the kernel breaks them (accelerate #1751/#3925) | `kernel_problems()` checks first and spawns fresh interpreters instead (the function cloudpickled) when forking is unsafe |
+# | a worker's exception is a wall of elastic errors | one `WorkerError` with the worker's traceback; the kernel lives |
+# | the workers' lines are interleaved as they come | each line prefixed `[rank N]`, and a log per rank |
+# | the port is yours to pick (`use_port`, 29500 unless given) | a free port per launch |
 #
-# Keep every GPU call inside the launched function. Two small launches in a row (each worker's first line
-# says what it got):
+# Keep every GPU call inside the launched function. Two small launches in a row with the kit's `launch`:
 
 # %%
 print("kernel problems before forking:", kernel_problems() or "none")
