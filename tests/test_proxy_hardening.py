@@ -515,3 +515,69 @@ def test_trl_clients_send_the_client_token_inside_trl_client_auth(stubs, monkeyp
             client.get_server_info()
     finally:
         p.stop_thread()
+
+
+# ---------------------------------------------------------------------------------------------
+# Silent sockets reopened without end cannot lock the trainer out of a proxy with few descriptors
+# ---------------------------------------------------------------------------------------------
+
+def test_silent_sockets_reopened_without_end_do_not_lock_the_trainer_out(stubs, tmp_path):
+    # Seen before: under a 256-descriptor limit a local process that kept reopening silent sockets left the trainer
+    # 1 of 30 requests over 15 s (each socket was closed after --client-timeout-s, and reopened at once).
+    import resource
+
+    ports, _ = stubs
+    args = ["--block-size", "16", "--token-env", TOKEN_ENV, "--client-timeout-s", "30"]
+    for port in ports:
+        args += ["--replica", f"http://127.0.0.1:{port}"]
+    out, err = tmp_path / "proxy.out", tmp_path / "proxy.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "colo_kit", "proxy", "--port", "0", *args], stdout=o, stderr=e,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    flood: list[socket.socket] = []
+    stop = threading.Event()
+    try:
+        url = _wait_for(lambda: (m := re.search(r"serving on (http://\S+)", out.read_text())) and m.group(1), 60,
+                        "the proxy printing its address")
+        host, port = url.removeprefix("http://").split(":")
+
+        def keep_opening():  # 400 silent sockets, each one the proxy closes opened again
+            while not stop.is_set():
+                flood[:] = [s for s in flood if s.fileno() != -1]
+                for s in list(flood):
+                    s.setblocking(False)
+                    try:
+                        if s.recv(1) == b"":
+                            s.close()
+                    except (BlockingIOError, ConnectionError, OSError):
+                        pass
+                flood[:] = [s for s in flood if s.fileno() != -1]
+                while len(flood) < 400 and not stop.is_set():
+                    try:
+                        flood.append(socket.create_connection((host, int(port)), timeout=1))
+                    except OSError:
+                        break
+                time.sleep(0.01)
+
+        opener = threading.Thread(target=keep_opening, daemon=True)
+        opener.start()
+        _wait_for(lambda: len(flood) >= 300, 30, "300 silent sockets open at the proxy")
+        served = 0
+        with httpx.Client(timeout=10) as trainer:
+            for _ in range(20):
+                try:
+                    served += trainer.post(url + "/v1/completions", json={"model": "m", "prompt": [1] * 40},
+                                           headers={"Connection": "close"}).status_code == 200
+                except httpx.TransportError:
+                    pass
+        stop.set()
+        opener.join(timeout=10)
+        assert served >= 19, f"{served} of 20 trainer requests served while silent sockets were reopened"
+        counters = httpx.get(url + "/metrics?format=json", timeout=10).json()
+        assert counters["idle_closed"] > 0 and proc.poll() is None
+    finally:
+        stop.set()
+        for s in flood:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -28,6 +28,38 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
 
 
+def connection_cap() -> int:
+    """How many client connections the proxy keeps open: three quarters of its descriptor limit (the soft limit
+    raised to the hard one first), the rest for upstream connections, files and the listening socket."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit the kernel will not grant: keep the soft one
+            pass
+    return max(8, 3 * min(soft, 1 << 20) // 4 - 16)
+
+
+def _close_idle_past(server, cap: int, counters: dict) -> None:
+    """Past `cap` open client connections, each new one closes the longest-open connections with no request in
+    flight: a local process that keeps opening silent sockets then cannot take the descriptors a trainer needs."""
+    made = server.connection_made
+
+    def connection_made(handler, transport):
+        made(handler, transport)
+        extra = len(server.connections) - cap
+        if extra > 0:
+            idle = [h for h in server.connections if h is not handler and not h._request_in_progress]  # oldest first
+            for h in idle[:extra]:
+                h.force_close()
+                counters["idle_closed"] += 1
+
+    server.connection_made = connection_made
+
+
 class RoutingProxy:
     """The proxy: `await start()`, `await stop()`, or `start_in_thread()` from notebooks and tests."""
 
@@ -74,6 +106,7 @@ class RoutingProxy:
                                      keepalive_timeout=self.config.client_timeout_s,
                                      lingering_time=min(10.0, self.config.client_timeout_s))
         await self._runner.setup()
+        _close_idle_past(self._runner.server, connection_cap(), self.counters)
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         try:
             await site.start()

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 COUNTERS = ("requests", "routed", "affinity_hits", "fallbacks", "retries", "errors", "refused", "broadcasts",
-            "broadcast_failures", "recoveries", "replay_failures", "client_hangups", "shed")
+            "broadcast_failures", "recoveries", "replay_failures", "client_hangups", "shed", "idle_closed")
 PER_REPLICA = ("requests", "inflight", "failures", "affinity_hits", "healthy")
 
 # tens of microseconds for TRL's short prompts, milliseconds for a long one hashed in a thread; past 0.1 s is a fault
