@@ -426,8 +426,8 @@ print(f"the planner against seed 0's NVML peak, every row of both models: {min(e
 #
 # Two seeds cannot carry a time ratio. On one H100 80 GB, `plan --recommend` keeps CISPO on 8 steps per generation at
 # batch 16 by setting PyTorch's expandable segments (the default allocator's reserve would not fit), and
-# `scripts/gpu/speed.sh` raced it against TRL's defaults, five seeds and more each. Each line is one seed's running
-# mean reward; the dashed line is the threshold.
+# `scripts/gpu/speed.sh` raced it against TRL's defaults, five seeds and more each (measured,
+# `results/speed_1xh100.json`). Each line is one seed's running mean reward; the dashed line is the threshold.
 
 # %%
 seeds = results.shown("04.seeds_h100")
