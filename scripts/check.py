@@ -12,8 +12,9 @@ this machine, recorded with hardware, versions and commit.
 Each call runs one part and merges it into `--json` (a part re-run replaces only the items it ran, each
 item keeps the commit it ran at; a notebook the budget left out replaces no record of one that ran). Every file it
 writes (the record, the HTML copies, refresh's notebooks and docs) is replaced whole or not at all, merges into one
-record take turns, and a malformed record is named in one line (record/store.py). Executed notebooks are kept as
-HTML beside the JSON (`results/gpu_check/NN_*.html`) for readers without the hardware. Without `--json` the record goes
+record take turns, and a malformed record is named in one line (record/store.py). Executed notebooks are kept
+beside the JSON, as HTML and as the executed notebook (`results/gpu_check/NN_*.html`, `NN_*.ipynb`) for readers without
+the hardware; the site (`make site`) builds its lesson pages from the executed notebooks. Without `--json` the record goes
 to results/runs/check.json. `scripts/gpu/check.sh` runs both parts on a GPU node; on a laptop the
 same command measures the CPU tier.
 
@@ -32,8 +33,10 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -390,7 +393,9 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
                 out.append({"notebook": p.stem, "status": "not run", "reason": f"time budget of {budget_s:.0f} s spent"})
                 continue
             start = time.time()
-            cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(html_dir)]
+            # into a folder of its own first: the copies beside the record are replaced whole or not at all
+            scratch = Path(tempfile.mkdtemp(prefix=f".{p.stem}.", dir=html_dir))
+            cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(p), "--out", str(scratch)]
             peaks: dict = {}
             rc, stdout, stderr = _run(cmd, left, peaks, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             tail = (stdout or "")[-1500:] + (stderr or "")[-3000:]
@@ -400,12 +405,16 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
                    "source_sha256": source_digest(SOURCES / (p.stem + ".py"))}
             if rc not in (0, "timeout"):
                 rec["error_tail"] = tail
-            if (html_dir / p.name).exists():  # what the notebook's "What you should see" boxes recorded
+            if (scratch / p.name).exists():  # what the notebook's "What you should see" boxes recorded
                 from record.refresh import facts_of
 
-                rec["facts"] = facts_of(html_dir / p.name)
-            if (html_dir / (p.stem + ".html")).exists():  # the HTML copy is what readers open; keep the repo light
-                (html_dir / p.name).unlink(missing_ok=True)
+                rec["facts"] = facts_of(scratch / p.name)
+            # the HTML copy is what readers open; the executed notebook beside it is what the site's lesson page is
+            # built from (docs/site): both kept, each written whole
+            for name in (p.stem + ".html", p.name):
+                if (scratch / name).exists():
+                    write_text_atomic(html_dir / name, (scratch / name).read_bytes())
+            shutil.rmtree(scratch, ignore_errors=True)
             out.append(rec)
             print(f"[check] {p.stem}: {rec['status']} in {rec['seconds']} s (lane {i})", flush=True)
 
@@ -540,8 +549,9 @@ def _merge_from(record: dict, source: Path, run: str, ended: str | None) -> tupl
         made = result[part] = [{**item, "run": run} for item in made]
         record = merge_into(record, part, result, env=src.get("env"))
         for nb in made if part == "notebooks" else []:
-            if (copy := source.with_suffix("") / f"{nb['notebook']}.html").exists():
-                html.append(copy)
+            for ext in (".html", ".ipynb"):  # the executed notebook comes along with its HTML copy
+                if (copy := source.with_suffix("") / f"{nb['notebook']}{ext}").exists():
+                    html.append(copy)
         record.setdefault("runs", []).append(
             {"run": run, "commit": result.get("commit"), "part": part, "machine": machine_label(src.get("env") or {}),
              "seconds": result.get("seconds"),
