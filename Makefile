@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast numbers numbers-status lab lab-reset clean-venv data
+.PHONY: venv demo test test-fast numbers numbers-status site lab lab-reset clean-venv data
 
 venv: $(STAMP)
 
@@ -48,6 +48,13 @@ numbers: venv
 STATUS_ARGS ?=
 numbers-status: | $(STAMP)
 	$(BIN)/python -m record.status $(STATUS_ARGS)
+
+# The lessons as a static website under build/site/html/ (open index.html, or `python -m http.server -d
+# build/site/html`): each lesson page from its executed copy under results/ (nothing is executed), the home page from
+# README.md, INSTRUCTOR.md, the package's reference and the freshness report (docs/site/build.py). Order-only on the
+# venv, like numbers-status: built if missing, never rebuilt here.
+site: | $(STAMP)
+	$(BIN)/python docs/site/build.py --out build/site
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
 # JupyterLab's autosaves land there (ignored by git), never in the tracked notebooks. `make lab-reset` puts
