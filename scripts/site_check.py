@@ -57,7 +57,7 @@ def hover_value(driver) -> str | None:
         return None
     drag = plots[0].find_element(By.CSS_SELECTOR, ".nsewdrag")
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", drag)
-    time.sleep(0.5)
+    time.sleep(1)  # the theme scrolls smoothly
     w, h = drag.size["width"], drag.size["height"]
     for fx in (0.5, 0.25, 0.75, 0.1, 0.9, 0.6, 0.4):
         for fy in (0.5, 0.3, 0.7):
@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             title = driver.title
             charts = driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
             note = f"{len(charts)} charts"
+            panels = driver.find_elements(By.CSS_SELECTOR, ".w-static")
+            if panels and not (a.shots / "widgets.png").exists():  # a control panel, drawn as its last state
+                driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", panels[0])
+                time.sleep(1)  # the theme scrolls smoothly
+                driver.save_screenshot(str(a.shots / "widgets.png"))
+            note += f", {len(panels)} widget panels"
             if charts and hovered is None:
                 hovered = hover_value(driver)
                 note += f", hover: {hovered!r}"
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 note = f"{len(found)} results for 'colocate'"
                 if not found:
                     failures.append(f"{page}: the search found nothing")
+            driver.execute_script("window.scrollTo(0, 0);")
+            time.sleep(1)
             shot = a.shots / (page.replace("/", "_").split("?")[0].removesuffix(".html") + ".png")
             driver.save_screenshot(str(shot))
             print(f"[site-check] {page}: {title!r}, {note}, {len(errors)} console errors -> {shot}")

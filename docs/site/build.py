@@ -126,6 +126,9 @@ def _widget_html(model_id: str, state: dict, seen: set) -> str:
         return f'<button class="w-button" disabled>{desc}</button>'
     if name == "OutputModel":
         return "".join(_output_html(o) for o in s.get("outputs", []))
+    if name in ("FloatProgressModel", "IntProgressModel"):
+        return (f'<div class="w-field">{label}<progress value="{s.get("value", 0)}" max="{s.get("max", 100)}">'
+                f'{s.get("value", "")}</progress></div>')
     if "_options_labels" in s:
         idx = s.get("index")
         labels = s["_options_labels"]
