@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import html
 import json
 import re
@@ -236,8 +237,13 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
             elif (html_copy := results / f"{other}_check" / f"{name}.html").exists():
                 (src / "_extra" / f"{other}_check").mkdir(exist_ok=True)
                 shutil.copy(html_copy, src / "_extra" / f"{other}_check" / html_copy.name)
+                # no executed notebook to compare: the record's digest of the lesson's source it ran says it
+                src_py = repo / "notebooks" / "src" / f"{name}.py"
+                older = bool(rec and rec.get("source_sha256") and src_py.exists()
+                             and rec["source_sha256"] != hashlib.sha256(src_py.read_bytes()).hexdigest()[:16])
                 links.append(f'<a href="../{other}_check/{html_copy.name}">{MACHINE[other]} outputs</a> '
-                             f"({where(rec, other)}, its HTML copy)")
+                             f"({where(rec, other)}, its HTML copy" + (", from an earlier version of this lesson"
+                                                                        if older else "") + ")")
         if tier:
             stale = is_stale(copies[tier], lesson)
             nb = for_the_page(json.loads(copies[tier].read_text()))
@@ -280,7 +286,7 @@ def build(out: Path, repo: Path = REPO, results: Path | None = None, strict: boo
     """Stage into `out/src` and build the HTML into `out/html`; Sphinx's warnings are errors (`strict`) and go to
     `out/warnings.txt`. Returns `stage`'s account of the lesson pages."""
     info = stage(out / "src", repo, results)
-    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "2", "-w", str(out / "warnings.txt"),
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-w", str(out / "warnings.txt"),
            *(["-W", "--keep-going"] if strict else []), str(out / "src"), str(out / "html")]
     env = {**__import__("os").environ, "COLO_KIT_REPO": str(repo)}
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
