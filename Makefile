@@ -51,9 +51,11 @@ numbers-status: | $(STAMP)
 
 # The lessons as a static website under build/site/html/ (open index.html, or `python -m http.server -d
 # build/site/html`): each lesson page from its executed copy under results/ (nothing is executed), the home page from
-# README.md, INSTRUCTOR.md, the package's reference and the freshness report (docs/site/build.py). Order-only on the
-# venv, like numbers-status: built if missing, never rebuilt here.
-site: | $(STAMP)
+# README.md, INSTRUCTOR.md, the package's reference and the freshness report (docs/site/build.py). The venv is built
+# if missing, never rebuilt here (an order-only prerequisite would still be remade when a requirements file is newer
+# than its stamp, as in a fresh clone).
+site:
+	@[ -e $(STAMP) ] || $(MAKE) venv
 	$(BIN)/python docs/site/build.py --out build/site
 
 # JupyterLab on lab/, a working copy of notebooks/ made on first use: a learner's edits, outputs and
