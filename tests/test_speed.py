@@ -430,17 +430,18 @@ def test_speed_smoke_runs_the_chain_on_cpu(tmp_path):
     # clean_env: without the MASTER_PORT pytest's own process groups leave in its environment, each seed's process
     # gets a free rendezvous port from TRL; with it, two seeds one after the other bound one port (EADDRINUSE)
     env = {**clean_env(), "PY": sys.executable, "SPEED_RESULT": str(out), "SPEED_BUDGET_S": "8",
-           "SPEED_CONFIGS": "trl_defaults:0,1 bucketed_push:0 spg8:0", "TMPDIR": str(tmp_path), "OUT": ""}
+           "SPEED_CONFIGS": "trl_defaults:0,1 spg8:0", "TMPDIR": str(tmp_path), "OUT": ""}
     proc = subprocess.run(["bash", "scripts/gpu/speed.sh", "--smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     recs = {r["config"]: r for r in result["records"]}
-    assert set(recs) == {"trl_defaults", "bucketed_push", "spg8"}
+    assert set(recs) == {"trl_defaults", "spg8"}
     # "0,1" is two seeds, each in a process of its own (speed.sh), both merged into one result
     assert sorted(r["seed"] for r in result["records"] if r["config"] == "trl_defaults") == [0, 1]
-    assert len(result["parts"]) == 4
-    assert recs["bucketed_push"]["bucketed_push_applied"] and recs["bucketed_push"]["push_calls"] >= 2
+    assert len(result["parts"]) == 3
+    # spg8 is the chain up to it: the bucketed push included
+    assert recs["spg8"]["bucketed_push_applied"] and recs["spg8"]["push_calls"] >= 2
     assert recs["trl_defaults"]["push_calls"] is None   # TRL's own push ran there
     assert recs["spg8"]["steps_per_generation"] == 8
     assert recs["spg8"]["steady"]["completion_tokens_per_s"] > 0
