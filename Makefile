@@ -44,9 +44,10 @@ numbers: venv
 # How fresh the numbers are: for each results file a learner reads, the machine and commit that measured it and how
 # many commits changed the code it measures since; each notebook's Run All records; the runs and goals still owed.
 # A report, not a test: git and the JSON files only, in seconds. STATUS_ARGS=--json for machines, --markdown for README.
-# The venv is built if missing, never rebuilt here (order-only).
+# The venv is built if missing, never rebuilt here (as `site` below).
 STATUS_ARGS ?=
-numbers-status: | $(STAMP)
+numbers-status:
+	@[ -e $(STAMP) ] || $(MAKE) venv
 	$(BIN)/python -m record.status $(STATUS_ARGS)
 
 # The lessons as a static website under build/site/html/ (open index.html, or `python -m http.server -d
