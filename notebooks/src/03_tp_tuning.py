@@ -57,7 +57,6 @@ MACHINE.say(LIVE["plan"])
 # Run it first, as it is: each worker adds its rank's ones over all workers and says what accelerate makes of it.
 
 # %%
-import torch.distributed as dist
 from accelerate import notebook_launcher
 
 from colo_kit.env import gpu_count
@@ -84,7 +83,7 @@ print("notebook_launcher returned:", returned)
 
 # %% [markdown]
 # It ran, and the workers' sum shows they formed one group. What it left out is what the kit's
-# `launch(fn, *args)` adds around the same torch elastic launch (a measured row is one you just saw):
+# `launch(fn, *args)` adds around the same torch elastic launch ("seen above" marks what this run just showed):
 #
 # | with `notebook_launcher` | with `colo_kit.parallel.launch` |
 # |---|---|
