@@ -160,3 +160,15 @@ def test_a_failed_build_leaves_no_partial_folder(tmp_path, monkeypatch):
         build_model("tiny", seed=10**20)  # past what torch.manual_seed takes: fails mid-build
     folder = model_dir("tiny-seed" + str(10**20))
     assert not folder.exists() and not list(folder.parent.glob(folder.name + ".partial*"))
+
+
+@pytest.mark.parametrize("kv_only_sleep", [False, True])
+def test_sleep_on_a_cpu_through_run_grpo_is_the_kits_error_before_any_model_loads(kv_only_sleep, monkeypatch):
+    """run_grpo (the notebooks' way in) refuses sleep mode, or KV-only sleep, on a CPU with the kit's
+    SleepModeUnavailable before it resolves a model: a model name that does not exist is never reached."""
+    from colo_kit.colocate.sleep import SleepModeUnavailable
+    from colo_kit.grpo import train
+
+    monkeypatch.setattr(train, "has_cuda", lambda: False)
+    with pytest.raises(SleepModeUnavailable, match="kv_only_sleep" if kv_only_sleep else "vllm_enable_sleep_mode"):
+        train.run_grpo("no-such-model", vllm_enable_sleep_mode=True, kv_only_sleep=kv_only_sleep)

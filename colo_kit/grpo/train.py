@@ -151,6 +151,10 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
 
     if kv_only_sleep and not vllm_enable_sleep_mode:  # refused before a model loads
         raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs vllm_enable_sleep_mode=True")
+    if mode == "colocate" and vllm_enable_sleep_mode and not has_cuda():  # pydantic's error would come after the load
+        from colo_kit.colocate.sleep import SleepModeUnavailable
+
+        raise SleepModeUnavailable.for_this_platform("kv_only_sleep=True" if kv_only_sleep else "vllm_enable_sleep_mode=True")
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
     if expandable and vllm_enable_sleep_mode:  # vLLM's sleep-mode memory pool asserts this after the model loads
         raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot run with vllm_enable_sleep_mode=True: "
