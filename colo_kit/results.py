@@ -5,6 +5,7 @@ a number comes from (machine, date, file). The runs that wrote them live in `rec
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from colo_kit.paths import results_dir
 
@@ -13,9 +14,9 @@ CHECKS = {"cpu": "cpu_check.json", "gpu": "gpu_check.json"}  # one Run All of ev
 UNMEASURED = {"cpu": "CPU laptop", "gpu": "1 GPU"}  # a kind with no record yet
 
 
-def load(name: str) -> dict | None:
-    """`results/<name>.json` (e.g. "pingpong_cpu"), or None when it is not committed."""
-    path = results_dir() / f"{name.removesuffix('.json')}.json"
+def load(name: str, results: Path | None = None) -> dict | None:
+    """`results/<name>.json` (e.g. "pingpong_cpu"), or None when it is not committed; `results`: another folder."""
+    path = Path(results or results_dir()) / f"{name.removesuffix('.json')}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -44,14 +45,15 @@ def machine_label(env: dict) -> str:
     return f"{len(gpus)}×{'/'.join(names)}"
 
 
-def measured_runs() -> dict[str, dict[str, dict]]:
+def measured_runs(results: Path | None = None) -> dict[str, dict[str, dict]]:
     """{notebook: {"cpu" | "gpu": its Run All record}} from the committed check runs, whole runs only, each with the
-    `machine` it ran on."""
+    `machine` it ran on and the `date` of its record."""
     out: dict[str, dict[str, dict]] = {}
     for tier, name in CHECKS.items():
-        record = load(name) or {}
+        record = load(name, results) or {}
         for rec in record.get("notebooks", {}).get("notebooks", []):
             if rec.get("seconds") and rec.get("status", "").startswith(("completed", "executed every cell")):
                 machine = rec.get("machine") or machine_label(record.get("env") or {})
-                out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine}
+                date = rec.get("date") or (record.get("updated") or "")[:10] or None
+                out.setdefault(rec["notebook"], {})[tier] = {**rec, "machine": machine, "date": date}
     return out

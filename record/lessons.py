@@ -122,6 +122,12 @@ def seeds_over(result: dict, model: str = "qwen2.5-1.5b") -> dict:
             "seeds": [r["seed"] for r in recs], "time_to_reward_s": c["time_to_reward_s"],
             "nvml_peak_gib": c["nvml_peak_gib"], "planner_peak_gib": c["planner_peak_gib"],
             "curves": [[(round(t, 1), round(m, 1)) for t, m in race.running_reward(r["rows"], per_gen)] for r in recs]}
+    # what one seed against one can read: a reached defaults seed over a reached seed of each configuration
+    defaults = [t for t in out["configs"].get("trl_defaults", {}).get("time_to_reward_s", []) if t]
+    for c in out["configs"].values():
+        mine = [t for t in c["time_to_reward_s"] if t]
+        c["one_seed_vs_one"] = [round(min(defaults) / max(mine), 2), round(max(defaults) / min(mine), 2)] \
+            if defaults and mine else None
     return out
 
 

@@ -52,7 +52,8 @@ def _close_idle_past(server, cap: int, counters: dict) -> None:
         made(handler, transport)
         extra = len(server.connections) - cap
         if extra > 0:
-            idle = [h for h in server.connections if h is not handler and not h._request_in_progress]  # oldest first
+            idle = [h for h in server.connections  # oldest first; an aiohttp without the flag: none counts as idle
+                    if h is not handler and not getattr(h, "_request_in_progress", True)]
             for h in idle[:extra]:
                 h.force_close()
                 counters["idle_closed"] += 1

@@ -71,18 +71,10 @@ def is_stale(executed: Path, lesson: Path) -> bool:
 
 
 def runs(results: Path) -> dict[str, dict[str, dict]]:
-    """{lesson: {tier: its Run All record}} from results/<tier>_check.json, each with a `machine` and `date`."""
-    from colo_kit.results import machine_label
+    """{lesson: {tier: its whole Run All record}} from results/<tier>_check.json, each with a `machine` and `date`."""
+    from colo_kit.results import measured_runs
 
-    out: dict[str, dict[str, dict]] = {}
-    for tier in TIERS:
-        path = results / f"{tier}_check.json"
-        record = json.loads(path.read_text()) if path.exists() else {}
-        for rec in (record.get("notebooks") or {}).get("notebooks", []):
-            rec = {"machine": machine_label(record.get("env") or {}), "date": (record.get("updated") or "")[:10],
-                   **rec}
-            out.setdefault(rec["notebook"], {})[tier] = rec
-    return out
+    return measured_runs(results)
 
 
 def where(rec: dict | None, tier: str) -> str:
