@@ -484,12 +484,12 @@ def merge_into(record: dict, part: str, result: dict, env: dict | None = None) -
         if kit:
             item.setdefault("kit_sha256", kit)
     if key == "notebooks" and old.get(key):
-        ran = {item["notebook"] for item in old[key] if item.get("status") != "not run"}
-        left_out = [item for item in result[key] if item.get("status") == "not run" and item["notebook"] in ran]
-        if left_out:  # "not run" says nothing about the notebook: the record of the run that ran it stays
+        ran = {item["notebook"] for item in old[key] if not _budget_only(item)}
+        left_out = [item for item in result[key] if _budget_only(item) and item["notebook"] in ran]
+        if left_out:  # the budget says nothing about the notebook: the record of the run that ran it stays
             result[key] = [item for item in result[key] if item not in left_out]
             result.update(not_run=sorted(item["notebook"] for item in left_out),
-                          not_run_reason=left_out[0].get("reason") or "not run")
+                          not_run_reason=left_out[0].get("reason") or left_out[0].get("status") or "not run")
     if old.get(key):
         mine = {item.get("nodeid") or item.get("notebook") for item in result[key]}
         kept = [item for item in old[key] if (item.get("nodeid") or item.get("notebook")) not in mine]
@@ -541,9 +541,12 @@ def _merge_from(record: dict, source: Path, run: str, ended: str | None) -> tupl
         result = dict(src.get(part) or {})
         # a device record that began as a copy of this one (`--resume`) still holds what earlier runs made, and a
         # notebook the budget left out is listed as "not run": neither is this run's to name
+        # items at another commit than the run's came with that copy too (the device tool carries the committed
+        # record into every call, so a second call's record holds the first's items again)
         ours = {_made(item) for item in (record.get(part) or {}).get(part, [])}
         made = [item for item in result.get(part) or []
-                if item.get("status") != "not run" and _made(item) not in ours]
+                if item.get("status") != "not run" and _made(item) not in ours
+                and item.get("commit", result.get("commit")) == result.get("commit")]
         if not made:
             continue
         made = result[part] = [{**item, "run": run} for item in made]
@@ -562,6 +565,12 @@ def _merge_from(record: dict, source: Path, run: str, ended: str | None) -> tupl
                  {n["notebook"]: n["status"] for n in made} if part == "notebooks" else
                  {o: sum(t["outcome"] == o for t in made) for o in sorted({t["outcome"] for t in made})})})
     return record, html
+
+
+def _budget_only(item: dict) -> bool:
+    """A notebook the time budget left out or cut: its item tells of the call's budget, not of the notebook."""
+    status = item.get("status") or ""
+    return status == "not run" or status.startswith("cut by the time budget")
 
 
 def _made(item: dict) -> tuple:

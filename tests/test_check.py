@@ -388,6 +388,42 @@ def test_merge_from_folds_another_machines_record_in_and_keeps_its_machine_commi
     assert mine.read_text() == before
 
 
+def test_merge_from_takes_only_the_runs_own_items_and_a_budget_cut_keeps_the_completed_record(tmp_path):
+    """Each device call starts from the committed record the device tool carries, so a second call's record holds the
+    committed items again even after the first call's were merged here: merged in either order, only items at the
+    run's commit are the run's. A notebook the budget cut says nothing about the notebook: the completed record stays
+    and the part names it in `not_run`."""
+    import json
+
+    check = load_script("scripts/check.py")
+    old, new = "a" * 40, "b" * 40
+    committed = {"env": {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3"}]}, "runs": [],
+                 "notebooks": {"commit": old, "notebooks": [
+                     {"notebook": n, "status": "completed", "seconds": 1.0, "commit": old} for n in ("00_x", "01_y")]}}
+    mine = tmp_path / "results" / "gpu_check.json"
+    mine.parent.mkdir()
+    mine.write_text(json.dumps(committed))
+
+    def call(name, made):  # the device's record: the committed one with this call's items in place
+        there = tmp_path / name / "gpu_check.json"
+        there.parent.mkdir()
+        items = {n["notebook"]: n for n in committed["notebooks"]["notebooks"]}
+        items.update({n: {"notebook": n, "status": status, "seconds": s, "commit": new} for n, status, s in made})
+        there.write_text(json.dumps({**committed, "notebooks": {"commit": new, "notebooks": list(items.values())}}))
+        return there
+
+    first = call("first", [("00_x", "completed", 2.0)])
+    second = call("second", [("01_y", "cut by the time budget (9 s were left when it started)", 9.0)])
+    assert check.main(["merge", "--json", str(mine), "--from", str(second), "--run", "S2"]) == 0  # the later first
+    rec = json.loads(mine.read_text())
+    assert rec["notebooks"]["not_run"] == ["01_y"]
+    assert "cut by the time budget" in rec["notebooks"]["not_run_reason"]
+    assert check.main(["merge", "--json", str(mine), "--from", str(first), "--run", "S1"]) == 0
+    rec = json.loads(mine.read_text())
+    got = {n["notebook"]: (n["status"], n["commit"], n.get("run")) for n in rec["notebooks"]["notebooks"]}
+    assert got == {"00_x": ("completed", new, "S1"), "01_y": ("completed", old, None)}
+
+
 def _check_sh_argv(tmp_path, *args, **env) -> list[str]:
     """The arguments scripts/gpu/check.sh hands check.py: its interpreter is a stand-in that writes the arguments it
     got, one per line, so the shell's handling is what is under test."""
