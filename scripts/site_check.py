@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = browser()
     failures, hovered = [], None
     pages = ["index.html", *sorted(f"lessons/{p.name}" for p in (a.html / "lessons").glob("[0-9][0-9]_*.html")),
+             # a machine's outputs kept only as nbconvert's HTML copy, served as it is beside the lessons
+             *sorted(str(p.relative_to(a.html)) for p in a.html.glob("*_check/[0-9][0-9]_*.html")),
              "search.html?q=colocate"]
     try:
         for page in pages:

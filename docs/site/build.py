@@ -231,6 +231,17 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                 # its charts drawn by the site's own plotly.js (the copy asks a CDN for the same version)
                 page_html = re.sub(r'<script[^>]*src="https://cdn\.plot\.ly/plotly-[^"]*"[^>]*>',
                                    '<script src="../_static/plotly.min.js">', html_copy.read_text())
+                # nbconvert's page asks CDNs for require.js and MathJax too: offline they are console errors, and
+                # the outputs need neither (plotly.js above draws the charts; the lesson's maths is on its page)
+                page_html = re.sub(r'<script[^>]*src="https://cdnjs\.cloudflare\.com/[^"]*"[^>]*>\s*</script>', "",
+                                   page_html)
+                page_html = re.sub(r"<script>\s*\(function\(\) \{\s*function addWidgetsRenderer\(\).*?</script>", "",
+                                   page_html, count=1, flags=re.S)
+                # the widgets' manager comes from unpkg too: without it a widget is not drawn (the lesson's own
+                # pages draw each one's last state); and the site's icon, which the copy would ask for at the root
+                page_html = re.sub(r"(</code>)(,)? (at|commit) [0-9a-f]{7,40}(?=[,)])", r"\1", page_html)  # no commits
+                page_html = page_html.replace(
+                    "<head>", '<head><link rel="icon" href="../_static/favicon.svg" type="image/svg+xml">', 1)
                 (src / "_extra" / f"{other}_check" / html_copy.name).write_text(page_html)
                 # no executed notebook to compare: the record's digest of the lesson's source it ran says it
                 src_py = repo / "notebooks" / "src" / f"{name}.py"
@@ -281,6 +292,8 @@ def build(out: Path, repo: Path = REPO, results: Path | None = None, strict: boo
     """Stage into `out/src` and build the HTML into `out/html`; Sphinx's warnings are errors (`strict`) and go to
     `out/warnings.txt`. Returns `stage`'s account of the lesson pages."""
     info = stage(out / "src", repo, results)
+    for tier in TIERS:  # Sphinx adds extra files and never removes one: an HTML copy the site no longer uses goes
+        shutil.rmtree(out / "html" / f"{tier}_check", ignore_errors=True)
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-w", str(out / "warnings.txt"),
            *(["-W", "--keep-going"] if strict else []), str(out / "src"), str(out / "html")]
     env = {**__import__("os").environ, "COLO_KIT_REPO": str(repo)}
