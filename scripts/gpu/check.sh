@@ -20,6 +20,9 @@
 # tests three (PARALLEL=8, then RESUME=1 twice; the GPU lane alone runs ~20 min); keep JSON on the machine between them:
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh tests
 #   source .gpu/env.sh && COLO_KIT_COMMIT=<sha> bash scripts/gpu/check.sh notebooks
+# The device tool carries the tree's committed results/gpu_check.json into every call, over the one the call before
+# wrote: for RESUME to see the earlier calls, keep the record off the tree, e.g. JSON=/root/rec/gpu_check.json
+# (merge its copy in $OUT/results/ as below).
 # <sha> written out from your own clone: the device copy's .git can be older than the tree it carries (seen: it
 # said the session's first commit while the tree was a later one), so `$(git rev-parse HEAD)` there can lie.
 # A part re-run replaces only what it ran; every item keeps the commit it ran at. Copies the record
