@@ -31,3 +31,27 @@ def test_a_free_share_passes_and_a_cpu_has_nothing_to_check(monkeypatch):
         check_share(0.3, reading=_reading(30.0))
     monkeypatch.setattr("colo_kit.env.has_cuda", lambda: False)
     assert check_share(0.9) is None
+
+
+def test_a_plan_tried_in_a_child_names_where_it_stopped_and_a_gpu_run_owes_the_peak():
+    """`try_plan` runs the real `colo-kit train` in a child process: a share the command refuses stops it before a
+    model loads, and the result says so in the command's own line (no GPU here, so no NVML peak). The peak of a run
+    that trains is read on a GPU: notebook 04's break-it in the GPU Run All (`scripts/gpu/check.sh notebooks 04`)."""
+    from colo_kit.labs.pitfalls import try_plan
+
+    tried = try_plan(model="tiny", vllm_gpu_memory_utilization=1.5, per_device_train_batch_size=8,
+                     gradient_checkpointing=True, max_completion_length=16, max_steps=1, timeout_s=120)
+    assert tried["completed"] is False and tried["nvml_peak_gib"] is None
+    assert "vllm_gpu_memory_utilization" in tried["error"] and "1.5" in tried["error"]
+    assert tried["out_of_memory"] is False
+
+
+def test_where_a_run_stopped_is_its_out_of_memory_line_before_any_other_error():
+    from colo_kit.labs.pitfalls import _why
+
+    lines = ["INFO loading", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+             "RuntimeError: Engine core initialization failed"]
+    assert _why(lines, 1, 60).startswith("torch.OutOfMemoryError")
+    assert _why(["ValueError: bad", "done"], 1, 60) == "ValueError: bad"
+    assert _why([], -9, 60).startswith("killed (after 60 s")
+    assert _why(["last words"], 3, 60) == "last words"

@@ -7,11 +7,18 @@ run for the notebook to print side by side.
   each (`rank`, the bug the post bisected, vLLM #15895): the same tokens, then tokens that drift apart.
 - `lost_buffers` (notebook 02): vLLM #16564, level-2 sleep lost the buffers (rotary cos/sin) and `load_weights`
   restores parameters only; played by overwriting the buffers (a CPU has no sleep), then restoring a snapshot.
+- `share_by_hand` (notebook 04): `vllm_gpu_memory_utilization` is a share of the whole GPU; a share picked by hand
+  and the planner's, each trained for two steps in a child process (`try_plan`) while NVML reads the GPU's memory.
 - `one_adapter_name` (notebook 06): a LoRA replica keys cached KV blocks by adapter name and path (vLLM's
   `_gen_lora_extra_hash_keys`): one name and folder reuses the first version's blocks, TRL's `trl-policy-vN` none.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
 
 
 def top_p_breaks_importance_sampling(model: str, top_ps=(0.8, 1.0), max_steps: int = 3, **run_kwargs) -> list[dict]:
@@ -135,6 +142,103 @@ def lost_buffers(engine, trainer_model, restore: bool) -> list[dict]:
     finally:
         put_back()
     return rows
+
+
+# TRL's defaults for colocate mode, as the planner and the speed race name them
+TRL_DEFAULTS = dict(model="qwen2.5-1.5b", per_device_train_batch_size=8, gradient_checkpointing=True,
+                    max_completion_length=256)
+
+
+def share_by_hand(vllm_gpu_memory_utilization: float, gpu_mem_gib: float | None = None, **plan) -> tuple[list[dict], dict]:
+    """The planner's peak at the share given (picked by hand) and at its own share, for TRL's defaults (or `plan`) on
+    this GPU (or a GPU of `gpu_mem_gib`; an H100 80 GB on a CPU); on a GPU each share also trained for two steps
+    (`try_plan`). Returns one row per share, and the planner's estimate at the share given, for its chart."""
+    from colo_kit.env import has_cuda
+    from colo_kit.memory.planner import estimate, recommend
+
+    plan = {**TRL_DEFAULTS, **plan}
+    gpu = has_cuda()
+    if gpu_mem_gib is None:
+        from colo_kit.gpu_free import read_gpu
+
+        gpu_mem_gib = read_gpu()["total_gib"] if gpu else 79.1
+    u_by_hand = vllm_gpu_memory_utilization
+    hand = estimate(**plan, gpu_mem_gib=gpu_mem_gib, vllm_gpu_memory_utilization=u_by_hand)
+    ours = recommend(**plan, gpu_mem_gib=gpu_mem_gib)
+    rows = []
+    for who, u, est in (("by hand", u_by_hand, hand), ("the planner's", ours["vllm_gpu_memory_utilization"], ours)):
+        row = {"share": f"{who}: u = {u}", "GPU GiB": round(gpu_mem_gib, 1),
+               "peak GiB (modelled)": round(est["peak_gib_per_gpu"], 1), "fits (modelled)": est["fits"]}
+        if gpu:
+            tried = try_plan(**plan, vllm_gpu_memory_utilization=u, max_steps=2)
+            row.update({"two steps (measured)": "ran" if tried["completed"] else "stopped",
+                        "NVML peak GiB (measured)": tried["nvml_peak_gib"], "seconds": tried["seconds"],
+                        "why it stopped": tried["error"] or ""})
+        rows.append(row)
+    return rows, hand
+
+
+def try_plan(*, model: str, vllm_gpu_memory_utilization: float, per_device_train_batch_size: int,
+             gradient_checkpointing: bool, max_completion_length: int, num_generations: int = 8, max_steps: int = 3,
+             gpu: int = 0, timeout_s: float = 600, every_s: float = 0.2) -> dict:
+    """Train `max_steps` steps of `colo-kit train` with these settings in a child process (a run that dies of
+    out-of-memory leaves a CUDA context and an engine behind in its process: in a notebook's kernel that would poison
+    every cell after it). Returns {"completed", "seconds", "nvml_peak_gib" (the GPU's used memory at its highest, less
+    what was used before; None without a GPU), "error" (the line that says why it stopped), "out_of_memory"}."""
+    from colo_kit.env import has_cuda
+
+    argv = [sys.executable, "-m", "colo_kit", "train", "--model", model,
+            "--vllm_gpu_memory_utilization", str(vllm_gpu_memory_utilization),
+            "--per_device_train_batch_size", str(per_device_train_batch_size),
+            "--gradient_checkpointing", str(gradient_checkpointing).lower(),
+            "--max_completion_length", str(max_completion_length), "--num_generations", str(num_generations),
+            "--max_steps", str(max_steps)]
+    used = _nvml_used(gpu) if has_cuda() else None
+    before, peak = (used(), 0.0) if used else (None, None)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while proc.poll() is None:
+                if used:
+                    peak = max(peak, used() - before)
+                if time.perf_counter() - t0 > timeout_s:
+                    proc.kill()
+                time.sleep(every_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        log.seek(0)
+        lines = [line.strip() for line in log.read().splitlines() if line.strip()]
+    error = None if proc.returncode == 0 else _why(lines, proc.returncode, timeout_s)
+    return {"completed": proc.returncode == 0, "seconds": round(time.perf_counter() - t0, 1),
+            "nvml_peak_gib": round(peak, 2) if peak is not None else None, "error": error,
+            "out_of_memory": bool(error and any(m.lower() in error.lower() for m in OOM_MARKS))}
+
+
+OOM_MARKS = ("out of memory", "OutOfMemoryError", "less than desired GPU memory utilization", "No available memory")
+
+
+def _why(lines: list[str], returncode: int, timeout_s: float) -> str:
+    """The child's last line that names an out-of-memory, else its last error line, else how it ended."""
+    for marks in (OOM_MARKS, ("Error", "error:")):
+        hit = [line for line in lines if any(m in line for m in marks)]
+        if hit:
+            return hit[-1][:300]
+    if returncode in (-9, 137):
+        return f"killed (after {timeout_s:.0f} s, or by the kernel's out-of-memory killer)"
+    return lines[-1][:300] if lines else f"exit code {returncode}"
+
+
+def _nvml_used(gpu: int):
+    """A function returning GPU `gpu`'s used memory in GiB (this process's CUDA numbering), read by NVML."""
+    import pynvml
+
+    from colo_kit.gpu_free import _nvml_device
+
+    handle, _ = _nvml_device(gpu)
+    return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
 
 
 PUBLISHING = {"one name": ("one name, one folder", ("policy", "policy")),

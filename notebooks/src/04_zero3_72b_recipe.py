@@ -532,37 +532,33 @@ for r in latency["rows"]:
 # %% [markdown]
 # ### Break it · pick the memory share by hand
 #
-# `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Pick it by hand
-# for the row with the most tokens/s (batch 32, no checkpointing) and ask the planner; then ask it for its own
-# share. The same plan at 0.3 ran on an H200, and its peaks print beside the prediction. Change `u_by_hand` and run
-# it again.
+# `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Take TRL's
+# defaults (1.5B, batch 8, checkpointing on) with a share picked by hand, and ask the planner; then ask it for its
+# own share. On a GPU the cell then **runs** both, two GRPO steps each in a process of its own, while NVML reads the
+# GPU's memory. Set `u_by_hand` to 0.9, run the cell, read where the run stopped, then set it back.
 
 # %%
-from colo_kit.memory.planner import recommend
+from colo_kit.env import has_cuda
+from colo_kit.labs.pitfalls import share_by_hand
 
-u_by_hand = 0.6
-fast = dict(model="qwen2.5-1.5b", per_device_train_batch_size=32, gradient_checkpointing=False, max_completion_length=256)
-hand = estimate(**fast, vllm_gpu_memory_utilization=u_by_hand)
-print(f"by hand, u = {u_by_hand}: peak {hand['peak_gib_per_gpu']:.1f} GiB per GPU of {planner.H200_GIB} -> "
-      f"{'fits' if hand['fits'] else 'out of memory'} (modelled)")
+u_by_hand = 0.3  # <- the marked value: the engine's share of the whole GPU
+rows, hand = share_by_hand(u_by_hand)
+display(pd.DataFrame(rows).set_index("share"))
 parts_figure(hand, title=f"u = {u_by_hand} by hand: {'fits' if hand['fits'] else 'over the GPU'} (modelled)").show()
-at_03 = estimate(**fast, vllm_gpu_memory_utilization=0.3)["peak_gib_per_gpu"]
-peaks = results.shown("04.peaks_at_0.3")
-for row, how in zip(peaks["rows"], ["steps_per_generation=8", "on-policy"]):
-    print(f"the same plan at u = 0.3, {how}: NVML peak {row['nvml_peak_gib']:.1f} GiB, PyTorch allocated "
-          f"{row['torch_allocated_gib']:.1f} and reserved {row['torch_reserved_gib']:.1f} GiB "
-          f"({results.footnote(peaks)}); planner {at_03:.1f} GiB (modelled)")
-rec = recommend(**fast)
-print(f"the planner's share: u = {rec['vllm_gpu_memory_utilization']} -> peak {rec['peak_gib_per_gpu']:.1f} GiB, "
-      f"{SAFE:.0%} of the GPU at most (modelled)")
+if not has_cuda():
+    seeds = results.shown("04.seeds_h100")
+    ran = seeds["configs"]["trl_defaults"]
+    print(f"On a CPU vLLM has no share of a GPU to exceed (its KV cache is VLLM_CPU_KVCACHE_SPACE GiB): the runs need "
+          f"a GPU, and the rows are an H100's. There TRL's defaults at u = 0.3 peaked at "
+          f"{min(ran['nvml_peak_gib']):.1f}-{max(ran['nvml_peak_gib']):.1f} GiB over {len(ran['seeds'])} seeds "
+          f"({results.footnote(seeds)}), against the planner's {ran['planner_peak_gib']:.1f} GiB (modelled).")
 
 # %% [markdown]
-# Each 0.1 of `u` is 14 GiB of an H200 that the engine reserves at start-up, whatever it needs: at 0.6 the engine
-# and this trainer together want more than the GPU has, and the run dies in vLLM's memory profiler or in the first
-# backward pass. The planner's share is the largest that keeps the predicted peak under its safety margin; the
-# recipe (`colo-kit plan --recommend`) goes further and keeps 0.3 when that already holds a generation's sequences.
-# The batch-32 rows back it: at 0.3 they peaked within 2% of the prediction, about a fifth of it the allocator's
-# reserve, so the planner's share for that batch stays close to the 0.3 it was measured at.
+# Each 0.1 of `u` is a tenth of the GPU that the engine reserves at start-up, whatever it needs. Past the planner's
+# share the engine and the trainer together want more than the GPU has: the run stops in vLLM's start-up check or in
+# the first backward pass (on a GPU the table says which). The planner's share is the largest that keeps the
+# predicted peak under its safety margin; the recipe (`colo-kit plan --recommend`) keeps 0.3 when that already holds
+# a generation's sequences and spends the rest on training.
 
 # %% [markdown]
 # ## Closing note
