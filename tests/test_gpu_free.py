@@ -53,5 +53,7 @@ def test_where_a_run_stopped_is_its_out_of_memory_line_before_any_other_error():
              "RuntimeError: Engine core initialization failed"]
     assert _why(lines, 1, 60).startswith("torch.OutOfMemoryError")
     assert _why(["ValueError: bad", "done"], 1, 60) == "ValueError: bad"
+    busy = "colo_kit.gpu_free.GpuBusy: GPU 0 has 7.9 of 79.1 GiB free, but vllm_gpu_memory_utilization=0.9 needs"
+    assert _why(["Traceback (most recent call last):", busy], 1, 60) == busy
     assert _why([], -9, 60).startswith("killed (after 60 s")
     assert _why(["last words"], 3, 60) == "last words"

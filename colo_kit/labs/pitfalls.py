@@ -217,7 +217,8 @@ def try_plan(*, model: str, vllm_gpu_memory_utilization: float, per_device_train
             "out_of_memory": bool(error and any(m.lower() in error.lower() for m in OOM_MARKS))}
 
 
-OOM_MARKS = ("out of memory", "OutOfMemoryError", "less than desired GPU memory utilization", "No available memory")
+OOM_MARKS = ("out of memory", "OutOfMemoryError", "less than desired GPU memory utilization", "No available memory",
+             "GpuBusy")  # the last: the kit's own check before an engine starts (colo_kit.gpu_free)
 
 
 def _why(lines: list[str], returncode: int, timeout_s: float) -> str:
