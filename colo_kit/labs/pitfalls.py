@@ -193,7 +193,14 @@ def try_plan(*, model: str, vllm_gpu_memory_utilization: float, per_device_train
             "--gradient_checkpointing", str(gradient_checkpointing).lower(),
             "--max_completion_length", str(max_completion_length), "--num_generations", str(num_generations),
             "--max_steps", str(max_steps)]
-    used = _nvml_used(gpu) if has_cuda() else None
+    if has_cuda():
+        from colo_kit.gpu_free import read_gpu
+
+        def used() -> float:
+            reading = read_gpu(gpu)
+            return reading["total_gib"] - reading["free_gib"]
+    else:
+        used = None
     before, peak = (used(), 0.0) if used else (None, None)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
@@ -230,16 +237,6 @@ def _why(lines: list[str], returncode: int, timeout_s: float) -> str:
     if returncode in (-9, 137):
         return f"killed (after {timeout_s:.0f} s, or by the kernel's out-of-memory killer)"
     return lines[-1][:300] if lines else f"exit code {returncode}"
-
-
-def _nvml_used(gpu: int):
-    """A function returning GPU `gpu`'s used memory in GiB (this process's CUDA numbering), read by NVML."""
-    import pynvml
-
-    from colo_kit.gpu_free import _nvml_device
-
-    handle, _ = _nvml_device(gpu)
-    return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
 
 
 PUBLISHING = {"one name": ("one name, one folder", ("policy", "policy")),
