@@ -149,10 +149,12 @@ TRL_DEFAULTS = dict(model="qwen2.5-1.5b", per_device_train_batch_size=8, gradien
                     max_completion_length=256)
 
 
-def share_by_hand(vllm_gpu_memory_utilization: float, gpu_mem_gib: float | None = None, **plan) -> tuple[list[dict], dict]:
-    """The planner's peak at the share given (picked by hand) and at its own share, for TRL's defaults (or `plan`) on
-    this GPU (or a GPU of `gpu_mem_gib`; an H100 80 GB on a CPU); on a GPU each share also trained for two steps
-    (`try_plan`). Returns one row per share, and the planner's estimate at the share given, for its chart."""
+def share_by_hand(vllm_gpu_memory_utilization: float | list[float], gpu_mem_gib: float | None = None,
+                  **plan) -> tuple[list[dict], dict]:
+    """The planner's peak at the share given (picked by hand; or several, a row each) and at its own share, for TRL's
+    defaults (or `plan`) on this GPU (or a GPU of `gpu_mem_gib`; an H100 80 GB on a CPU); on a GPU each share also
+    trained for two steps (`try_plan`). Returns one row per share, and the planner's estimate at the (first) share
+    given, for its chart."""
     from colo_kit.env import has_cuda
     from colo_kit.memory.planner import estimate, recommend
 
@@ -162,20 +164,21 @@ def share_by_hand(vllm_gpu_memory_utilization: float, gpu_mem_gib: float | None 
         from colo_kit.gpu_free import read_gpu
 
         gpu_mem_gib = read_gpu()["total_gib"] if gpu else 79.1
-    u_by_hand = vllm_gpu_memory_utilization
-    hand = estimate(**plan, gpu_mem_gib=gpu_mem_gib, vllm_gpu_memory_utilization=u_by_hand)
+    by_hand = vllm_gpu_memory_utilization if isinstance(vllm_gpu_memory_utilization, list) \
+        else [vllm_gpu_memory_utilization]
+    tried = [("by hand", u, estimate(**plan, gpu_mem_gib=gpu_mem_gib, vllm_gpu_memory_utilization=u)) for u in by_hand]
     ours = recommend(**plan, gpu_mem_gib=gpu_mem_gib)
     rows = []
-    for who, u, est in (("by hand", u_by_hand, hand), ("the planner's", ours["vllm_gpu_memory_utilization"], ours)):
+    for who, u, est in (*tried, ("the planner's", ours["vllm_gpu_memory_utilization"], ours)):
         row = {"share": f"{who}: u = {u}", "GPU GiB": round(gpu_mem_gib, 1),
                "peak GiB (modelled)": round(est["peak_gib_per_gpu"], 1), "fits (modelled)": est["fits"]}
         if gpu:
-            tried = try_plan(**plan, vllm_gpu_memory_utilization=u, max_steps=2)
-            row.update({"two steps (measured)": "ran" if tried["completed"] else "stopped",
-                        "NVML peak GiB (measured)": tried["nvml_peak_gib"], "seconds": tried["seconds"],
-                        "why it stopped": tried["error"] or ""})
+            run = try_plan(**plan, vllm_gpu_memory_utilization=u, max_steps=2)
+            row.update({"two steps (measured)": "ran" if run["completed"] else "stopped",
+                        "NVML peak GiB (measured)": run["nvml_peak_gib"], "seconds": run["seconds"],
+                        "why it stopped": run["error"] or ""})
         rows.append(row)
-    return rows, hand
+    return rows, tried[0][2]
 
 
 def try_plan(*, model: str, vllm_gpu_memory_utilization: float, per_device_train_batch_size: int,
