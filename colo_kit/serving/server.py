@@ -82,12 +82,6 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group (vLLM's engine core is a child), then SIGKILL."""
         stop_groups([self.proc], timeout_s)
