@@ -57,3 +57,21 @@ def test_where_a_run_stopped_is_its_out_of_memory_line_before_any_other_error():
     assert _why(["Traceback (most recent call last):", busy], 1, 60) == busy
     assert _why([], -9, 60).startswith("killed (after 60 s")
     assert _why(["last words"], 3, 60) == "last words"
+
+
+@pytest.mark.parametrize("shares, says", [("0.3,x", "'x' is not a number"), ("1.5", "1.5 is not in (0, 1]"),
+                                          ("nan", "nan is not in (0, 1]"), ("0", "0.0 is not in (0, 1]")])
+def test_the_break_its_gpu_record_refuses_a_bad_share_in_one_line_before_anything_runs(shares, says, capsys):
+    """scripts/share_by_hand.py (04's break-it, recorded on a GPU): a share that is not a fraction of the GPU is one
+    line naming it and the form to give, exit code 2, before it looks for a GPU or writes anything."""
+    import importlib.util
+
+    from colo_kit.commands import run
+    from colo_kit.paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("share_by_hand", REPO_ROOT / "scripts" / "share_by_hand.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert run(script.main, ["--shares", shares], "scripts/share_by_hand.py") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and says in err and "e.g. 0.3,0.9" in err
