@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from colo_kit.answers.math500 import Checker
-from colo_kit.answers.math500 import UnparseableGold, check, is_correct, last_boxed, parse_gold, simple_number
+from colo_kit.answers.math500 import UnparseableGold, check, is_correct, last_boxed, simple_number
 from colo_kit.answers.math500_eval import score, wilson_interval
 from colo_kit.paths import REPO_ROOT, data_dir
 
@@ -74,8 +74,8 @@ def test_simple_number_reads_only_plain_numbers():
     assert simple_number(r"\sqrt{2}") is None and simple_number("1, 2") is None
 
 
-def test_unparseable_gold_raises_and_parse_gold_says_none():
-    assert parse_gold(r"\frac{1}{2}") is not None and parse_gold("") is None
+def test_unparseable_gold_raises_and_check_says_so():
+    assert check(r"\boxed{1}", r"\frac{1}{2}").gold_ok and not check(r"\boxed{1}", "").gold_ok
     with pytest.raises(UnparseableGold, match="cannot be parsed"):
         is_correct(r"\boxed{1}", "   ")
     with pytest.raises(TypeError, match="two strings"):

@@ -322,13 +322,6 @@ def _gold(gold: str):
     return norm, parsed
 
 
-def parse_gold(gold: str):
-    """math-verify's reading of a gold answer, or None; in-process, since gold answers come from the dataset."""
-    if not isinstance(gold, str):
-        raise TypeError(f"gold={gold!r}: a gold answer is a LaTeX string such as '\\\\frac{{1}}{{2}}'")
-    return None if _gold_norm(gold) is None else _gold(gold)[1]
-
-
 def check(completion: str, gold: str) -> Verdict:
     """The whole decision, in this process, bounded by the guards only: use `is_correct` on untrusted completions."""
     from math_verify import verify

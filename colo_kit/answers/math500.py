@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from colo_kit.answers.answer_check import (DEFAULT_DEADLINE_S, MAX_ANSWER_CHARS, MAX_COMPLETION_CHARS,  # noqa: F401
                                            CheckerTimeout, UnparseableGold, Verdict, check, last_boxed,
-                                           normalize_answer, parse_gold, simple_number)
+                                           normalize_answer, simple_number)
 
 
 def _worker_main() -> None:
