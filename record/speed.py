@@ -276,9 +276,21 @@ def steady_state(rows: list[dict], step_times: list[float], cycle: int, per_gen:
             "per_cycle": cycles}
 
 
+def phase_totals(tl, skip_steps: int = 1) -> dict[str, dict[str, float]]:
+    """Seconds per device per phase inside the timeline's window (`Timeline.window`)."""
+    lo, hi = tl.window(skip_steps)
+    out: dict[str, dict[str, float]] = {}
+    for iv in tl.intervals:
+        d = min(iv.end_s, hi) - max(iv.start_s, lo)
+        if d > 0:
+            out.setdefault(iv.device, {}).setdefault(iv.phase, 0.0)
+            out[iv.device][iv.phase] += d
+    return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
+
+
 def phase_per_step(tl, skip_steps: int) -> dict:
     """Mean seconds per optimizer step in each phase after the first cycle, summed over TRL's timers."""
-    totals = tl.phase_totals(skip_steps=skip_steps)
+    totals = phase_totals(tl, skip_steps=skip_steps)
     marks = tl.meta.get("steps", [])
     n = max(len(marks) - skip_steps, 1)
     out = {}

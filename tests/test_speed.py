@@ -85,6 +85,20 @@ def test_steady_state_counts_whole_cycles_after_the_first():
     assert s["s_per_step"] == pytest.approx(0.5)
 
 
+def test_phase_totals_count_seconds_inside_the_window_and_phase_per_step_divides_them_by_the_steps():
+    from colo_kit.grpo.timeline import Timeline
+
+    tl = Timeline(meta={"steps": [{"step": 1, "start_s": 0.0, "end_s": 10.0}, {"step": 2, "start_s": 10.0, "end_s": 20.0}]})
+    tl.add("trainer", "waiting", 10.0, 14.0)
+    tl.add("trainer", "forward", 14.0, 16.0)
+    tl.add("trainer", "forward", 1.0, 9.0)  # the first step: outside the window
+    tl.add("server", "generation", 8.0, 12.0, rank=-1)  # cut at the window's start
+    assert speed.phase_totals(tl, skip_steps=1) == {"trainer": {"waiting": 4.0, "forward": 2.0},
+                                                    "server": {"generation": 2.0}}
+    assert speed.phase_per_step(tl, skip_steps=1) == {"waiting": 4.0, "forward": 2.0, "generation": 2.0,
+                                                      "training": 2.0}
+
+
 def test_running_reward_needs_64_completions_and_time_to_reward_reads_it():
     rows = [{"t_s": float(i), "reward": r} for i, r in enumerate([-100, -90, -80, -10, -10, -10, -10, -10, -10])]
     curve = race.running_reward(rows, per_gen=16)  # 4 generations make a window

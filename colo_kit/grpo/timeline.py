@@ -205,17 +205,6 @@ class Timeline:
             out[dev] = round(1 - busy / (hi - lo), 4) if hi > lo else float("nan")
         return out
 
-    def phase_totals(self, skip_steps: int = 1) -> dict[str, dict[str, float]]:
-        """Seconds per device per phase inside the window."""
-        lo, hi = self.window(skip_steps)
-        out: dict[str, dict[str, float]] = {}
-        for iv in self.intervals:
-            d = min(iv.end_s, hi) - max(iv.start_s, lo)
-            if d > 0:
-                out.setdefault(iv.device, {}).setdefault(iv.phase, 0.0)
-                out[iv.device][iv.phase] += d
-        return {dev: {p: round(v, 4) for p, v in ph.items()} for dev, ph in out.items()}
-
     def phase_per_step(self, skip_steps: int = 1) -> dict[str, dict[str, float]]:
         """Median seconds per device per phase per step after the first `skip_steps` (a disturbed step does not move it)."""
         import statistics
