@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from colo_kit.colocate.engine import ColocateSettings, model_max_len
+from colo_kit.colocate.engine import ColocateSettings
+from colo_kit.grpo.train_checks import model_max_positions
 from colo_kit.paths import REPO_ROOT
 
 
@@ -37,7 +38,7 @@ def test_bad_settings_name_the_value(kwargs, world, words):
 
 
 def test_lengths_over_the_model_limit(tiny_model_path):
-    limit = model_max_len(tiny_model_path)
+    limit = model_max_positions(tiny_model_path)
     assert limit == 2048
     with pytest.raises(ValueError, match=r"2000 \+ 100 = 2100 exceeds the model's limit of 2048"):
         ColocateSettings(max_prompt_length=2000, max_completion_length=100).validate(1, limit)

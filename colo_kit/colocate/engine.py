@@ -18,9 +18,10 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from colo_kit.colocate.engine_build import (DEFAULT_MAX_NUM_BATCHED_TOKENS, ColocateSettings,  # noqa: F401
-                                            _backend_state, build_trl_generation, kit_llm_overrides, model_max_len,
+                                            _backend_state, build_trl_generation, kit_llm_overrides,
                                             trl_llm_overrides)
 from colo_kit.env import has_cuda
+from colo_kit.grpo.train_checks import model_max_positions
 from colo_kit.colocate.vllm_compat import load_weights, make_room_for_an_engine, model_runner, shutdown, stdout_with_fd
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class ColocatedEngine:
         close_earlier_engines()
         self._owns_process_group = ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        s = self.settings.validate(self.world_size, model_max_len(self.model_path))
+        s = self.settings.validate(self.world_size, model_max_positions(self.model_path))
         self.tp = s.vllm_tensor_parallel_size
         overrides = {**kit_llm_overrides(s, dtype=dtype, enforce_eager=enforce_eager,
                                          max_num_batched_tokens=max_num_batched_tokens), **extra_llm_kwargs}

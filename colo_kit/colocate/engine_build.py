@@ -3,10 +3,8 @@ own `VLLMGeneration` made with the `LLM(...)` arguments the kit changes (`kit_ll
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 from colo_kit.env import has_cuda, vllm_eager
@@ -57,15 +55,6 @@ class ColocateSettings:
                              f"{self.max_completion_length} = {self.max_model_len} exceeds the model's limit of "
                              f"{model_max_len} tokens (max_position_embeddings); shorten the prompt or the completion")
         return self
-
-
-def model_max_len(model: str) -> int | None:
-    """The model's position limit from its config.json (None when it cannot be read offline)."""
-    cfg = Path(model) / "config.json"
-    if cfg.exists():
-        data = json.loads(cfg.read_text())
-        return data.get("max_position_embeddings")
-    return None
 
 
 def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
