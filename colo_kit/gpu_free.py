@@ -13,7 +13,8 @@ class GpuBusy(RuntimeError):
     pass
 
 
-def _nvml_device(index: int, physical: bool = False):
+def nvml_device(index: int, physical: bool = False):
+    """(NVML handle, NVML index) of CUDA device `index` of this process (with `physical`, of NVML's GPU `index`)."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -29,7 +30,7 @@ def read_gpu(index: int = 0, physical: bool = False) -> dict:
     import psutil
     import pynvml
 
-    handle, physical_index = _nvml_device(index, physical)
+    handle, physical_index = nvml_device(index, physical)
     mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
     others = []
     for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):

@@ -12,6 +12,33 @@ def _reading(free, others=()):
     return {"gpu": 0, "total_gib": H200, "free_gib": free, "others": list(others)}
 
 
+def test_nvml_is_asked_for_the_gpu_cuda_visible_devices_names(monkeypatch):
+    """CUDA numbers the GPUs CUDA_VISIBLE_DEVICES lists from 0, NVML does not; UUIDs keep NVML's order."""
+    import sys
+    from types import SimpleNamespace
+
+    from colo_kit.gpu_free import nvml_device
+
+    def no_bus_id(bus):
+        raise RuntimeError(f"no GPU at {bus}")
+
+    monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByPciBusId=no_bus_id,
+                                                               nvmlDeviceGetHandleByIndex=lambda i: f"handle {i}"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert nvml_device(1) == ("handle 6", 6) and nvml_device(1, physical=True) == ("handle 1", 1)
+    import torch
+
+    from colo_kit.colocate.sleep import _nvml_handle
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(pci_domain_id=0, pci_bus_id=0, pci_device_id=0))
+    assert _nvml_handle("cuda:1") == "handle 6"  # sleep's fallback when the PCI bus id lookup fails
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f3c,GPU-9a1b")
+    assert nvml_device(1) == ("handle 1", 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert nvml_device(1) == ("handle 1", 1)
+
+
 def test_a_share_another_kernel_holds_is_one_line_with_the_fixes():
     busy = _reading(118.3, [{"pid": 4242, "gib": 21.5, "name": "python -m ipykernel_launcher"}])
     with pytest.raises(GpuBusy) as exc:

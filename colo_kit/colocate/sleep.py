@@ -46,13 +46,9 @@ def _nvml_handle(device):
         bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
     except Exception:
-        import os
+        from colo_kit.gpu_free import nvml_device
 
-        index = torch.device(device).index or 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-        if index < len(visible) and visible[index].strip().isdigit():
-            index = int(visible[index])
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
+        return nvml_device(torch.device(device).index or 0)[0]
 
 
 def device_memory_gib(device) -> dict:
