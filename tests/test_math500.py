@@ -110,7 +110,7 @@ def test_deadline_kills_a_slow_comparison_and_the_next_call_works():
         v = checker.check(slow, "1")
         assert v.timed_out and v.reason.startswith("timeout")  # no verdict, not a wrong answer
         assert time.perf_counter() - t0 < 1.0
-        assert checker.restarts == 1 and checker.timeouts == 1
+        assert checker.restarts == 1
         checker.deadline_s = 30.0
         assert checker.check(r"\boxed{\frac{2}{4}}", r"\frac12").correct is True
     finally:
@@ -177,7 +177,7 @@ def test_cold_checker_under_eight_threads_marks_no_correct_answer_wrong():
     assert len(verdicts) == 1000
     wrong = [v for v in verdicts if not v.correct and not v.timed_out]
     assert not wrong, wrong[:3]
-    assert checker.timeouts == 0
+    assert not any(v.timed_out for v in verdicts)
 
 
 def test_a_timeout_is_no_reward_not_a_wrong_one(monkeypatch):

@@ -89,7 +89,6 @@ class Checker:
         self._idle: list[_Worker] = []
         self._busy = 0
         self.restarts = 0
-        self.timeouts = 0
 
     def _take(self) -> _Worker:
         with self._cond:
@@ -130,7 +129,6 @@ class Checker:
                     if dead:
                         raise RuntimeError(f"the checker worker exited at start-up; run `{sys.executable} -c "
                                            "'import math_verify'` to see why")
-                    self.timeouts += 1
                     return Verdict(False, None, f"timeout: checker worker not started after {self.start_timeout_s} s",
                                    timed_out=True)
                 worker.ready = True
@@ -145,7 +143,6 @@ class Checker:
                 worker.kill()
                 worker = None
                 self.restarts += 1
-                self.timeouts += 1
                 threading.Thread(target=self._replace, daemon=True).start()
                 return Verdict(False, None, f"timeout after {self.deadline_s} s", timed_out=True)
             return Verdict(**json.loads(line))

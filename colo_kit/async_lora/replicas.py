@@ -16,10 +16,9 @@ from colo_kit.procs import start_in_session, stop_groups, wait_all_healthy
 
 
 class ReplicaSet:
-    def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike, token: str | None = None):
+    def __init__(self, launches: list[ReplicaLaunch], log_dir: str | os.PathLike):
         self.launches = launches
         self.urls = [launch.url for launch in launches]
-        self.token = token
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []
         self.startup_s: list[float] = []
@@ -104,9 +103,8 @@ def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[d
     return [{"gpu": i % machine.gpus, "gpu_memory_utilization": round(u, 3)} for i in range(n)]
 
 
-def launch_replicas(launches: list[ReplicaLaunch], log_dir, token: str | None = None,
-                    timeout_s: float = 300.0) -> ReplicaSet:
-    return ReplicaSet(launches, log_dir, token).start(timeout_s)
+def launch_replicas(launches: list[ReplicaLaunch], log_dir, timeout_s: float = 300.0) -> ReplicaSet:
+    return ReplicaSet(launches, log_dir).start(timeout_s)
 
 
 def replica_counters(url: str, token: str | None = None) -> dict:

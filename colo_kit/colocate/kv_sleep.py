@@ -5,10 +5,7 @@ weights too, and mapping back costs about 5.6 ms per GB (vLLM #45648; vLLM later
 
 from __future__ import annotations
 
-import logging
 import types
-
-log = logging.getLogger(__name__)
 
 
 def engine_core(llm):

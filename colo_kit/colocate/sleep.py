@@ -69,7 +69,7 @@ class SleepManager:
     >>> engine.generate(prompts)        # awake, with the trainer's new weights
     """
 
-    def __init__(self, engine, level: int = 2, self_check: bool = False, *, platform_check: bool = True):
+    def __init__(self, engine, level: int = 2, *, platform_check: bool = True):
         # platform_check=False: for an engine whose sleep and wake_up are not vLLM's (tests on a CPU)
         if platform_check and not has_cuda():
             raise SleepModeUnavailable.for_this_platform("SleepManager")
@@ -81,7 +81,7 @@ class SleepManager:
                              "ColocateSettings(vllm_enable_sleep_mode=True)")
         import torch
 
-        self.engine, self.level, self.self_check_enabled = engine, level, self_check
+        self.engine, self.level = engine, level
         self.device = engine.device
         # a copy of the buffers outside the engine's sleep pool survives level 2 (vLLM #16564)
         with torch.no_grad():
