@@ -229,7 +229,7 @@ else:
 # %% [markdown]
 # ## 4 · Math500: base vs the two trained models
 #
-# `colo_kit.answers.math500.evaluate` answers each problem greedily with the **training prompt**
+# `colo_kit.answers.math500_eval.evaluate` answers each problem greedily with the **training prompt**
 # (`colo_kit.data.math_prompt`: "...put your final answer within \boxed{}"), scores with `is_correct`, and
 # reports accuracy with a 95% Wilson interval and per-subject / per-level breakdowns. `compare_models` does it
 # for several models on **one** engine — the colocate trainer's own vLLM — loading each model's weights
