@@ -152,6 +152,17 @@ def peaks_at(result: dict, configs=("batch32", "batch32_on_policy")) -> list[dic
     return rows
 
 
+def break_it_rows(result: dict) -> list[dict]:
+    """Notebook 04's break-it on a GPU (`scripts/share_by_hand.py`): per share, the planner's peak, whether two steps
+    ran, NVML's peak and the line where a run stopped."""
+    keep = ("share", "GPU GiB", "peak GiB (modelled)", "fits (modelled)", "two steps (measured)", "NVML peak GiB (measured)",
+            "why it stopped")
+    rows = [{k: r.get(k) for k in keep} for r in result["rows"]]
+    for r in rows:  # the error's first two sentences: what ran out and by how much (the rest is PyTorch's advice)
+        r["why it stopped"] = ". ".join((r["why it stopped"] or "").removeprefix("[rank0]: ").split(". ")[:2])
+    return rows
+
+
 def build(results: Path | None = None) -> dict:
     """Every entry the lessons read, from the committed records under `results`."""
     results = Path(results or results_dir())
@@ -159,6 +170,7 @@ def build(results: Path | None = None) -> dict:
     latency = json.loads((results / "gen_latency_1xh200.json").read_text())
     router = json.loads((results / "router_vs_proxy_cpu.json").read_text())
     h100 = json.loads((results / "speed_1xh100.json").read_text())
+    by_hand = json.loads((results / "share_by_hand_1xh100.json").read_text())
     return {
         "01.h200_costs": _entry(results, "speed_1xh200", "1×H200", costs=costs_from_speed(sp).to_dict()),
         "01.h200_costs_7b": _entry(results, "speed_1xh200", "1×H200",
@@ -169,6 +181,7 @@ def build(results: Path | None = None) -> dict:
         "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
                                                                               for r in speed.latency_table(latency)]),
         "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB", **seeds_over(h100)),
+        "04.share_by_hand_h100": _entry(results, "share_by_hand_1xh100", rows=break_it_rows(by_hand)),
         "04.h100_7b": _entry(results, "speed_1xh100", "1×H100 80 GB", **side_by_side(h100, "qwen2.5-7b")),
         "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),
     }

@@ -160,10 +160,10 @@ def share_by_hand(vllm_gpu_memory_utilization: float | list[float], gpu_mem_gib:
 
     plan = {**TRL_DEFAULTS, **plan}
     gpu = has_cuda()
-    if gpu_mem_gib is None:
-        from colo_kit.gpu_free import read_gpu
+    if gpu_mem_gib is None:  # what `colo-kit plan --recommend` sizes for: the memory CUDA reports
+        from colo_kit.memory.planner import read_gpu_memory
 
-        gpu_mem_gib = read_gpu()["total_gib"] if gpu else 79.1
+        gpu_mem_gib = read_gpu_memory()["gib"] if gpu else 79.1
     by_hand = vllm_gpu_memory_utilization if isinstance(vllm_gpu_memory_utilization, list) \
         else [vllm_gpu_memory_utilization]
     tried = [("by hand", u, estimate(**plan, gpu_mem_gib=gpu_mem_gib, vllm_gpu_memory_utilization=u)) for u in by_hand]

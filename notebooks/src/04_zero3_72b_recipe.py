@@ -535,7 +535,8 @@ for r in latency["rows"]:
 # `vllm_gpu_memory_utilization` is a share of the *whole* GPU, not of what training leaves free. Take TRL's
 # defaults (1.5B, batch 8, checkpointing on) with a share picked by hand, and ask the planner; then ask it for its
 # own share. On a GPU the cell then **runs** both, two GRPO steps each in a process of its own, while NVML reads the
-# GPU's memory. Set `u_by_hand` to 0.9, run the cell, read where the run stopped, then set it back.
+# GPU's memory (on a CPU, it shows the same runs on one H100). Set `u_by_hand` to 0.9, run the cell, read where the
+# run stopped, then set it back.
 
 # %%
 from colo_kit.env import has_cuda
@@ -546,12 +547,10 @@ rows, hand = share_by_hand(u_by_hand)
 display(pd.DataFrame(rows).set_index("share"))
 parts_figure(hand, title=f"u = {u_by_hand} by hand: {'fits' if hand['fits'] else 'over the GPU'} (modelled)").show()
 if not has_cuda():
-    seeds = results.shown("04.seeds_h100")
-    ran = seeds["configs"]["trl_defaults"]
-    print(f"On a CPU vLLM has no share of a GPU to exceed (its KV cache is VLLM_CPU_KVCACHE_SPACE GiB): the runs need "
-          f"a GPU, and the rows are an H100's. There TRL's defaults at u = 0.3 peaked at "
-          f"{min(ran['nvml_peak_gib']):.1f}-{max(ran['nvml_peak_gib']):.1f} GiB over {len(ran['seeds'])} seeds "
-          f"({results.footnote(seeds)}), against the planner's {ran['planner_peak_gib']:.1f} GiB (modelled).")
+    ran = results.shown("04.share_by_hand_h100")
+    print(f"On a CPU vLLM has no share of a GPU to exceed (its KV cache is VLLM_CPU_KVCACHE_SPACE GiB), so nothing "
+          f"trains here. The same runs on one H100, by hand at 0.3 and 0.9 ({results.footnote(ran)}):")
+    display(pd.DataFrame(ran["rows"]).set_index("share"))
 
 # %% [markdown]
 # Each 0.1 of `u` is a tenth of the GPU that the engine reserves at start-up, whatever it needs. Past the planner's
