@@ -158,8 +158,8 @@ def break_it_rows(result: dict) -> list[dict]:
     keep = ("share", "GPU GiB", "peak GiB (modelled)", "fits (modelled)", "two steps (measured)", "NVML peak GiB (measured)",
             "why it stopped")
     rows = [{k: r.get(k) for k in keep} for r in result["rows"]]
-    for r in rows:  # the error's first two sentences: what ran out and by how much (the rest is PyTorch's advice)
-        r["why it stopped"] = ". ".join((r["why it stopped"] or "").removeprefix("[rank0]: ").split(". ")[:2])
+    for r in rows:  # the error's first sentence, what ran out (the rest is PyTorch's accounting and advice)
+        r["why it stopped"] = (r["why it stopped"] or "").removeprefix("[rank0]: ").split(". ")[0]
     return rows
 
 

@@ -30,6 +30,7 @@ import json
 import colo_kit
 
 colo_kit.quiet()
+from colo_kit import results
 from colo_kit.labs import lab
 from colo_kit.env import Machine
 from colo_kit.models import default_preset
@@ -90,9 +91,10 @@ lab.check("05.checker", answer)
 # %%
 from colo_kit.answers.math500 import default_checker
 from colo_kit.answers.math500 import is_correct, last_boxed
+from colo_kit.paths import data_dir
 
 
-cases = [json.loads(line) for line in open("../data/math500_checker_cases.jsonl")]
+cases = [json.loads(line) for line in (data_dir() / "math500_checker_cases.jsonl").read_text().splitlines()]
 picked_ids = ["c000", "c017", "c026", "c035", "c047", "c076", "c087", "c098", "c114", "c119", "c130",
               "c137", "c146", "c150", "c154", "c164", "c166", "c168", "c177"]
 picked = [c for c in cases if c["id"] in picked_ids]
@@ -147,8 +149,7 @@ t0 = time.perf_counter()
 live = sum(is_correct(c["completion"], c["gold"]) == c["verdict"] for c in cases)
 live_s = time.perf_counter() - t0
 print(f"this run: {live}/{len(cases)} = {live / len(cases):.1%} agreement ({len(cases) / live_s:.0f} checks/s)")
-with open("../results/math500_checker.json") as f:
-    bench = json.load(f)
+bench = results.load("math500_checker")
 s = bench["summary"]
 print(f"measured (results/math500_checker.json): agreement {s['agreement']:.1%} (target 98%), "
       f"{s['checks_per_cpu_s']:.0f} checks per CPU-second (target 200), worst input {s['worst_case_s']:.2f} s "
@@ -209,11 +210,8 @@ fig.show()
 # `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed:
 
 # %%
-from pathlib import Path
-
-gpu_json = Path("../results/math500_gpu.json")
-if gpu_json.exists():
-    gpu = json.loads(gpu_json.read_text())
+gpu = results.load("math500_gpu")
+if gpu:
     fig = go.Figure()
     for mode, r in gpu["runs"].items():
         fig.add_scatter(x=list(range(1, len(r["reward"]) + 1)), y=r["reward"], name=f"{mode} (GPU)", mode="lines")
