@@ -235,11 +235,12 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                 # the outputs need neither (plotly.js above draws the charts; the lesson's maths is on its page)
                 page_html = re.sub(r'<script[^>]*src="https://cdnjs\.cloudflare\.com/[^"]*"[^>]*>\s*</script>', "",
                                    page_html)
+                # the widgets' manager comes from unpkg too: without it a widget is not drawn (the lesson's own
+                # pages draw each one's last state)
                 page_html = re.sub(r"<script>\s*\(function\(\) \{\s*function addWidgetsRenderer\(\).*?</script>", "",
                                    page_html, count=1, flags=re.S)
-                # the widgets' manager comes from unpkg too: without it a widget is not drawn (the lesson's own
-                # pages draw each one's last state); and the site's icon, which the copy would ask for at the root
                 page_html = re.sub(r"(</code>)(,)? (at|commit) [0-9a-f]{7,40}(?=[,)])", r"\1", page_html)  # no commits
+                # the site's icon, which the copy would ask for at the root
                 page_html = page_html.replace(
                     "<head>", '<head><link rel="icon" href="../_static/favicon.svg" type="image/svg+xml">', 1)
                 (src / "_extra" / f"{other}_check" / html_copy.name).write_text(page_html)
