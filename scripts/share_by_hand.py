@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["completed"] = row.get("two steps (measured)") == "ran"
         print(row, flush=True)
-    record = {"what": __doc__.split("\n\n")[0], "env": describe(), "commit": commit(), "settings": TRL_DEFAULTS,
-              "max_steps": 2, "rows": rows, "wall_s": round(time.time() - t0, 1)}
+    record = {"what": " ".join(__doc__.split("\n\n")[0].split()), "env": describe(), "commit": commit(),
+              "date": time.strftime("%Y-%m-%d"), "settings": TRL_DEFAULTS, "max_steps": 2, "rows": rows,
+              "wall_s": round(time.time() - t0, 1)}
     where = publish(out_path, record, ok=any(r["completed"] for r in rows))
     print(f"wrote {where}")
     return 0
