@@ -91,6 +91,24 @@ def test_a_changed_code_cell_is_named_on_the_page(tmp_path):
     assert site.STALE in (tmp_path / "src" / "lessons" / f"{name}.ipynb").read_text()
 
 
+def test_a_copy_that_ran_the_same_code_reads_with_the_lessons_prose_as_it_is_now(tmp_path):
+    # `make numbers` writes a run's time into the header after that run: the copy's own header is one run behind
+    results = tmp_path / "results"
+    shutil.copytree(REPO / "results", results, ignore=shutil.ignore_patterns("runs", "*.log", "*.txt"))
+    name = LESSONS[0]
+    nb = json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())
+    prose = [c for c in nb["cells"] if c["cell_type"] == "markdown"]
+    now = "".join(prose[-1]["source"])
+    prose[-1]["source"] = "Time (Run All, measured): ~9.9 min, the header before this run\n"
+    (results / "cpu_check" / f"{name}.ipynb").write_text(json.dumps(nb))
+    (results / "gpu_check" / f"{name}.ipynb").unlink(missing_ok=True)
+    info = site.stage(tmp_path / "src", REPO, results)
+    page = json.loads((tmp_path / "src" / "lessons" / f"{name}.ipynb").read_text())
+    text = json.dumps(page)
+    assert not info[name]["stale"] and "the header before this run" not in text
+    assert any("".join(c["source"]) == now for c in page["cells"] if c["cell_type"] == "markdown")
+
+
 def test_no_link_inside_the_site_points_at_a_missing_file(built):
     html, _ = built
     broken = []

@@ -70,6 +70,18 @@ def is_stale(executed: Path, lesson: Path) -> bool:
     return code_cells(json.loads(executed.read_text())) != code_cells(json.loads(lesson.read_text()))
 
 
+def with_current_prose(executed: Path, lesson: Path) -> dict:
+    """The executed copy with the lesson's markdown as it reads now, when both have the same cells: `make numbers`
+    rewrites the measured times in the headers after the run that measured them, so the copy's own header would
+    show the time before its run."""
+    nb, now = json.loads(executed.read_text()), json.loads(lesson.read_text())
+    if [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in now["cells"]]:
+        for cell, current in zip(nb["cells"], now["cells"]):
+            if cell["cell_type"] == "markdown":
+                cell["source"] = current["source"]
+    return nb
+
+
 def runs(results: Path) -> dict[str, dict[str, dict]]:
     """{lesson: {tier: its whole Run All record}} from results/<tier>_check.json, each with a `machine` and `date`."""
     from colo_kit.results import measured_runs
@@ -222,7 +234,8 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                 stale = is_stale(copies[other], lesson)
                 head = (f"*{MACHINE[other]} outputs of this lesson: one Run All on {where(rec, other)}."
                         + (f" {STALE}" if stale else "") + f" The lesson's page: [{name}]({name}.ipynb).*")
-                nb = with_line(for_the_page(json.loads(copies[other].read_text())), head)
+                nb = with_line(for_the_page(json.loads(copies[other].read_text()) if stale
+                                            else with_current_prose(copies[other], lesson)), head)
                 nb.setdefault("metadata", {})["orphan"] = True
                 (src / "lessons" / f"{page}.ipynb").write_text(json.dumps(nb))
                 links.append(f"[{MACHINE[other]} outputs]({page}.ipynb) ({where(rec, other)})")
@@ -253,7 +266,7 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                                                                         if older else "") + ")")
         if tier:
             stale = is_stale(copies[tier], lesson)
-            nb = for_the_page(json.loads(copies[tier].read_text()))
+            nb = for_the_page(json.loads(copies[tier].read_text()) if stale else with_current_prose(copies[tier], lesson))
             line = f"Outputs: one Run All on {where(recs.get(name, {}).get(tier), tier)}."
             line += f" {STALE}" if stale else ""
         else:
