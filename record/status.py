@@ -43,6 +43,7 @@ gen_latency_1xh200.json: colo_kit/colocate scripts/gpu/gen_latency.py
 gen_in_trainer_1xh200.json: colo_kit/grpo colo_kit/colocate scripts/gpu/gen_in_trainer.py
 kernel_kill_1xh200.json: colo_kit/colocate colo_kit/async_lora colo_kit/procs.py colo_kit/gpu_free.py scripts/gpu/kernel_kill.py
 engine_bench.json: colo_kit/colocate scripts/engine_bench.py scripts/gpu/engine_bench.sh
+share_by_hand_1xh100.json: colo_kit/labs/pitfalls.py colo_kit/memory colo_kit/grpo colo_kit/colocate scripts/share_by_hand.py
 tp_gpu.json: colo_kit/parallel colo_kit/colocate scripts/tp_tuning.py scripts/gpu/tp_tuning.sh
 pingpong_cpu.json: colo_kit/serving
 pingpong_gpu.json: colo_kit/serving scripts/gpu/pingpong.sh
@@ -63,7 +64,8 @@ router_vs_proxy_cpu.json: colo_kit/async_lora record/router_compare.py scripts/r
 {CHECKS["gpu"]}: {_CHECK}
 cpu_check_00_avx2.json: {_CHECK}
 {LESSONS}: record/lessons.py record/race.py record/speed.py record/router_compare.py colo_kit/serving/pingpong.py \
-results/speed_1xh200.json results/gen_latency_1xh200.json results/router_vs_proxy_cpu.json"""
+results/speed_1xh200.json results/speed_1xh100.json results/gen_latency_1xh200.json results/router_vs_proxy_cpu.json \
+results/share_by_hand_1xh100.json"""
 MEASURES = {name: tuple(paths.split()) for name, paths in (line.split(":", 1) for line in _TABLE.strip().splitlines())}
 PLANNER_GOAL = 0.10  # the planner's largest error against a measured peak
 NOT_IN_CLONE = "commit not in this clone"

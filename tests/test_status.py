@@ -58,6 +58,13 @@ def test_the_report_names_every_results_file_a_notebook_reads(committed):
         assert (name in reported) if present else any(o.startswith(f"results/{name}:") for o in rep["owed"]), name
 
 
+def test_every_record_a_notebook_reads_names_the_code_it_measures(committed):
+    _, rep = committed
+    read = notebooks_read()
+    unmapped = sorted(f["file"] for f in rep["files"] if f["file"] in read and f["file"] not in status.MEASURES)
+    assert not unmapped, f"{unmapped}: a notebook reads them, and the report cannot say how much code came after them"
+
+
 def test_the_report_covers_every_committed_record_and_each_notebooks_run_all(committed):
     text, rep = committed
     on_disk = {p.name for p in (REPO_ROOT / "results").glob("*.json")}
