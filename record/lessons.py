@@ -181,7 +181,7 @@ def build(results: Path | None = None) -> dict:
         "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
                                                                               for r in speed.latency_table(latency)]),
         "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB", **seeds_over(h100)),
-        "04.share_by_hand_h100": _entry(results, "share_by_hand_1xh100", rows=break_it_rows(by_hand)),
+        "04.share_by_hand_h100": _entry(results, "share_by_hand_1xh100", "1×H100 80 GB", rows=break_it_rows(by_hand)),
         "04.h100_7b": _entry(results, "speed_1xh100", "1×H100 80 GB", **side_by_side(h100, "qwen2.5-7b")),
         "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),
     }
