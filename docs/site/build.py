@@ -71,11 +71,12 @@ def is_stale(executed: Path, lesson: Path) -> bool:
 
 
 def with_current_prose(executed: Path, lesson: Path) -> dict:
-    """The executed copy with the lesson's markdown as it reads now, when both have the same cells: `make numbers`
-    rewrites the measured times in the headers after the run that measured them, so the copy's own header would
-    show the time before its run."""
+    """The executed copy, with the lesson's markdown as it reads now when the copy ran the lesson's cells as they are:
+    `make numbers` rewrites the measured times in the headers after the run that measured them, so the copy's own
+    header would show the time before its run. A copy that ran other code keeps the prose it ran with."""
     nb, now = json.loads(executed.read_text()), json.loads(lesson.read_text())
-    if [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in now["cells"]]:
+    if ([c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in now["cells"]]
+            and code_cells(nb) == code_cells(now)):
         for cell, current in zip(nb["cells"], now["cells"]):
             if cell["cell_type"] == "markdown":
                 cell["source"] = current["source"]
@@ -234,8 +235,7 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                 stale = is_stale(copies[other], lesson)
                 head = (f"*{MACHINE[other]} outputs of this lesson: one Run All on {where(rec, other)}."
                         + (f" {STALE}" if stale else "") + f" The lesson's page: [{name}]({name}.ipynb).*")
-                nb = with_line(for_the_page(json.loads(copies[other].read_text()) if stale
-                                            else with_current_prose(copies[other], lesson)), head)
+                nb = with_line(for_the_page(with_current_prose(copies[other], lesson)), head)
                 nb.setdefault("metadata", {})["orphan"] = True
                 (src / "lessons" / f"{page}.ipynb").write_text(json.dumps(nb))
                 links.append(f"[{MACHINE[other]} outputs]({page}.ipynb) ({where(rec, other)})")
@@ -266,7 +266,7 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
                                                                         if older else "") + ")")
         if tier:
             stale = is_stale(copies[tier], lesson)
-            nb = for_the_page(json.loads(copies[tier].read_text()) if stale else with_current_prose(copies[tier], lesson))
+            nb = for_the_page(with_current_prose(copies[tier], lesson))
             line = f"Outputs: one Run All on {where(recs.get(name, {}).get(tier), tier)}."
             line += f" {STALE}" if stale else ""
         else:
