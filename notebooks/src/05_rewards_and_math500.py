@@ -206,8 +206,10 @@ fig.update_layout(title="Length reward, colocated vLLM vs no vLLM, same seed (th
 fig.show()
 
 # %% [markdown]
-# The same comparison at GPU scale (Qwen2.5-0.5B's shape, random weights, one H200), from
-# `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed:
+# The same comparison at GPU scale (Qwen2.5-0.5B's shape, random weights, one GPU), from
+# `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed. That run then scores
+# the base model and both trained ones on the kit's problems with the colocate trainer's own engine, as section 4
+# does here:
 
 # %%
 gpu = results.load("math500_gpu")
@@ -220,6 +222,10 @@ if gpu:
     fig.show()
     for mode, r in gpu["runs"].items():
         print(f"GPU {mode:>8}: {len(r['reward'])} steps in {r['train_s']} s")
+    for name, r in gpu.get("eval", {}).items():
+        print(f"GPU eval {name:>16}: {r['correct']}/{r['n']} right, answers generated in {r['generate_s']} s")
+    print(results.footnote({"machine": results.machine_label(gpu.get("env") or {}), "date": gpu.get("date"),
+                            "source": "results/math500_gpu.json"}))
 else:
     MACHINE.say("no GPU run of this comparison is committed (results/math500_gpu.json): "
                 "`bash scripts/gpu/math500.sh` on a GPU machine writes it")

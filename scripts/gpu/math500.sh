@@ -26,19 +26,20 @@ t0=$(date +%s)
 
 echo "[math500] 1/2 colocate vs plain GRPO + evaluation -> $JSON"
 SMOKE=$SMOKE JSON=$JSON timeout 200 "$PY" - <<'EOF'
-import json, os, time, traceback
+import os, time, traceback
 import colo_kit
 from colo_kit.env import describe
+from record.store import commit, publish
 
 smoke = os.environ["SMOKE"] == "1"
 out_path = os.environ["JSON"]
 out = {"what": "GRPO length reward colocate vs plain (same seed), then Math500-style evaluation of base / "
                "colocate-trained / plain-trained on one vLLM engine", "env": describe(), "smoke": smoke,
-       "runs": {}, "eval": {}, "errors": {}}
+       "commit": commit(), "date": time.strftime("%Y-%m-%d"), "runs": {}, "eval": {}, "errors": {}}
 
 def save():
-    with open(out_path, "w") as f:
-        json.dump(out, f, indent=1)
+    # whole or not at all; a run that trained nothing goes to results/runs/, never over a committed record
+    return publish(out_path, out, ok=bool(out["runs"]))
 
 preset = "tiny" if smoke else "qwen2.5-0.5b"
 steps = 6 if smoke else 30
@@ -64,7 +65,7 @@ try:
             print(f"[math500] {mode} failed:\n{out['errors'][mode]}", flush=True)
         save()
     if "colocate" in runs:
-        from colo_kit.answers.math500 import compare_models
+        from colo_kit.answers.math500_eval import compare_models
         models = {"base": preset, "colocate-trained": runs["colocate"].trainer.model}
         if "plain" in runs:
             models["plain-trained"] = runs["plain"].trainer.model
@@ -87,8 +88,7 @@ try:
 except Exception:
     out["errors"]["setup"] = traceback.format_exc()[-3000:]
     print(out["errors"]["setup"], flush=True)
-save()
-print(f"[math500] wrote {out_path}", flush=True)
+print(f"[math500] wrote {save()}", flush=True)
 os._exit(0)  # skip vLLM's teardown at exit; everything is saved
 EOF
 echo "[math500] 1/2 done (rc=$?) after $(( $(date +%s) - t0 )) s"
