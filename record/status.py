@@ -54,6 +54,7 @@ zero3_run.json: colo_kit/memory colo_kit/grpo scripts/zero3_run.py scripts/gpu/z
 two_machines_cpu.json: colo_kit/parallel colo_kit/memory scripts/two_machines.py scripts/two_machines.sh
 server_node_cpu.json: colo_kit/grpo colo_kit/serving scripts/server_node.py scripts/server_node.sh
 math500_checker.json: colo_kit/answers scripts/bench_checker.py
+math500_checker_gpu_host.json: colo_kit/answers scripts/bench_checker.py
 math500_gpu.json: colo_kit/answers scripts/gpu/math500.sh
 async_lora_gpu.json: colo_kit/async_lora scripts/gpu/async_lora.sh
 proxy_bench.json: colo_kit/async_lora scripts/bench_proxy.py
