@@ -37,6 +37,7 @@ from colo_kit.env import describe  # noqa: E402
 from colo_kit.answers.math500 import Checker  # noqa: E402
 from colo_kit.answers.answer_check import check  # noqa: E402
 from colo_kit.paths import data_dir, results_dir  # noqa: E402
+from record.store import commit, write_json_atomic  # noqa: E402
 
 TOKENS = [r"\frac", r"\dfrac", r"\sqrt", "{", "}", "{", "}", "(", ")", "[", "]", "^", "_", "+", "-", r"\cdot",
           "=", "<", r"\le", ",", ".", "!", "%", r"\%", r"\pi", r"\infty", r"\pm", r"\circ", r"\text{cm}",
@@ -197,8 +198,8 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     n_work, n_random = (300, 100) if args.quick else (2000, 600)
 
-    report: dict = {"env": describe(), "settings": {"quick": args.quick, "workload_checks": n_work,
-                                                    "random_fuzz_inputs": n_random}}
+    report: dict = {"env": describe(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+                    "settings": {"quick": args.quick, "workload_checks": n_work, "random_fuzz_inputs": n_random}}
     checker = Checker()
     t0 = time.perf_counter()
     checker.warm_up()
@@ -242,9 +243,7 @@ def main(argv=None) -> int:
                          "worst_case_s": report["worst_case_s"],
                          "bars": {"agreement": 0.98, "checks_per_s": 200, "worst_case_s": 5.0}}
     checker.close()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = write_json_atomic(args.out, report)  # whole or not at all: a full disk leaves the committed record as it was
     print("summary", json.dumps(report["summary"]))
     print(f"wrote {out}")
     return 0
