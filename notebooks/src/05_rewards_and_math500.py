@@ -207,9 +207,10 @@ fig.show()
 
 # %% [markdown]
 # The same comparison at GPU scale (Qwen2.5-0.5B's shape, random weights, one GPU), from
-# `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed. That run then scores
-# the base model and both trained ones on the kit's problems with the colocate trainer's own engine, as section 4
-# does here:
+# `scripts/gpu/math500.sh` → `results/math500_gpu.json`, when it has been committed. Thirty steps are too few for
+# a model this size to climb far from where its random weights start, so read this run for its clock: the same
+# steps with colocated vLLM and without. It then scores the base model and both trained ones on the kit's
+# problems with the colocate trainer's own engine, as section 4 does here:
 
 # %%
 gpu = results.load("math500_gpu")
