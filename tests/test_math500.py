@@ -3,6 +3,8 @@ threads, worker processes), and the evaluation runner (Wilson interval, breakdow
 
 import json
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -313,3 +315,26 @@ def test_compare_models_swaps_weights_in_one_engine(tiny_model_path):
     assert texts["base"] == [s["completion"] for s in first["samples"]]
     assert texts["perturbed"] != texts["base"]
     assert all(r["n"] == 4 for r in reports.values())
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_trains_both_ways_and_scores_three_models(tmp_path):
+    """`scripts/gpu/math500.sh --smoke`, the CPU rehearsal of what writes `results/math500_gpu.json` (notebook 05's
+    GPU comparison): both GRPO runs, then the base and both trained models scored on the colocate trainer's engine,
+    then the checker benchmark; no step may fail quietly into the record's `errors`."""
+    from conftest import clean_env
+
+    result, checker = tmp_path / "math500.json", tmp_path / "checker.json"
+    env = {**clean_env(), "PYTHON": sys.executable, "MATH500_RESULT": str(result),
+           "MATH500_CHECKER_RESULT": str(checker), "OUT": ""}
+    proc = subprocess.run(["bash", "scripts/gpu/math500.sh", "--smoke"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(result.read_text())
+    assert record["errors"] == {}, record["errors"]
+    assert set(record["runs"]) == {"colocate", "plain"}
+    assert all(len(r["reward"]) == record["settings"]["max_steps"] for r in record["runs"].values())
+    assert set(record["eval"]) == {"base", "colocate-trained", "plain-trained"}
+    assert all(r["n"] == 24 and 0 <= r["correct"] <= r["n"] for r in record["eval"].values())
+    assert record["commit"] and record["date"]
+    assert json.loads(checker.read_text())["summary"]["agreement"] >= 0.98

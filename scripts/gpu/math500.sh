@@ -9,6 +9,7 @@
 #
 #   bash scripts/gpu/math500.sh                                   # on 1 GPU, stack sourced (~3-4 min)
 #   PYTHON=.venv/bin/python bash scripts/gpu/math500.sh --smoke   # CPU dress rehearsal, tiny model
+#   (MATH500_RESULT=… MATH500_CHECKER_RESULT=… write the two records elsewhere)
 #
 # Needs math-verify==0.9.0 in the stack (with latex2sympy2_extended, antlr4-python3-runtime, sympy).
 # Writes results/math500_gpu.json and results/math500_checker_gpu_host.json, copies both to $OUT.
@@ -22,6 +23,7 @@ mkdir -p results results/runs
 JSON=results/math500_gpu.json
 BENCH=results/math500_checker_gpu_host.json
 if [[ $SMOKE == 1 ]]; then JSON=results/runs/math500_smoke.json; BENCH=results/runs/math500_checker_smoke.json; fi
+JSON=${MATH500_RESULT:-$JSON} BENCH=${MATH500_CHECKER_RESULT:-$BENCH}  # elsewhere, e.g. a test's own folder
 t0=$(date +%s)
 
 echo "[math500] 1/2 colocate vs plain GRPO + evaluation -> $JSON"
