@@ -35,6 +35,13 @@ def footnote(entry: dict) -> str:
     return f"measured on {entry.get('machine') or 'the machine the file names'}{when} ({entry['source']})"
 
 
+def record_footnote(name: str, results: Path | None = None) -> str:
+    """`footnote` for a record a lesson reads whole (`load`): the machine from its `env`, its `date`."""
+    record = load(name, results) or {}
+    return footnote({"machine": machine_label(record.get("env") or {}), "date": record.get("date"),
+                     "source": f"results/{name.removesuffix('.json')}.json"})
+
+
 def machine_label(env: dict) -> str:
     """A machine as a learner reads it, from a record's `env` (`colo_kit.env.describe`): `1×H200`, `2×H100`, or
     `CPU laptop (2 cores)` without GPUs."""

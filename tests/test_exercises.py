@@ -161,6 +161,18 @@ def test_the_docs_tables_hold_the_measured_times_and_peaks(doc):
                                          "run `python scripts/check.py refresh`"
 
 
+def test_a_record_read_whole_is_footnoted_with_the_machine_and_date_it_names(tmp_path):
+    """`results.record_footnote`: the footnote under a record a lesson reads itself (05's GPU comparison), the machine
+    from the record's own `env`, not a fixed name."""
+    from colo_kit.results import record_footnote
+
+    h100 = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "mem_gib": 79.6}], "cpu_count": 16}
+    (tmp_path / "run_a.json").write_text(json.dumps({"env": h100, "date": "2026-12-06"}))
+    (tmp_path / "run_b.json").write_text(json.dumps({"env": {"gpus": [], "cpu_count": 2}}))
+    assert record_footnote("run_a", tmp_path) == "measured on 1×H100, 2026-12-06 (results/run_a.json)"
+    assert record_footnote("run_b.json", tmp_path) == "measured on CPU laptop (2 cores) (results/run_b.json)"
+
+
 def test_each_number_names_the_machine_it_was_measured_on_even_when_the_gpu_check_spans_two_kinds(
         tmp_path, monkeypatch):
     """A lent GPU node is an H200 one day and an H100 the next: the header, the docs' tables and the "What you should

@@ -321,10 +321,12 @@ def test_compare_models_swaps_weights_in_one_engine(tiny_model_path):
 def test_gpu_script_smoke_trains_both_ways_and_scores_three_models(tmp_path):
     """`scripts/gpu/math500.sh --smoke`, the CPU rehearsal of what writes `results/math500_gpu.json` (notebook 05's
     GPU comparison): both GRPO runs, then the base and both trained models scored on the colocate trainer's engine,
-    then the checker benchmark; no step may fail quietly into the record's `errors`."""
+    then the checker benchmark; no step may fail quietly into the record's `errors`, and a whole run replaces the
+    record that was there."""
     from conftest import clean_env
 
     result, checker = tmp_path / "math500.json", tmp_path / "checker.json"
+    result.write_text('{"committed": "an earlier record"}')  # a whole run replaces it; a failed one would not
     env = {**clean_env(), "PYTHON": sys.executable, "MATH500_RESULT": str(result),
            "MATH500_CHECKER_RESULT": str(checker), "OUT": ""}
     proc = subprocess.run(["bash", "scripts/gpu/math500.sh", "--smoke"], cwd=REPO_ROOT, env=env, capture_output=True,

@@ -75,8 +75,7 @@ def with_current_prose(executed: Path, lesson: Path) -> dict:
     `make numbers` rewrites the measured times in the headers after the run that measured them, so the copy's own
     header would show the time before its run. A copy that ran other code keeps the prose it ran with."""
     nb, now = json.loads(executed.read_text()), json.loads(lesson.read_text())
-    if ([c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in now["cells"]]
-            and code_cells(nb) == code_cells(now)):
+    if [c["cell_type"] for c in nb["cells"]] == [c["cell_type"] for c in now["cells"]] and not is_stale(executed, lesson):
         for cell, current in zip(nb["cells"], now["cells"]):
             if cell["cell_type"] == "markdown":
                 cell["source"] = current["source"]

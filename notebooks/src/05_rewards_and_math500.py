@@ -225,8 +225,7 @@ if gpu:
         print(f"GPU {mode:>8}: {len(r['reward'])} steps in {r['train_s']} s")
     for name, r in gpu.get("eval", {}).items():
         print(f"GPU eval {name:>16}: {r['correct']}/{r['n']} right, answers generated in {r['generate_s']} s")
-    print(results.footnote({"machine": results.machine_label(gpu.get("env") or {}), "date": gpu.get("date"),
-                            "source": "results/math500_gpu.json"}))
+    print(results.record_footnote("math500_gpu"))
 else:
     MACHINE.say("no GPU run of this comparison is committed (results/math500_gpu.json): "
                 "`bash scripts/gpu/math500.sh` on a GPU machine writes it")

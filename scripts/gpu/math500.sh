@@ -40,8 +40,9 @@ out = {"what": "GRPO length reward colocate vs plain (same seed), then Math500-s
        "commit": commit(), "date": time.strftime("%Y-%m-%d"), "runs": {}, "eval": {}, "errors": {}}
 
 def save():
-    # whole or not at all; a run that trained nothing goes to results/runs/, never over a committed record
-    return publish(out_path, out, ok=bool(out["runs"]))
+    # whole or not at all; a run still going, or one with an error, goes to results/runs/ when a record is there
+    done = set(out["runs"]) == {"colocate", "plain"} and len(out["eval"]) == 3 and not out["errors"]
+    return publish(out_path, out, ok=done)
 
 preset = "tiny" if smoke else "qwen2.5-0.5b"
 steps = 6 if smoke else 30
