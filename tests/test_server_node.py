@@ -111,15 +111,21 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ "$1 $2" == "show hostnames" ]] || exit 2
 printf 'gpu-a%s\\n' 0 1 2 3 4
 """
-# each records its host and argv; the server "serves" until ended
+# each records its host and argv; the server takes a moment to come up, as a real one does, then "serves" until ended
 FAKE_TRL = """#!/usr/bin/env bash
-echo "$SLURMD_NODENAME $*" >> "$CALLS/trl"; exec sleep 120
+sleep 0.5; echo "$SLURMD_NODENAME $*" >> "$CALLS/trl"; exec sleep 120
 """
 FAKE_ACCELERATE = """#!/usr/bin/env bash
 printf '%s\\n' "$SLURMD_NODENAME" "$@" > "$CALLS/accelerate-$SLURM_NODEID"
 """
+# /health answers once the server is up: here, once the stand-in server has recorded its start (a connect that
+# waits up to 10 s, then refused with curl's exit code 7), so the job never trains before its server exists
 FAKE_CURL = """#!/usr/bin/env bash
-echo "$*" >> "$CALLS/curl"
+for _ in $(seq 100); do
+  [[ -s $CALLS/trl ]] && { echo "$*" >> "$CALLS/curl"; exit 0; }
+  sleep 0.1
+done
+exit 7
 """
 
 
