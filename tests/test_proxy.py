@@ -560,8 +560,13 @@ def test_a_client_hanging_up_mid_stream_leaves_the_replica_in_rotation(stubs, ca
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # hang up after the first event
-        time.sleep(1.0)
-        snap = p.snapshot()
+        # the proxy notices the hang-up on its next write to the client: wait for the request to be done with
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            snap = p.snapshot()
+            if snap["client_hangups"] and not any(rep["inflight"] for rep in snap["replicas"].values()):
+                break
+            time.sleep(0.05)
         assert all(rep["healthy"] for rep in snap["replicas"].values()) and snap["errors"] == 0
         assert snap["client_hangups"] == 1
     finally:
