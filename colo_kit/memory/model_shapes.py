@@ -11,8 +11,8 @@ from colo_kit.models import Preset
 MAX_PARAMS = 1e13  # ten trillion: past any model trained today, and torch cannot even lay out the meta tensors
 
 def model_shape(model) -> Preset:
-    """`model` (a preset name such as `qwen2.5-7b`, a config.json path or folder, or a dict) as a `models.Preset`
-    (from a config: hub_id None, not buildable); a multimodal config gives its text model's."""
+    """`model` (a preset name, a config.json path or folder, or a dict) as a `Preset`; a multimodal config gives its text
+    model's."""
     if isinstance(model, Preset):
         return model
     if isinstance(model, dict):
@@ -33,8 +33,7 @@ def model_shape(model) -> Preset:
         raise ValueError(f"config of {name!r} is a JSON {type(raw).__name__}, not an object: pass a model's config.json")
     config, fields = _text_config(raw, name)
     need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
-    # The config class fills a missing field with its default (Qwen2's hidden_size is 4096): only the
-    # file says whether the model has it.
+    # the config class fills a missing field with its default (Qwen2's hidden_size is 4096): only the file says
     missing = [k for k in need if k not in fields]
     if missing:
         raise ValueError(f"config of {name!r} lacks {missing}: the planner needs a dense decoder's config.json")
@@ -58,8 +57,7 @@ def model_shape(model) -> Preset:
 
 
 def _read_config(text: str, path: Path, file: Path):
-    """The config.json as transformers' `AutoConfig.from_pretrained` reads it (its `get_config_dict`):
-    the raw fields are needed too, to tell a field the file lacks from a default."""
+    """The config.json's raw fields as `AutoConfig.from_pretrained` reads them, to tell a field the file lacks from a default."""
     from transformers import PreTrainedConfig
 
     try:
@@ -68,8 +66,7 @@ def _read_config(text: str, path: Path, file: Path):
         # transformers says "not a valid JSON file"; the JSON error it comes from says where
         raise ValueError(f"model {text!r}: {file} is not a readable JSON config ({exc.__context__ or exc})") from None
     except TypeError:
-        # transformers' reader indexes the JSON as an object and fails on any other JSON value; read it
-        # to say what it is instead
+        # transformers' reader fails on any JSON value but an object: read it to say what it is
         return json.loads(file.read_text())
 
 

@@ -1,8 +1,6 @@
-"""Memory planner: will this GRPO run fit on these GPUs, and with which settings? Notebook 04.
-
-A step's per-GPU memory by part, in its generation and training phases, and the cheapest settings that fit (engine
-share, sleep level, TP, ZeRO stage, offload). TRL's own choices are modelled: float32 weights for a model given by path,
-checkpointing on, a chunked LM head for log-probs, sleep at level 2 with `empty_cache()` before waking.
+"""Memory planner (notebook 04): a GRPO step's per-GPU memory by part in both phases, and the cheapest settings that fit.
+TRL's own choices are modelled: float32 weights for a model given by path, checkpointing on, a chunked LM head for
+log-probs, sleep at level 2 with `empty_cache()` before waking.
 """
 
 from __future__ import annotations
@@ -10,12 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from colo_kit.memory.model_shapes import model_shape  # noqa: F401  (planner.model_shape: callers read it here)
+from colo_kit.memory.model_shapes import model_shape
 from colo_kit.models import Preset
 
 GIB = 2**30
-# What CUDA reports as total memory on one H200 (nvidia-smi: 143,771 MiB, less the driver's share).
-H200_GIB = 139.8
+H200_GIB = 139.8  # what CUDA reports as one H200's total memory (nvidia-smi's 143,771 MiB less the driver's share)
 MAX_GPU_MEM_GIB = 4096.0   # no GPU holds more; a bigger number is a typo (and 1e308 overflows the KV token count)
 
 # ---- set from physical facts ----
@@ -25,22 +22,17 @@ WEIGHT_SYNC_BUFFERS_GIB = 2.0   # server mode: vLLM's packed NCCL broadcast, 2 b
 VLLM_ASLEEP_GIB = 0.25     # what a sleeping engine still holds (CUDA graph pool); GPU README: sleep(2) freed 41.7 of 41.9 GiB
 VLLM_OVERHEAD_GIB = 1.5    # inside u × memory but not KV: activation headroom + CUDA graphs (vLLM's profiler)
 SAFE_FRACTION = 0.92       # recommend settings whose predicted peak stays under 92% of the GPU
-# An engine sized to what one generation needs gets twice that: vLLM profiles its own activations, CUDA graphs and
-# sampler buffers at start-up, and they vary with max_num_seqs and vLLM's version, so the bare minimum may leave
-# its KV cache short of one generation (it would preempt and recompute).
+# An engine sized to one generation gets twice what it needs: vLLM's own start-up buffers vary with max_num_seqs and
+# its version, and a KV cache short of one generation preempts and recomputes.
 GENERATION_SHARE_MARGIN = 2.0
-# Expandable segments reuse a freed block for any later size: the reserve is rounding, not fragmentation. A prior
-# of 5% of the step's transient memory, set before the H100 race checked it (results/speed_1xh100.json).
-EXPANDABLE_RESERVE = 0.05
+EXPANDABLE_RESERVE = 0.05  # expandable segments reuse a freed block for any size: the reserve is rounding only
 
 # ---- fitted to the measured peaks (record.planner_validation) ----
 FITTED = {
     "CUDA_CONTEXT_GIB": 0.5,  # per process: CUDA context, cuBLAS workspaces, vLLM's buffers outside its budget
     "NCCL_GIB": 0.25,  # per process with a communicator (world size > 1, or server mode's link to vLLM)
-    # the share of a step's freed memory empty_cache() cannot hand back (segments pinned by live tensors)
-    "KEPT_AFTER_EMPTY_CACHE": 0.2,
-    # the caching allocator's reserve above its live tensors, per byte of activations and logits (median of its peaks)
-    "ALLOCATOR_RESERVE": 0.6,
+    "KEPT_AFTER_EMPTY_CACHE": 0.2,  # freed memory empty_cache() cannot hand back (segments pinned by live tensors)
+    "ALLOCATOR_RESERVE": 0.6,  # the allocator's reserve above its live tensors, per byte of activations and logits
 }
 
 
@@ -79,8 +71,7 @@ class Plan:
         "PyTorch's allocator grows its segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): less memory "
         "held above the live tensors; not with sleep mode, whose memory pool vLLM keeps apart"))
     gpus_per_node: int = field(default=8, **_help("GPUs per node, for multi-node plans"))
-    host_mem_gib: float | None = field(default=None, **_help("CPU memory per node in GiB, to check offload and "
-                                                             "sleep level 1"))
+    host_mem_gib: float | None = field(default=None, **_help("CPU memory per node in GiB, to check offload and sleep level 1"))
 
     def validate(self) -> "Plan":
         def bad(name, value, fix):
@@ -195,8 +186,7 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
     kv_heads_per_gpu = max(1, m.num_key_value_heads // tp)
     kv_bytes_per_token = 2 * m.num_hidden_layers * kv_heads_per_gpu * m.head_dim * 2
     kv_cache = max(0.0, vllm_total - vllm_weights - VLLM_OVERHEAD_GIB) if colocate else 0.0
-    # TRL's colocate engine gets every prompt of its TP group for a whole generation:
-    # max_num_seqs = per_device_train_batch_size × TP × steps_per_generation.
+    # TRL's colocate engine gets every prompt of its TP group for a whole generation
     seqs = plan.per_device_train_batch_size * tp * plan.steps_per_generation
     kv_needed = g(seqs * (plan.prompt_length + plan.max_completion_length) * kv_bytes_per_token)
     vllm_min_util = (vllm_weights + VLLM_OVERHEAD_GIB + kv_needed) / plan.gpu_mem_gib if colocate else 0.0
@@ -226,9 +216,8 @@ def estimate(plan: Plan | None = None, **settings) -> dict:
         "vllm_asleep" if plan.sleep_level else "vllm": asleep,
         "weight_sync_buffers": 0.0 if colocate else WEIGHT_SYNC_BUFFERS_GIB,
     }
-    # Between steps the trainer keeps its state; the step's transient memory stays reserved by PyTorch's
-    # allocator unless empty_cache() runs (TRL calls it before waking a sleeping engine), and even then
-    # segments pinned by live tensors stay.
+    # The step's transient memory stays reserved by PyTorch's allocator unless empty_cache() runs (TRL calls it before
+    # waking a sleeping engine), and even then segments pinned by live tensors stay.
     transient = step + grads_at_peak + reserve + zero3_gathered
     kept = 1.0 if plan.sleep_level == 0 else FITTED["KEPT_AFTER_EMPTY_CACHE"]
     generation = {
@@ -295,8 +284,8 @@ def generation_share(plan: Plan) -> float:
 
 
 def read_gpu_memory(index: int = 0) -> dict | None:
-    """{"name", "gib"} of this process's CUDA device `index`, read by NVML (no CUDA context is made): the memory CUDA
-    reports, NVML's total less what the driver reserves; None without an NVIDIA GPU."""
+    """{"name", "gib"} of CUDA device `index` by NVML (no CUDA context): the total less what the driver reserves, as CUDA
+    reports it; None without an NVIDIA GPU."""
     from colo_kit.env import visible_gpus
 
     gpus = visible_gpus()
@@ -322,9 +311,8 @@ def read_gpu_memory(index: int = 0) -> dict | None:
 
 
 def max_safe_utilization(plan: Plan) -> float:
-    """The highest vllm_gpu_memory_utilization whose predicted peak stays under SAFE_FRACTION of the GPU.
-    The peak is linear in u in each phase once the share holds the engine's weights, so two estimates from there
-    give the slope (below it the weights count whole, whatever the share: a slope from u = 0.01 bends)."""
+    """The highest vllm_gpu_memory_utilization whose predicted peak stays under SAFE_FRACTION of the GPU. Each phase's
+    peak is linear in u once the share holds the engine's weights, so estimates at 0.5 and 1.0 give the slope."""
     lo = estimate(plan, vllm_gpu_memory_utilization=0.5)
     hi = estimate(plan, vllm_gpu_memory_utilization=1.0)
     budget = SAFE_FRACTION * plan.gpu_mem_gib
@@ -343,9 +331,8 @@ def max_safe_utilization(plan: Plan) -> float:
 
 
 def recommend(plan: Plan | None = None, add_zero: bool = True, **settings) -> dict:
-    """Search, cheapest first, for settings that fit: no sleep before sleep (no wake/reload cost), the
-    smallest TP (the post: TP slows small models down), DDP before ZeRO, no offload before offload.
-    `add_zero=False` keeps the training's ZeRO stage and offload as given."""
+    """Settings that fit, cheapest first: no sleep before sleep, the smallest TP (TP slows small models down), DDP before
+    ZeRO, no offload before offload. `add_zero=False` keeps the ZeRO stage and offload as given."""
     base = replace(plan or Plan(), **settings).validate()
     if base.mode == "server":
         tried = []
@@ -413,8 +400,8 @@ def plan_report(plan: Plan | None = None, **settings) -> dict:
 
 
 def what_fits(model: str, gpu_counts=(8, 16, 32), host_mem_gib: float | None = 1800.0, **settings) -> list[dict]:
-    """The 72B question as a table: for each GPU count, colocate with/without sleep and offload, and server
-    mode (training GPUs only; vLLM needs its own TP-sized group of GPUs on top)."""
+    """The 72B question as a table: per GPU count, colocate with and without sleep and offload, and server mode (whose
+    vLLM needs its own TP-sized group of GPUs on top)."""
     variants = [
         ("colocate, sleep 2, offload", dict(mode="colocate", sleep_level=2, offload_optimizer=True)),
         ("colocate, sleep 2", dict(mode="colocate", sleep_level=2, offload_optimizer=False)),

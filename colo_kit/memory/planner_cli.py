@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from colo_kit.memory.planner import Plan, plan_report
+from colo_kit.memory.planner import H200_GIB, Plan, plan_report
 
 
 def _format(report: dict) -> str:
@@ -39,19 +40,11 @@ def _format(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _given(argv: list[str], name: str) -> bool:
-    """Whether the command line gave field `name` (`--a_b`, `--a-b`, either with `=VALUE`)."""
-    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
-    return any(t.split("=", 1)[0] in spellings for t in argv)
-
-
 def _gpu_for(plan: Plan, argv: list[str]) -> tuple[Plan, str]:
     """`plan` sized for the GPU here when --gpu-mem-gib is not given (NVML), and a line saying which memory it used."""
-    from dataclasses import replace
+    from colo_kit.memory.planner import read_gpu_memory  # looked up at call time: tests stand in for NVML
 
-    from colo_kit.memory.planner import H200_GIB, read_gpu_memory
-
-    if _given(argv, "gpu_mem_gib"):
+    if any(t.split("=", 1)[0] in ("--gpu_mem_gib", "--gpu-mem-gib") for t in argv):
         return plan, f"sized for --gpu-mem-gib {plan.gpu_mem_gib:g} GiB per GPU"
     gpu = read_gpu_memory()
     if gpu is None:
@@ -61,8 +54,6 @@ def _gpu_for(plan: Plan, argv: list[str]) -> tuple[Plan, str]:
 
 
 def _write_recipe(plan: Plan, args, gpu_line: str) -> int:
-    from pathlib import Path
-
     from colo_kit.commands import UsageError, writable_file
     from colo_kit.paths import runs_dir
     from colo_kit.memory.recipe import recipe, to_yaml
@@ -92,8 +83,7 @@ class PlanCommand:
     """What `colo-kit plan` does with the `Plan` its other flags describe."""
 
     json: bool = field(default=False, metadata={"help": "print the report as JSON"})
-    out: str | None = field(default=None, metadata={
-        "help": "--recommend's YAML"})
+    out: str | None = field(default=None, metadata={"help": "--recommend's YAML"})
     num_generations: int = field(default=8, metadata={"help": "G, written into --recommend's recipe"})
     recommend: bool = field(default=False, metadata={
         "help": "write a recipe: GRPOConfig fields in TRL's names, each with why (to --out, default "

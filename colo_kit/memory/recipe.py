@@ -1,9 +1,6 @@
-"""A GRPO recipe for one machine: `GRPOConfig` fields in TRL's own names, each with the reason it was chosen (notebook 04).
-
-`colo-kit plan --recommend` writes it as YAML that `TrlParser` reads, so the same file runs under `colo-kit train
---config` (the model it names included) and, its `model:` line given as `model_name_or_path`, under a plain TRL script.
-Memory comes from the planner (modelled) for the GPU given, speed choices from the H200 runs in
-`results/speed_1xh200.json` (measured).
+"""A GRPO recipe for one machine (notebook 04): `GRPOConfig` fields in TRL's names, each with why, as the YAML `TrlParser`
+reads (`colo-kit plan --recommend`, then `colo-kit train --config`). Memory comes from the planner (modelled), speed
+choices from the H200 runs in `results/speed_1xh200.json` (measured).
 """
 
 from __future__ import annotations
@@ -14,24 +11,21 @@ from colo_kit.memory.planner import SAFE_FRACTION, Plan, estimate, generation_sh
 
 MEASURED = "results/speed_1xh200.json"
 TRL_DEFAULT_UTILIZATION = 0.3  # TRL's default and the posts' value; the setting the H200 runs used
-# From this size on, two optimizer steps per generation under TRL's loss (measured at 7B); below it, CISPO on 8 (1.5B).
-STALE_FROM_PARAMS = 7e9
+STALE_FROM_PARAMS = 7e9  # from this size, two steps per generation under TRL's loss (7B); below it, CISPO on 8 (1.5B)
 CISPO_STEPS, CISPO_MIN_BATCH = 8, 16
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def whole_groups(batch: int, steps: int, gpus: int, num_generations: int) -> int:
-    """The smallest batch >= `batch` whose generation (batch x GPUs x steps per generation) holds whole groups of
-    `num_generations` completions: TRL's GRPOConfig refuses any other."""
+    """The smallest batch >= `batch` whose generation holds whole groups of `num_generations` (TRL refuses any other)."""
     while (batch * gpus * steps) % num_generations:
         batch += 1
     return batch
 
 
 def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> dict:
-    """The recipe for `plan`: {"fields": [(name, value, why)], "model", "comments", "plan" it was sized with,
-    "peak_gib_per_gpu", "fits"}. Before it gives up a generation shared between steps it sizes the engine to what
-    one generation needs (`generation_share`), then recomputes activations, then sleeps the engine."""
+    """{"fields": [(name, value, why)], "model", "comments", "plan", "peak_gib_per_gpu", "fits"} for `plan`. Before giving
+    up a generation shared between steps it sizes the engine to one generation, then recomputes activations, then sleeps."""
     base = replace(plan or Plan(), **settings).validate()
     if base.mode != "colocate":
         raise ValueError(f"mode={base.mode!r}: the recipe is for colocate mode (server mode sizes its server apart)")
@@ -52,9 +46,8 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         chosen, ckpt_why = at_default, (f"training fits without recomputing activations, and at 1.5B the step is "
                                         f"about 10% shorter (measured, {MEASURED})")
     else:
-        # Cheapest first: activations kept, then recomputed (one more forward), and only then DeepSpeed's ZeRO, whose
-        # optimizer offload runs Adam on the CPU over every parameter each step: 19-20 s per 7B step on two H200s
-        # (results/zero3_run.json) against 1.8 s for TRL's defaults unsharded on one (results/speed_1xh200.json).
+        # Cheapest first, ZeRO last: its optimizer offload took 19-20 s per 7B step on two H200s (results/zero3_run.json)
+        # against 1.8 s for TRL's defaults unsharded on one (results/speed_1xh200.json).
         for ckpt, add_zero in ((False, False), (True, False), (False, True), (True, True)):
             rec = recommend(replace(base, gradient_checkpointing=ckpt), add_zero=add_zero)
             if rec["fits"]:
@@ -74,9 +67,7 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
     share = generation_share(stale)
     sized = replace(stale, vllm_gpu_memory_utilization=share, sleep_level=0, expandable_segments=True)
     recomputed = f"without it the activations of batch {stale_batch} do not fit beside the engine (modelled)"
-    # (candidate, why checkpointing is on or off, whether the engine's share was sized to one generation)
-    # cheapest first: an awake engine before a sleeping one (a wake-up and re-push per generation), activations
-    # kept before recomputed (a longer step)
+    # (candidate, why checkpointing is on or off, engine sized to one generation?), cheapest first
     as_chosen = [(stale, ckpt_why, False)]
     tries = [*(as_chosen if not stale.sleep_level else []), (sized, ckpt_why, True),
              *(as_chosen if stale.sleep_level else []), (replace(sized, gradient_checkpointing=True), recomputed, True),
@@ -189,14 +180,11 @@ def to_yaml(r: dict) -> str:
     import yaml
 
     p = r["plan"]
-    lines = [f"# colo_kit recipe: {p.model}, {p.gpus} GPU(s) of {p.gpu_mem_gib} GiB, prompts up to {p.prompt_length} "
-             "tokens",
-             f"# run: {ALLOC_CONF + ' ' if p.expandable_segments else ''}colo-kit train --config THIS.yaml  "
-             "(a TRL script built on TrlParser reads every other line: give "
-             "it the model as its model_name_or_path instead of `model:`)"]
+    lines = [f"# colo_kit recipe: {p.model}, {p.gpus} GPU(s) of {p.gpu_mem_gib} GiB, prompts up to {p.prompt_length} tokens",
+             f"# run: {ALLOC_CONF + ' ' if p.expandable_segments else ''}colo-kit train --config THIS.yaml  (a TRL script "
+             "built on TrlParser reads every other line: give it the model as its model_name_or_path instead of `model:`)"]
     lines += [f"# {c}" for c in r["comments"]]
-    lines.append("# the model the planner sized this recipe for, which colo-kit train loads (a preset, a folder or a "
-                 "hub id)")
+    lines.append("# the model the planner sized this recipe for, which colo-kit train loads (a preset, a folder or a hub id)")
     lines.append(yaml.safe_dump({"model": r["model"]}, default_flow_style=False, width=1000).rstrip("\n"))
     for name, value, why in r["fields"]:
         lines.append(f"# {why}")

@@ -1,11 +1,11 @@
-"""Launch configs as data: the post's accelerate + DeepSpeed ZeRO-3 recipe for Qwen2.5-Math-72B (CPU optimizer
-offload, overlap_comm, contiguous_gradients), DDP, and the launch line of every node (notebook 04).
-`colo-kit plan ... --write-configs` writes them under configs/.
+"""Launch configs as data (notebook 04): the post's accelerate + DeepSpeed ZeRO-3 recipe for Qwen2.5-Math-72B (CPU
+optimizer offload, overlap_comm, contiguous_gradients), DDP, and every node's launch line; `--write-configs` writes them.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from colo_kit.paths import REPO_ROOT
@@ -14,8 +14,7 @@ CONFIGS = REPO_ROOT / "configs"
 
 
 def deepspeed_config(zero_stage: int = 3, offload_optimizer: bool = True, offload_params: bool = False) -> dict:
-    """The DeepSpeed JSON. "auto" values are filled by transformers' Trainer from GRPOConfig (batch sizes,
-    gradient accumulation and clipping, bf16) and from the model (bucket sizes scale with hidden_size)."""
+    """The DeepSpeed JSON; transformers' Trainer fills its "auto" values from GRPOConfig and the model."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r}: DeepSpeed ZeRO stages are 1, 2 or 3 (use the DDP config for 0)")
     if offload_params and zero_stage != 3:
@@ -84,8 +83,7 @@ def _slug(model: str) -> str:
 
 
 def _write(path: Path, text: str, replace: bool) -> Path:
-    """Write `text` to `path`, unless a different file is already there and `replace` is False: then beside
-    it, as `<name>.proposed<suffix>`, so a committed config never changes without being asked by name."""
+    """Write `text` to `path`, or beside a different file already there as `<name>.proposed<suffix>` unless `replace`."""
     if path.exists() and path.read_text() != text and not replace:
         path = path.with_name(f"{path.stem}.proposed{path.suffix}")
     if not path.exists() or path.read_text() != text:
@@ -95,8 +93,7 @@ def _write(path: Path, text: str, replace: bool) -> Path:
 
 def write_configs(model: str, gpus: int, offload_optimizer: bool = True, offload_params: bool = False,
                   out: Path | None = None, gpus_per_node: int = 8, replace: bool = False) -> dict[str, Path]:
-    """Write the ZeRO-3 DeepSpeed JSON, its accelerate YAML for `gpus` processes over ceil(gpus / gpus_per_node)
-    machines, and a DDP YAML, each kept beside a differing file unless `replace` (`_write`); returns the paths."""
+    """Write the ZeRO-3 DeepSpeed JSON, its accelerate YAML over ceil(gpus / gpus_per_node) machines and a DDP YAML."""
     import yaml
 
     out = Path(out or CONFIGS)
@@ -135,11 +132,8 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
                   script: str = "train.py", script_args: list[str] | tuple[str, ...] = (),
                   main_process_ip: str = "<node 0 address>", main_process_port: int = 29500,
                   launch_args: list[str] | tuple[str, ...] = ()) -> dict:
-    """The `accelerate launch` line of every node of a `gpus`-process run: {"machines", "num_processes", "per_node"
-    (argv per machine), "lines", "srun" (one SLURM line each node's shell expands)}. `launch_args` go before the script
-    (on a CPU `--mixed_precision no`, or the YAML's bf16 turns on autocast)."""
-    import shlex
-
+    """The `accelerate launch` line of every node of a `gpus`-process run: {"machines", "num_processes", "per_node" (argv
+    per machine), "lines", "srun"}. `launch_args` go before the script (on a CPU `--mixed_precision no`)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus={gpus!r}: the total number of processes, one per GPU (>= 1)")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -169,8 +163,6 @@ def node_commands(model: str, gpus: int, gpus_per_node: int = 8, config_file: st
             "srun": f"srun --nodes {machines} --ntasks-per-node 1 bash -c {shlex.quote(inner)}"}
 
 
-# Server mode across nodes (TRL's 72B recipe): one node runs `trl vllm-serve`, the others train and reach it over HTTP;
-# for the weight sync the server's workers join an NCCL group hosted on training node 0 at vllm_group_port.
 TRL_SERVER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port")
 
 SERVER_MODE_WHY = {
@@ -197,8 +189,6 @@ SERVER_MODE_WHY = {
 
 def _shell_join(argv: list[str]) -> str:
     """shlex.join, except words that start with `"$`: shell variables a node's own shell must expand."""
-    import shlex
-
     return " ".join(word if word.startswith('"$') else shlex.quote(word) for word in argv)
 
 
@@ -207,11 +197,8 @@ def server_node_commands(model: str, training_gpus: int, server_tp: int, gpus_pe
                          vllm_group_port: int = 51216,
                          script: str = "train.py", *, server_args: list[str] | tuple[str, ...] = (),
                          health_timeout_s: int = 1800, **launch) -> dict:
-    """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train and one more node runs
-    `trl vllm-serve` with `server_tp` GPUs. Returns the server's and training nodes' lines, the GRPOConfig fields (and
-    as flags), a SLURM batch script and "why" (SERVER_MODE_WHY); `launch`: node_commands' other keywords."""
-    import shlex
-
+    """Server mode across nodes, as TRL's 72B recipe lays it out: `training_gpus` GPUs train, one more node runs `trl
+    vllm-serve` on `server_tp` GPUs. Returns each node's lines, the GRPOConfig fields, a SLURM script and "why"."""
     for name, value, least in (("training_gpus", training_gpus, 1), ("server_tp", server_tp, 1),
                                ("gpus_per_node", gpus_per_node, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
