@@ -12,8 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def buckets(named_tensors, bucket_bytes: int):
-    """Group `(name, tensor)` pairs into lists of at least `bucket_bytes` (the last may be smaller);
-    `bucket_bytes <= 0` gives one list of everything."""
+    """Group `(name, tensor)` pairs into lists of at least `bucket_bytes` (the last may be smaller; `<= 0`: one list)."""
     bucket, size = [], 0
     for name, tensor in named_tensors:
         bucket.append((name, tensor))
@@ -26,8 +25,8 @@ def buckets(named_tensors, bucket_bytes: int):
 
 
 def use_bucketed_push(trainer, bucket_mb: float = 0) -> bool:
-    """Make this trainer's colocated weight push load `bucket_mb` MiB per `load_weights` call (0: one
-    call). Returns True when applied; the push counts its calls in `gen.push_calls`."""
+    """Make this trainer's colocated weight push load `bucket_mb` MiB per `load_weights` call (0: one call). Returns
+    True when applied; the push counts its calls in `gen.push_calls`."""
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate":
         return False
@@ -36,11 +35,10 @@ def use_bucketed_push(trainer, bucket_mb: float = 0) -> bool:
     if is_peft_model(gen.model):
         log.info("PEFT merges adapters only for the length of TRL's walk: TRL's per-tensor weight push is kept")
         return False
-    if getattr(getattr(trainer, "accelerator", None), "state", None) is not None:
-        plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            log.info("ZeRO-3 gathers one parameter at a time: TRL's per-tensor weight push is kept")
-            return False
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if getattr(plugin, "zero_stage", 0) == 3:
+        log.info("ZeRO-3 gathers one parameter at a time: TRL's per-tensor weight push is kept")
+        return False
     from vllm.platforms import current_platform
 
     from colo_kit.colocate.vllm_compat import load_weights, model_runner

@@ -1,12 +1,12 @@
 """Colocated generation: vLLM inside the training process (post 1, TRL PR #3394), on TRL's own code. Notebook 02.
-
-`ColocatedEngine` is TRL's colocate-mode `VLLMGeneration`, made by TRL's own `__init__` with the `LLM` arguments of
-`kit_llm_overrides`; `where_in_trl()` finds each of its ideas in the installed TRL. CPU (gloo) or NVIDIA GPUs (NCCL).
+`ColocatedEngine` is TRL's colocate-mode `VLLMGeneration` with the `LLM` arguments of `kit_llm_overrides`;
+`where_in_trl()` finds each of its ideas in the installed TRL. CPU (gloo) or NVIDIA GPUs (NCCL).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import os
@@ -126,17 +126,14 @@ def _close_at_exit(ref) -> None:
         engine.close()
 
 
-def close_earlier_engines() -> list[str]:
+def close_earlier_engines() -> None:
     """One engine per process, as in TRL's colocate mode: close the kit's engines still open here (a cell run twice
-    would hold two GPU shares, and vLLM's process-wide groups would go under the first). Returns their models."""
-    closed = []
+    would hold two GPU shares, and vLLM's process-wide groups would go under the first)."""
     for old in list(_LIVE):
         if old.llm is not None:
             log.warning("closing the engine built earlier in this process (%s): one colocated engine per process",
                         Path(old.model_path).name)
             old.close()
-            closed.append(old.model_path)
-    return closed
 
 
 class ColocatedEngine:
@@ -149,8 +146,7 @@ class ColocatedEngine:
     """
 
     def __init__(self, model: str = "tiny", settings: ColocateSettings | None = None, *,
-                 enforce_eager: bool | None = None, dtype: str = "auto",
-                 max_num_batched_tokens: int | None = None, **extra_llm_kwargs):
+                 enforce_eager: bool | None = None, **extra_llm_kwargs):
         import torch
         import torch.distributed as dist
 
@@ -172,8 +168,7 @@ class ColocatedEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         s = self.settings.validate(self.world_size, model_max_positions(self.model_path))
         self.tp = s.vllm_tensor_parallel_size
-        overrides = {**kit_llm_overrides(s, dtype=dtype, enforce_eager=enforce_eager,
-                                         max_num_batched_tokens=max_num_batched_tokens), **extra_llm_kwargs}
+        overrides = {**kit_llm_overrides(s, enforce_eager=enforce_eager), **extra_llm_kwargs}
 
         # external_launcher runs its engine core in this process: one scheduler per rank, in step with the trainer
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -256,8 +251,8 @@ class ColocatedEngine:
         return {"token_ids": out.completion_ids[0], "logprobs": out.logprobs[0], "text": out.texts[0]}
 
     def push_weights(self, model) -> float:
-        """Load the trainer's current weights (plain, wrapped, ZeRO-3 sharded or PEFT; walked by TRL's
-        `_iter_named_params`) into the engine; return the seconds taken. On a CPU: vLLM's layer-wise reload."""
+        """Load the trainer's weights (plain, wrapped, ZeRO-3 or PEFT; walked by TRL's `_iter_named_params`) into the
+        engine; return the seconds taken. On a CPU: vLLM's layer-wise reload."""
         import torch
         from trl.distributed import DistributedBackend
 
@@ -291,35 +286,23 @@ class ColocatedEngine:
         self.llm = None
         if getattr(self, "trl", None) is not None:
             self.trl.llm = None
-        try:
+        with contextlib.suppress(Exception):
             if self.asleep:
                 llm.wake_up()
                 self.asleep = set()
-        except Exception:
-            pass
         shutdown(llm)
         del llm
-        try:
+        with contextlib.suppress(Exception):
             from vllm.distributed.parallel_state import destroy_model_parallel
 
             destroy_model_parallel()
-        except Exception:
-            pass
         import torch.distributed as dist
 
         if self._owns_process_group and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 from vllm.distributed import parallel_state
 
                 if parallel_state._WORLD is not None:
                     parallel_state._WORLD.destroy()
                     parallel_state._WORLD = None
-            except Exception:
-                pass
             dist.destroy_process_group()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -57,17 +57,13 @@ class ColocateSettings:
         return self
 
 
-def kit_llm_overrides(settings: ColocateSettings, *, dtype: str = "auto", enforce_eager: bool | None = None,
-                      max_num_batched_tokens: int | None = None) -> dict:
-    """What the kit changes in the `LLM(...)` call of TRL's `VLLMGeneration._init_vllm`, each with the TRL argument
-    it replaces:
-    - `max_num_batched_tokens` (TRL: 4096): raised to `max_model_len`, which vLLM needs without chunked prefill (CPU).
-    - `dtype`, `enforce_eager` (TRL: vLLM's defaults): on a CPU torch.compile costs ~8 s and buys nothing.
-    - `enable_sleep_mode` (TRL: sleeps at level 2 after every generation): `colo_kit.colocate.sleep` sleeps by tags.
-    """
-    return {"max_num_batched_tokens": max(max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                          settings.max_model_len),
-            "dtype": dtype,
+def kit_llm_overrides(settings: ColocateSettings, *, enforce_eager: bool | None = None) -> dict:
+    """What the kit changes in the `LLM(...)` call of TRL's `VLLMGeneration._init_vllm` (TRL's value in brackets):
+    - `max_num_batched_tokens` (4096): raised to `max_model_len`, which vLLM needs without chunked prefill (CPU).
+    - `dtype`, `enforce_eager` (vLLM's defaults): on a CPU torch.compile costs ~8 s and buys nothing.
+    - `enable_sleep_mode` (TRL sleeps at level 2 after every generation): `colo_kit.colocate.sleep` sleeps by tags."""
+    return {"max_num_batched_tokens": max(DEFAULT_MAX_NUM_BATCHED_TOKENS, settings.max_model_len),
+            "dtype": "auto",
             "enforce_eager": vllm_eager(not has_cuda()) if enforce_eager is None else enforce_eager,
             "enable_sleep_mode": settings.vllm_enable_sleep_mode}
 

@@ -15,6 +15,7 @@ def reuse_engines() -> None:
     """Let successive GRPOTrainers in this process share a colocated vLLM engine, keyed by every `LLM(...)` argument
     but `max_num_seqs` (run the largest batch first); sleep-mode engines are never shared."""
     from trl.generation import vllm_generation
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     if getattr(vllm_generation, "_colo_kit_real_LLM", None) is not None:
         return
@@ -25,7 +26,7 @@ def reuse_engines() -> None:
             return real(*args, **kwargs)
         key = json.dumps({k: v for k, v in kwargs.items() if k != "max_num_seqs"}, sort_keys=True, default=str)
         hit = _ENGINES.get(key)
-        if hit is not None and hit[0] >= (kwargs.get("max_num_seqs") or 0) and _groups_alive():
+        if hit is not None and hit[0] >= (kwargs.get("max_num_seqs") or 0) and model_parallel_is_initialized():
             return hit[1]
         for k in list(_ENGINES):  # one engine at a time: free the smaller one first
             del _ENGINES[k]
@@ -49,11 +50,3 @@ def release_engines() -> None:
         vllm_generation.LLM = real
         vllm_generation._colo_kit_real_LLM = None
     gc.collect()
-
-
-def _groups_alive() -> bool:
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    return model_parallel_is_initialized()
-
-

@@ -1,7 +1,6 @@
 """Sleep that releases only the KV cache, the weights staying mapped (the speed race's `sleep_kv` in record/speed.py,
-whose results notebook 04 shows): both vLLM sleep levels unmap the weights too, and mapping back costs about 5.6 ms
-per GB (vLLM #45648; vLLM later added `release_kv_cache_memory()`, #44890). vLLM's own `wake_up(tags=["kv_cache"])`
-maps it back. NVIDIA GPUs only.
+notebook 04): both vLLM sleep levels unmap the weights too, and mapping back costs about 5.6 ms per GB (vLLM #45648;
+see also vLLM's `release_kv_cache_memory()`, #44890). `wake_up(tags=["kv_cache"])` maps it back. NVIDIA GPUs only.
 """
 
 from __future__ import annotations

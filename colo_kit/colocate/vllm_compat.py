@@ -5,6 +5,8 @@ with tied embeddings (Qwen2.5 0.5B/1.5B, the tiny model) the LM head is re-tied 
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -48,8 +50,6 @@ def _refresh_tied_lm_head(model) -> None:
 
 def shutdown(llm) -> None:
     """Stop an in-process engine and free its memory while CUDA is still alive (vLLM #16993's segfault at exit)."""
-    import gc
-
     engine = getattr(llm, "llm_engine", None)
     for target in (getattr(engine, "engine_core", None), engine, llm):
         if target is not None and hasattr(target, "shutdown"):
@@ -67,40 +67,27 @@ def shutdown(llm) -> None:
 
 def make_room_for_an_engine() -> None:
     """Before this process builds another engine: collect dropped engines, hand PyTorch's cached blocks back to the
-    driver (vLLM checks at start-up that its share is free), then give the engine its own CUDA-graph pool."""
-    import gc
+    driver (vLLM checks at start-up that its share is free), and give the engine its own CUDA-graph pool: vLLM's
+    process-wide pool fails the next capture (`use_count > 0 INTERNAL ASSERT`) once an earlier engine is gone."""
+    from vllm.platforms import current_platform
 
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    fresh_cuda_graph_pool()
-
-
-def fresh_cuda_graph_pool() -> bool:
-    """Give the next engine its own CUDA-graph pool (True if the old one was dropped): vLLM's process-wide pool fails
-    the next capture (`use_count > 0 INTERNAL ASSERT`) once an earlier engine is gone."""
-    from vllm.platforms import current_platform
-
-    cls = type(current_platform)
-    if not current_platform.is_cuda_alike() or getattr(cls, "_global_graph_pool", None) is None:
-        return False
-    cls._global_graph_pool = None
-    return True
+    platform_cls = type(current_platform)
+    if current_platform.is_cuda_alike() and getattr(platform_cls, "_global_graph_pool", None) is not None:
+        platform_cls._global_graph_pool = None
 
 
 @contextmanager
 def stdout_with_fd():
     """Use the process's real stdout while vLLM dup2s `sys.stdout.fileno()`, which a Jupyter kernel's stdout lacks."""
-    import sys
-
+    saved = sys.stdout
     try:
         sys.stdout.fileno()
-        swap = False
     except Exception:
-        swap = sys.__stdout__ is not None
-    saved = sys.stdout
-    if swap:
-        sys.stdout = sys.__stdout__
+        if sys.__stdout__ is not None:
+            sys.stdout = sys.__stdout__
     try:
         yield
     finally:

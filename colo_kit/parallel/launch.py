@@ -1,14 +1,13 @@
-"""Multi-process cells (notebook 03): run a function on every GPU of the node (or 2 CPU processes) from a notebook
-through torch elastic's `elastic_launch` and get each rank's return value, without losing the kernel. It adds:
-- fork when safe (workers inherit the kernel's slow imports), else spawn: a forked worker cannot use CUDA once the
-  kernel made a CUDA context (accelerate #1751/#3925);
-- a free rendezvous port per launch: a fixed one fails a second launch while the first is in TIME_WAIT (TRL #3979);
-- per-rank logs at the file-descriptor level (vLLM and gloo log from C++), a worker's exception as one `WorkerError`;
-- `PartialState(cpu=True)` in each worker: without it every CPU process is a world of one.
+"""Multi-process cells (notebook 03, whose table compares it with accelerate's `notebook_launcher`): run a function on
+every GPU of the node (or 2 CPU processes) through torch elastic's `elastic_launch` and get each rank's return value,
+without losing the kernel. Fork when safe (workers inherit the kernel's imports), else spawn (accelerate #1751/#3925);
+a free port per launch (a fixed one is in TIME_WAIT after a launch, TRL #3979); per-rank logs at the fd level (vLLM and
+gloo log from C++); one `WorkerError`; `PartialState(cpu=True)` in each worker, or each CPU process is a world of one.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
@@ -53,9 +52,6 @@ class LaunchResult:
     seconds: float
     run_dir: str
     notes: list[str] = field(default_factory=list)
-
-    def __getitem__(self, rank: int):
-        return self.results[rank]
 
     def __len__(self) -> int:
         return len(self.results)
@@ -221,8 +217,7 @@ def _end_on_timeout(timeout_s: float, before: set, ended: list, done: threading.
 
 def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu: bool | None = None,
            fresh_process: bool | str = "auto", echo: bool | str = True, timeout_s: float | None = None,
-           preimport: tuple[str, ...] = (), port: int | None = None,
-           run_dir: str | Path | None = None) -> LaunchResult:
+           preimport: tuple[str, ...] = (), port: int | None = None) -> LaunchResult:
     """Run `function(*args)` in `num_processes` processes (default: every GPU, or 2 on a CPU) with torch.distributed
     initialised, so vLLM's `external_launcher` and TRL's trainers join it; return each rank's return value.
     `fresh_process`: "auto" forks when safe, else spawns; `echo`: True tees every worker line into the cell, "brief"
@@ -243,8 +238,6 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
 
     notes = []
     if fresh_process is not True:
-        import importlib
-
         for name in preimport:
             importlib.import_module(name)
     problems = kernel_problems()
@@ -256,8 +249,7 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
     if num_processes == 1:
         notes.append("one process: run in a worker all the same, so a crash cannot take the kernel down")
 
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="launch-", dir=runs_dir()))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="launch-", dir=runs_dir()))
     port = int(port or free_port())
     for note in notes:
         log.info(note)

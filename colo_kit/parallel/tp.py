@@ -5,6 +5,7 @@ for Qwen2.5-1.5B and faster for 7B (up to 1.73x). Two all-reduces per layer do n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -64,10 +65,6 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _shm_tag() -> str:
-    return f"colo-kit-{os.environ.get('MASTER_PORT', '0')}"
-
-
 def unique_cpu_shm_names() -> None:
     """Append this launch's rendezvous port to vLLM-CPU's TP shared-memory names, which name only the TP group: a
     worker that exits without destructors leaves the files, and every later TP=2 run fails with `errno: 17`."""
@@ -80,7 +77,7 @@ def unique_cpu_shm_names() -> None:
     original = cc._CPUSHMDistributed.make_group_name
     if getattr(original, "_colo_kit", False):
         return
-    tag = _shm_tag()
+    tag = f"colo-kit-{os.environ.get('MASTER_PORT', '0')}"
 
     def make_group_name(communicator) -> str:
         return f"{original(communicator)}-{tag}"
@@ -89,16 +86,11 @@ def unique_cpu_shm_names() -> None:
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
-def remove_cpu_shm(port: int) -> list[str]:
+def remove_cpu_shm(port: int) -> None:
     """Delete the shared-memory files of the launch that used rendezvous `port`."""
-    removed = []
     for path in Path("/dev/shm").glob(f"*cpushm-colo-kit-{port}*"):
-        try:
+        with contextlib.suppress(OSError):
             path.unlink()
-            removed.append(path.name)
-        except OSError:
-            pass
-    return removed
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 1000) -> list[list[int]]:
@@ -191,26 +183,24 @@ def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int |
         if tp not in (1, 2, 4, 8):
             raise ValueError(f"tp={tp!r}: use a TP size that divides the node's GPUs (1, 2, 4 or 8)")
     model_path = resolve_model(model)  # built once here: two ranks building one folder would race
-    out = {"model": model, "tier": "gpu" if gpu else "cpu",
-           "settings": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_completion_length": max_completion_length,
-                        "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "enforce_eager": enforce_eager,
-                        "repeats": repeats, "ignore_eos": True},
-           "tp": {}}
-    if not gpu:
-        out["label"] = CPU_LABEL
-    out["tp"] = _launch_per_tp(
-        tp_sizes, generation_worker, summarize_generation,
+    settings = {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_completion_length": max_completion_length,
+                "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "enforce_eager": enforce_eager,
+                "repeats": repeats, "ignore_eos": True}
+    return _launch_per_tp(
+        model, settings, tp_sizes, generation_worker, summarize_generation,
         lambda tp: (model_path, tp, num_prompts, prompt_len, max_completion_length, vllm_gpu_memory_utilization, enforce_eager,
                     repeats),
         num_processes=num_processes, echo=echo, preimport=_preimport())
-    return out
 
 
-def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> dict:
-    """One launch of `worker(*args_for(tp))` on every rank per TP size, each on a fresh port; {tp: summary}."""
+def _launch_per_tp(model: str, settings: dict, tp_sizes, worker, summarize, args_for, **launch_kwargs) -> dict:
+    """One launch of `worker(*args_for(tp))` on every rank per TP size, each on a fresh port: the sweep's record, its
+    summary per TP size in `["tp"]`."""
     from colo_kit.parallel.launch import free_port, launch
 
-    out = {}
+    out = {"model": model, "tier": "gpu" if has_cuda() else "cpu", "settings": settings, "tp": {}}
+    if not has_cuda():
+        out["label"] = CPU_LABEL
     for tp in tp_sizes:
         port = free_port()
         try:
@@ -219,7 +209,7 @@ def _launch_per_tp(tp_sizes, worker, summarize, args_for, **launch_kwargs) -> di
             remove_cpu_shm(port)
         summary = summarize(res.results)
         summary.update(launch_s=res.seconds, port=res.port, how=res.how)
-        out[tp] = summary
+        out["tp"][tp] = summary
     return out
 
 
@@ -267,21 +257,16 @@ def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = 
     max_steps = max_steps or (4 if gpu else 2)
     max_completion_length = max_completion_length or (256 if gpu else 16)
     model_path = resolve_model(model)
-    out = {"model": model, "tier": "gpu" if gpu else "cpu",
-           "settings": {"max_steps": max_steps, "per_device_train_batch_size": per_device_train_batch_size,
-                        "num_generations": num_generations, "max_completion_length": max_completion_length,
-                        "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "vllm_enforce_eager": vllm_enforce_eager,
-                        **overrides},
-           "tp": {}}
-    if not gpu:
-        out["label"] = CPU_LABEL
-    out["tp"] = _launch_per_tp(
-        tp_sizes, grpo_worker, summarize_grpo,
+    settings = {"max_steps": max_steps, "per_device_train_batch_size": per_device_train_batch_size,
+                "num_generations": num_generations, "max_completion_length": max_completion_length,
+                "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization, "vllm_enforce_eager": vllm_enforce_eager,
+                **overrides}
+    return _launch_per_tp(
+        model, settings, tp_sizes, grpo_worker, summarize_grpo,
         lambda tp: (model_path, tp, max_steps, per_device_train_batch_size, num_generations, max_completion_length,
                     vllm_gpu_memory_utilization, overrides, vllm_enforce_eager),
         num_processes=num_processes, echo=echo,
         preimport=_preimport() + (("trl", "colo_kit.grpo.train") if not gpu else ()))
-    return out
 
 
 def tp_ratio(sweep: dict, key: str) -> float | None:
