@@ -1,7 +1,6 @@
 """Who waits for whom: a phase timeline of every device during GRPO (post 1's "ping-pong"; notebook 01), from TRL's
 profiling timers. Timestamps are `time.time()`, one clock for every process on the host, taken after
-`torch.cuda.synchronize()` so a phase ends when its kernels do.
-"""
+`torch.cuda.synchronize()` so a phase ends when its kernels do."""
 
 from __future__ import annotations
 
@@ -64,29 +63,27 @@ class Timeline:
     def add(self, device: str, phase: str, start_s: float, end_s: float, rank: int = 0, step: int = -1) -> None:
         self.intervals.append(Interval(device, phase, start_s, end_s, rank, step))
 
-    def hook(self, trainer, *, device: str | None = None, server_device: str | None = None,
-             sync_cuda: bool = True):
-        """Record `trainer`'s phases from now on; returns the callback (already added). `device` labels this
-        rank's device (default `gpu<NVML index>` or `cpu:rank<r>`), `server_device` the server's (default "vLLM server")."""
+    def hook(self, trainer, *, server_device: str | None = None):
+        """Record `trainer`'s phases from now on on `gpu<NVML index>` or `cpu:rank<r>` and the server's `server_device`
+        (default "vLLM server"); returns the callback (already added)."""
         from transformers import TrainerCallback
         from trl.extras import profiling
 
         rank = trainer.accelerator.process_index
         mode = getattr(getattr(trainer, "vllm_generation", None), "mode", "plain") if trainer.use_vllm else "plain"
         cuda = trainer.accelerator.device.type == "cuda"
-        if device is None:  # the physical GPU index, as NVML (and nvidia-smi) number it
-            if cuda:
-                idx = trainer.accelerator.device.index or 0
-                visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-                device = f"gpu{visible[idx] if idx < len(visible) else idx}"
-            else:
-                device = f"cpu:rank{rank}"
+        if cuda:  # the physical GPU index, as NVML (and nvidia-smi) number it
+            idx = trainer.accelerator.device.index or 0
+            visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            device = f"gpu{visible[idx] if idx < len(visible) else idx}"
+        else:
+            device = f"cpu:rank{rank}"
         server_device = server_device or "vLLM server"
         self.meta.update(mode=mode, rank=rank, device=device, server_device=server_device if mode == "server" else None)
         tl = self
 
         def now() -> float:
-            if cuda and sync_cuda:
+            if cuda:
                 import torch
 
                 torch.cuda.synchronize()
@@ -171,11 +168,7 @@ class Timeline:
             self._undo.pop()()
 
     def devices(self) -> list[str]:
-        seen = []
-        for iv in self.intervals:
-            if iv.device not in seen:
-                seen.append(iv.device)
-        return seen
+        return list(dict.fromkeys(iv.device for iv in self.intervals))
 
     def window(self, skip_steps: int = 1) -> tuple[float, float]:
         """The measured window: from the end of the first `skip_steps` steps (warm-up) to the end."""
@@ -192,21 +185,15 @@ class Timeline:
         for dev in self.devices():
             spans = sorted((max(iv.start_s, lo), min(iv.end_s, hi)) for iv in self.intervals
                            if iv.device == dev and iv.phase in BUSY and iv.end_s > lo and iv.start_s < hi)
-            busy, cur_s, cur_e = 0.0, None, None
+            busy, reached = 0.0, lo  # the union of the spans: each adds what lies past the ones before it
             for s, e in spans:
-                if cur_e is None or s > cur_e:
-                    if cur_e is not None:
-                        busy += cur_e - cur_s
-                    cur_s, cur_e = s, e
-                else:
-                    cur_e = max(cur_e, e)
-            if cur_e is not None:
-                busy += cur_e - cur_s
+                busy += max(e - max(s, reached), 0.0)
+                reached = max(reached, e)
             out[dev] = round(1 - busy / (hi - lo), 4) if hi > lo else float("nan")
         return out
 
     def phase_per_step(self, skip_steps: int = 1) -> dict[str, dict[str, float]]:
-        """Median seconds per device per phase per step after the first `skip_steps` (a disturbed step does not move it)."""
+        """Median seconds per device per phase per step after the first `skip_steps` (robust to one disturbed step)."""
         import statistics
 
         steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
@@ -264,8 +251,8 @@ def gantt(tl: Timeline, title: str = "", skip_steps: int = 0):
 
 
 class UtilSampler:
-    """Samples device utilisation in a thread until `stop()`: NVML's utilisation and used memory of every GPU (torch's
-    counters miss vLLM's allocations), or on a CPU each process in `pids` in % of one core."""
+    """Samples in a thread until `stop()` NVML's utilisation and used memory of every GPU (torch's counters miss vLLM's
+    allocations), or on a CPU each process in `pids` in % of one core."""
 
     def __init__(self, interval_s: float = 0.2, pids: dict[str, int] | None = None):
         self.interval_s = interval_s
@@ -322,9 +309,8 @@ class UtilSampler:
             out[s["device"]] = round(max(out.get(s["device"], 0.0), s["mem_gib"]), 2)
         return out
 
-    def mean_util_pct(self, t0: float | None = None, t1: float | None = None) -> dict[str, float]:
+    def mean_util_pct(self) -> dict[str, float]:
         acc: dict[str, list] = {}
         for s in self.samples:
-            if (t0 is None or s["t_s"] >= t0) and (t1 is None or s["t_s"] <= t1):
-                acc.setdefault(s["device"], []).append(s["util_pct"])
-        return {d: round(sum(v) / len(v), 1) for d, v in acc.items() if v}
+            acc.setdefault(s["device"], []).append(s["util_pct"])
+        return {d: round(sum(v) / len(v), 1) for d, v in acc.items()}

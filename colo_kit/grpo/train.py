@@ -1,7 +1,6 @@
-"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one (notebook 00 first): `run_grpo` in one of
-three modes, `colocate` (vLLM inside the training process, TRL PR #3394), `server` (a vLLM server over HTTP) or
-`plain` (transformers' `generate`, the reference curve), returning the per-step log; on CPU with `use_cpu=True`.
-"""
+"""GRPO runs with TRL's `GRPOTrainer`, the way every notebook starts one (notebook 00 first): `run_grpo` in one of three
+modes, `colocate` (vLLM inside the training process, TRL PR #3394), `server` (a vLLM server over HTTP) or `plain`
+(transformers' `generate`, the reference curve), returning the per-step log; on CPU with `use_cpu=True`."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ class GRPORun:
 
 
 def use_layerwise_reload(trainer) -> bool:
-    """Make TRL's colocate weight sync correct on vLLM's CPU engine, whose per-tensor load fails or leaves a tied LM
-    head stale (colo_kit.colocate.vllm_compat); True when applied, while on a GPU TRL's own path runs."""
+    """On vLLM's CPU engine, whose per-tensor load fails or leaves a tied LM head stale (colocate.vllm_compat), make TRL's
+    colocate weight sync correct; True when applied (never on a GPU)."""
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate":
         return False
@@ -80,8 +79,7 @@ def grpo_config(mode: str = "colocate", *, output_dir: str | Path, max_steps: in
         learning_rate=learning_rate, seed=seed, beta=beta, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=not gpu, bf16=gpu, use_vllm=mode != "plain", disable_tqdm=False,
     )
-    if not gpu:
-        # a tiny model has no memory to save by recomputing; on a GPU TRL's default (on) stays
+    if not gpu:  # a tiny model has no memory to save by recomputing; on a GPU TRL's default (on) stays
         kwargs["gradient_checkpointing"] = False
         kwargs["ddp_find_unused_parameters"] = False  # nothing in the tiny model goes unused
     if mode == "colocate":
@@ -105,30 +103,26 @@ def _reward_funcs(reward, target_length: int):
     raise ValueError(f"reward={reward!r}; use 'length', 'math500' or a TRL reward function")
 
 
-class _StepLog:
-    """A TrainerCallback that keeps each logged step's numbers (reward, lengths, timings)."""
+def _step_log(run: GRPORun, on_step=None):
+    """A TrainerCallback that keeps each logged step's numbers (reward, lengths, timings) in `run.steps`."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, run: GRPORun, on_step=None):
-        from transformers import TrainerCallback
+    class StepLog(TrainerCallback):
+        def __init__(self):
+            self.t_last = time.perf_counter()
 
-        class StepLog(TrainerCallback):
-            def __init__(self):
-                self.t_last = time.perf_counter()
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return
+            now = time.perf_counter()
+            row = {"step": state.global_step, "wall_s": round(now - self.t_last, 4)}
+            self.t_last = now
+            row.update({key: float(value) for key, value in logs.items() if isinstance(value, (int, float))})
+            run.steps.append(row)
+            if on_step is not None:
+                on_step(row)
 
-            def on_log(self, args, state, control, logs=None, **kw):
-                if not logs or "reward" not in logs:
-                    return
-                now = time.perf_counter()
-                row = {"step": state.global_step, "wall_s": round(now - self.t_last, 4)}
-                self.t_last = now
-                for key, value in logs.items():
-                    if isinstance(value, (int, float)):
-                        row[key] = float(value)
-                run.steps.append(row)
-                if on_step is not None:
-                    on_step(row)
-
-        return StepLog()
+    return StepLog()
 
 
 def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None,
@@ -172,19 +166,14 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         dataset = load_tldr()
         dataset = dataset.select(range(min(num_prompts, len(dataset))))
     output_dir = Path(output_dir or runs_dir() / f"grpo-{mode}-{int(time.time())}")
-    settings = dict(model=model, mode=mode, max_steps=max_steps, num_generations=num_generations,
-                    per_device_train_batch_size=per_device_train_batch_size,
-                    max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
-                    target_length=target_length, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                    vllm_enable_sleep_mode=vllm_enable_sleep_mode, **config_overrides)
+    fields = dict(max_steps=max_steps, num_generations=num_generations, per_device_train_batch_size=per_device_train_batch_size,
+                  max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
+                  vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, vllm_enable_sleep_mode=vllm_enable_sleep_mode,
+                  **config_overrides)
+    settings = dict(model=model, mode=mode, target_length=target_length, **fields)
     if vllm_enforce_eager is not None:
         settings["vllm_enforce_eager"] = vllm_enforce_eager
-    args = grpo_config(mode, output_dir=output_dir, max_steps=max_steps, num_generations=num_generations,
-                       per_device_train_batch_size=per_device_train_batch_size,
-                       max_completion_length=max_completion_length, learning_rate=learning_rate, seed=seed,
-                       vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                       vllm_enable_sleep_mode=vllm_enable_sleep_mode, vllm_server_base_url=vllm_server_base_url,
-                       **config_overrides)
+    args = grpo_config(mode, output_dir=output_dir, vllm_server_base_url=vllm_server_base_url, **fields)
     settings["gradient_checkpointing"] = args.gradient_checkpointing
     settings["expandable_segments"] = expandable
     run = GRPORun(mode=mode, settings=settings, output_dir=str(output_dir))
@@ -211,7 +200,7 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         # colocate mode builds vLLM here; in a Jupyter kernel it needs a real fd
         with stdout_with_fd(), trl_llm_overrides(**extra_llm_kwargs):
             trainer = GRPOTrainer(model=model_path, reward_funcs=_reward_funcs(reward, target_length), args=args,
-                                  train_dataset=dataset, callbacks=[_StepLog(run, on_step), *callbacks])
+                                  train_dataset=dataset, callbacks=[_step_log(run, on_step), *callbacks])
         settings["layerwise_reload_patch"] = use_layerwise_reload(trainer)
         if push_bucket_mb is not None:
             from colo_kit.colocate.bucketed_push import use_bucketed_push

@@ -13,7 +13,7 @@ MAX_YAML_ALIASES = 16  # `*name` repeats a whole value: 9 levels of 9 make 9**9 
 
 
 def shown(value, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: an error message never formats a whole huge value."""
+    """`repr(value)` cut to `limit` characters: an error message never formats a whole huge value."""
     import reprlib
 
     short = reprlib.Repr()
@@ -110,8 +110,7 @@ def check_server_listens(url: str, timeout_s: float = 3.0) -> None:
 
 
 def check_train_args(kit) -> None:
-    """The kit's own settings, from flags or a YAML (whose values TRL's parser hands on unchecked): types, choices, and
-    a model folder that holds a model."""
+    """The kit's own settings, from flags or a YAML (which TRL's parser hands on unchecked): types, choices, a model folder."""
     import dataclasses
     import os
     import typing
@@ -210,8 +209,8 @@ def loss_types() -> tuple[str, ...]:
 
 
 def check_grpo_fields(fields: dict) -> None:
-    """Raise ValueError naming a GRPOConfig field TRL would fail on only once the model is loaded: a wrong type
-    (TrlParser hands a YAML's values on unconverted), an unknown loss_type, a bad temperature or beta."""
+    """Raise ValueError naming a GRPOConfig field TRL would fail on only once the model is loaded: a wrong type (TrlParser
+    hands a YAML's values on unconverted), an unknown loss_type, a bad temperature or beta."""
     import math
     import typing
 

@@ -26,7 +26,7 @@ class TrainArgs:
 
 
 def run_defaults() -> dict:
-    """`run_grpo`'s defaults for `GRPOConfig` fields, the command's too, so `colo-kit train` runs what `run_grpo()` does."""
+    """`run_grpo`'s defaults for `GRPOConfig` fields: the command's too."""
     from trl import GRPOConfig
 
     fields = GRPOConfig.__dataclass_fields__
@@ -39,8 +39,8 @@ def _config_apart(args: list[str]) -> list[str]:
 
 
 def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
-    """(the `GRPOConfig` fields as TRL parsed them over the kit's run defaults; the kit's own knobs; the fields given).
-    A bad value or an unknown name is a `UsageError` in one line."""
+    """(`GRPOConfig` fields as TRL parsed them over the run defaults, the kit's own knobs, the fields given); a bad value or
+    an unknown name is a one-line `UsageError`."""
     import yaml
     from trl import GRPOConfig, TrlParser
 
@@ -112,8 +112,7 @@ def cli_main(argv: list[str]) -> int:
     grpo, kit, given = parse(argv)
     checked = {k: grpo[k] for k in given if k in grpo}  # as given: their types are checked below
     settings = {k: grpo.pop(k) for k in run_defaults()}  # run_grpo's own keyword arguments, in TRL's names
-    # every other field: only those given (TRL's parser fills in all of GRPOConfig, most of which run_grpo sets)
-    overrides = {k: v for k, v in grpo.items() if k in given}
+    overrides = {k: v for k, v in grpo.items() if k in given}  # TRL's parser fills in every field; run_grpo sets most
     output_dir = overrides.pop("output_dir", None)  # TRL's run folder; the kit's own under results/runs/ if not given
     use_vllm, vllm_mode = overrides.pop("use_vllm", None), overrides.pop("vllm_mode", None)
     mode = "plain" if use_vllm is False else vllm_mode or kit.mode

@@ -1,7 +1,6 @@
-"""Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3). Each run is
-TRL's `GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up; colocate / server
-raw and normalised as the post does (server × N/(N−k) when k of N devices serve).
-"""
+"""Server mode vs colocate mode, measured: `colo-kit bench`, notebook 01 (post 1, experiments 1 and 3). Each run is TRL's
+`GRPOTrainer` for a few steps with a `Timeline` hooked in, the first step discarded as warm-up; colocate / server raw and
+normalised as the post does (server × N/(N−k) when k of N devices serve)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 from colo_kit.env import describe, has_cuda
@@ -30,8 +29,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
             max_completion_length: int = 32, vllm_server_base_url: str | None = None, server_pid: int | None = None,
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
-    """Train `max_steps` GRPO steps in this process and return this rank's record (rank 0's is what the bench
-    reports); `timeline_dir` gets `timeline_<label>_rank<r>.json`."""
+    """Train `max_steps` GRPO steps here and return this rank's record; `timeline_dir` gets `timeline_<label>_rank<r>.json`."""
     from colo_kit.grpo.train import run_grpo
 
     if max_steps <= warmup_steps:
@@ -101,8 +99,7 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
         Path(timeline_dir).mkdir(parents=True, exist_ok=True)
         tl.save(Path(timeline_dir) / f"timeline_{label}_rank{rank}.json")
     rec["timeline"] = tl.to_dict() if rank == 0 else None
-    trainer = getattr(run, "trainer", None)
-    del run, trainer
+    del run  # and its trainer, before the next config builds one
     gc.collect()
     if has_cuda():
         import torch
@@ -133,7 +130,7 @@ def _free_rendezvous_port() -> None:
 
 
 def time_generation(url: str, model_path: str, batch: int, *, num_generations: int = 8, max_tokens: int = 256,
-                    prompt_len: int = 64, repeats: int = 1) -> float:
+                    prompt_len: int = 64) -> float:
     """Seconds the server takes for `batch` completions of exactly `max_tokens` tokens (the ping-pong model's cost curve)."""
     import httpx
 
@@ -143,13 +140,10 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n_prompts)]
     payload = {"model": model_path, "prompt": prompts, "n": num_generations, "max_tokens": max_tokens,
                "min_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()  # (the server was warmed up by its own start: CUDA graphs, compile)
-        r = httpx.post(f"{url}/v1/completions", json=payload, timeout=900, headers=server_headers(url))
-        r.raise_for_status()
-        best = min(best, time.perf_counter() - t0)
-    return round(best, 4)
+    t0 = time.perf_counter()  # the server warmed up at its start (CUDA graphs, compile)
+    r = httpx.post(f"{url}/v1/completions", json=payload, timeout=900, headers=server_headers(url))
+    r.raise_for_status()
+    return round(time.perf_counter() - t0, 4)
 
 
 def _worker_cmd(n_procs: int) -> list[str]:
@@ -161,8 +155,7 @@ def _worker_cmd(n_procs: int) -> list[str]:
 
 def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = None, workdir: Path,
                 in_process: bool | None = None, timeout_s: float = 1800) -> list[dict]:
-    """Run `configs` (kwargs of `measure`) in order in one process (one per device under accelerate on GPU); returns
-    rank 0's records, a failed config with its error."""
+    """Run `configs` (kwargs of `measure`) in one process (one per device under accelerate on GPU); rank 0's records."""
     workdir.mkdir(parents=True, exist_ok=True)
     if in_process is None:  # COLO_KIT_BENCH_SUBPROCESS=1 runs the GPU path (worker processes) on CPU
         in_process = not has_cuda() and not os.environ.get("COLO_KIT_BENCH_SUBPROCESS")
@@ -238,8 +231,8 @@ def _worker_main(plan_path: str) -> int:
 
 
 def live_settings(machine=None) -> dict:
-    """The run notebook 01 makes live on this machine, and (`plan`) one line saying what it is: one batch, 3 steps
-    per mode, eager engines (which start 50-90 s sooner but decode more slowly than the committed H200 sweep's)."""
+    """Notebook 01's live run on this machine, and (`plan`) one line saying what it is: one batch, 3 steps per mode, eager
+    engines (they start 50-90 s sooner but decode more slowly than the committed H200 sweep's)."""
     from colo_kit.env import Machine
 
     m = machine or Machine.here()
@@ -267,11 +260,11 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
           budget_s: float | None = None, **overrides) -> dict:
     """Server vs colocate over `batches` (per-device); returns (and writes, if `out`) the results dict.
 
-    GPU: the server on `server_gpus`, training on the other `n_devices`; colocate trains on all. On one GPU the server
-    shares it with the trainer (weights over HTTP, as NCCL refuses two ranks on one device): the timeline shows who
-    waits for whom, but says nothing of the post's 8-GPU speed-ups. CPU: a trainer and a server process (N=2, k=1).
-    `extra_colocate` = {label: overrides} adds colocate variants at the largest batch; `server`: a running
-    `VLLMServer` to use; `budget_s`: a wall-clock budget, the configs finished by then kept.
+    GPU: the server on `server_gpus`, training on the other `n_devices`; colocate trains on all. On one GPU the server shares
+    it with the trainer (weights over HTTP: NCCL refuses two ranks on one device), which shows who waits for whom but not
+    the post's 8-GPU speed-ups. CPU: a trainer and a server process (N=2, k=1). `extra_colocate` = {label: overrides}
+    adds colocate variants at the largest batch; `server`: a running `VLLMServer`; `budget_s`: a wall-clock budget, the
+    configs finished by then kept.
     """
     from colo_kit.models import resolve_model
     from colo_kit.serving.server import start_server
@@ -325,11 +318,9 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
                              **({"http_weight_sync": True} if shared else {})) for b in desc]
                 # generation-only probes first, after one small request that pays any first-request cost
                 if gen_probe_batches:
-                    try:
+                    with suppress(Exception):
                         time_generation(srv.url, str(resolve_model(model)), num_generations,
                                         num_generations=num_generations, max_tokens=8)
-                    except Exception:
-                        pass
                 for B in gen_probe_batches:
                     try:
                         gen_probe.append({"batch": B, "gen_s": time_generation(

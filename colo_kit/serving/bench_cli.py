@@ -1,6 +1,5 @@
 """`colo-kit bench --batches 8,32 --modes server,colocate`, and the sweep's own worker processes
-(`python -m colo_kit.serving.bench_cli worker PLAN.json`).
-"""
+(`python -m colo_kit.serving.bench_cli worker PLAN.json`)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ from colo_kit.paths import runs_dir
 
 
 def _check_overrides(extra: dict, error) -> None:
-    """Each variant's options are `GRPOConfig` fields or `run_grpo` options: a misspelt one would otherwise fail
-    minutes into the sweep, or be measured as the default."""
+    """Each variant's options are `GRPOConfig` fields or `run_grpo` options: a misspelt one would fail minutes into the
+    sweep, or be measured as the default."""
     import dataclasses
     import inspect
 

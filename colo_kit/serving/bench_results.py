@@ -12,11 +12,10 @@ from colo_kit.grpo.timeline import Timeline
 def summarize(records: list[dict], n_devices: int, k_server: int) -> list[dict]:
     """Per batch: raw ratio colocate/server and the post's normalised ratio (server × N/(N−k))."""
     rows = []
-    by = {(r["label"]): r for r in records}
+    by = {r["label"]: r for r in records}
     for b in sorted({r["per_device_train_batch_size"] for r in records if r["mode"] == "server"}):
-        s = by.get(f"server-b{b}")
-        c = by.get(f"colocate-b{b}")
-        if not s or not c or not s.get("tokens_per_s") or not c.get("tokens_per_s"):
+        s, c = by.get(f"server-b{b}", {}), by.get(f"colocate-b{b}", {})
+        if not s.get("tokens_per_s") or not c.get("tokens_per_s"):
             continue
         norm = s["tokens_per_s"] * n_devices / (n_devices - k_server)
         rows.append({"per_device_train_batch_size": b, "server_tok_per_s": s["tokens_per_s"],

@@ -7,9 +7,8 @@ while the trainers wait, then the trainers train while vLLM waits (throughput: n
     step_colocate(N, b)    = gen(b)       + sync_colocate + train(b) + other
 
 gen(x) grows much more slowly than x (decoding is memory-bound), yet at N=8, k=1 one server generates 7·b while seven
-trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show. The model projects them from one
-GPU's costs, and `step_time_for` says how long the rest of a step must be for the post's number.
-"""
+trainers wait: the post's 1.43× (1.5B) and 1.35× (7B), which two GPUs cannot show. The model projects them from one GPU's
+costs, and `step_time_for` says how long the rest of a step must be for the post's number."""
 
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ POST_SPEEDUPS = {"qwen2.5-1.5b": 1.43, "qwen2.5-7b": 1.35}  # post 1, experiment
 class PhaseCosts:
     """Measured per-phase costs on one device (seconds)."""
 
-    gen_points: list[tuple[float, float]]  # (completions generated in one call, seconds): the server
-    train_fixed_s: float  # forward/backward/optimizer: fixed part per step ...
-    train_per_sample_s: float  # ... + per completion
+    gen_points: list[tuple[float, float]]  # the server's (completions generated in one call, seconds)
+    train_fixed_s: float  # forward/backward/optimizer: fixed part per step, plus ...
+    train_per_sample_s: float  # ... per completion
     sync_server_s: float = 0.0
     sync_colocate_s: float = 0.0
     other_server_s: float = 0.0  # scoring, data, logging: the rest of a step
@@ -58,8 +57,8 @@ class PhaseCosts:
         return self.train_fixed_s + self.train_per_sample_s * b
 
     def with_training(self, factor: float) -> "PhaseCosts":
-        """Training × `factor` in both modes, nothing else: what a slower trainer (an all-reduce over 7 or 8 GPUs,
-        gradient checkpointing, longer completions) does to the ratio. A factor on every cost would cancel in it."""
+        """Training × `factor` in both modes: what a slower trainer (an all-reduce over 7 or 8 GPUs, gradient checkpointing,
+        longer completions) does to the ratio, where a factor on every cost would cancel."""
         return replace(self, train_fixed_s=self.train_fixed_s * factor, train_per_sample_s=self.train_per_sample_s * factor,
                        train_colocate=tuple(v * factor for v in self.train_colocate) if self.train_colocate else None,
                        notes=self.notes + [f"training x{factor:g} (a what-if)"] if factor != 1 else self.notes)
@@ -75,18 +74,16 @@ def predict(costs: PhaseCosts, mode: str, n_devices: int, per_device_train_batch
         n = n_devices - k_server
         if n < 1 or k_server < 1:
             raise ValueError(f"server mode with N={n_devices}, k={k_server}: need k >= 1 and N - k >= 1")
-        gen = costs.gen(n * b / k_server)
-        step = gen + costs.sync_server_s + costs.train(b) + costs.other_server_s
         samples = n * b
-        parts = {"generation": gen, "train": costs.train(b), "sync": costs.sync_server_s, "other": costs.other_server_s}
+        parts = {"generation": costs.gen(n * b / k_server), "train": costs.train(b), "sync": costs.sync_server_s,
+                 "other": costs.other_server_s}
     elif mode == "colocate":
-        gen = costs.gen(b, "colocate")
-        step = gen + costs.sync_colocate_s + costs.train(b, "colocate") + costs.other_colocate_s
         samples = n_devices * b
-        parts = {"generation": gen, "train": costs.train(b, "colocate"), "sync": costs.sync_colocate_s,
+        parts = {"generation": costs.gen(b, "colocate"), "train": costs.train(b, "colocate"), "sync": costs.sync_colocate_s,
                  "other": costs.other_colocate_s}
     else:
         raise ValueError(f"mode={mode!r}; use 'server' or 'colocate'")
+    step = parts["generation"] + parts["sync"] + parts["train"] + parts["other"]
     return {"mode": mode, "n_devices": n_devices, "k_server": k_server if mode == "server" else 0,
             "per_device_train_batch_size": b, "step_s": step, "samples_per_s": samples / step,
             "tokens_per_s": samples * costs.tokens_per_sample / step,
@@ -114,8 +111,8 @@ def _plain_runs(records: list[dict]) -> list[dict]:
 
 
 def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
-    """Phase costs from `colo_kit.serving.bench` records: generation points per batch, train by least squares
-    against the per-device batch, sync and other (the rest of a step) as means per mode."""
+    """Phase costs from bench records: generation points per batch, train by least squares against the per-device batch,
+    sync and other (the rest of a step) as means per mode."""
     gen_pts = {"server": [], "colocate": []}
     train_pts = {"server": [], "colocate": []}
     sync = {"server": [], "colocate": []}
@@ -183,8 +180,8 @@ def _step(r: dict) -> float:
 
 
 def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
-    """Predicted vs measured step time, never from a run's own phases: `cross-mode` predicts each colocate run from
-    server-mode costs, `leave-one-out` each run from costs fitted on the other runs."""
+    """Predicted vs measured step time, never from a run's own phases: `cross-mode` predicts each colocate run from server-mode
+    costs, `leave-one-out` each run from costs fitted on the other runs."""
     ok = _plain_runs(records)
     rows = []
 
@@ -216,9 +213,9 @@ def validate(records: list[dict], gen_probe: list[dict] = ()) -> list[dict]:
 
 def step_time_for(costs: PhaseCosts, target: float, per_device_train_batch_size: int, n_devices: int = 8,
                   k_server: int = 1) -> dict:
-    """What per-step time outside generation (training, sync, the rest, in both modes alike) makes the normalised
-    speedup `target`: normalised = step_server / step_colocate, so s = (step_server − target·step_colocate) /
-    (target − 1) seconds more per step. Returns the model's own split beside the one `target` needs."""
+    """What per-step time outside generation (in both modes alike) makes the normalised speedup `target`: normalised =
+    step_server / step_colocate, so s = (step_server − target·step_colocate) / (target − 1) seconds more per step.
+    Returns the model's own split beside the one `target` needs."""
     if target <= 1:
         raise ValueError(f"target={target}: a speedup above 1 (the post's 1.43 or 1.35)")
     b = per_device_train_batch_size

