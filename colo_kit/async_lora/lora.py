@@ -1,7 +1,6 @@
-"""Adapter-only sync for async GRPO (notebook 06): TRL's `AsyncGRPOTrainer` publishes the rank-1 LoRA to a shared
-folder and POSTs its path to `/v1/load_lora_adapter`. Here: the slot arithmetic, the replica launch recipe, and a probe
-that every replica serves the version (behind a proxy a load that reached one replica is otherwise invisible).
-"""
+"""Adapter-only sync for async GRPO (notebook 06): TRL's `AsyncGRPOTrainer` publishes the rank-1 LoRA to a shared folder
+and POSTs its path to `/v1/load_lora_adapter`. Here: the slot arithmetic, the replica launch recipe, and a probe that
+every replica serves the version."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def published_versions(output_dir: str | os.PathLike) -> list[int]:
 
 
 def max_loras_for(max_staleness: int) -> int:
-    """Adapter slots a replica needs: the current policy, `max_staleness` older ones in flight, and one more because
-    each sync loads the new version before it unloads the oldest."""
+    """Adapter slots a replica needs: the current policy, `max_staleness` older ones, and one as a sync loads before unloading."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness={max_staleness}: must be >= 0 (TRL's default is 4)")
     return max_staleness + 2
@@ -125,10 +123,9 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
                    max_loras: int | None = None, api_key_env: str | None = None, block_size: int | None = None,
                    max_model_len: int | None = None, gpu: int | None = None, dtype: str | None = None,
                    gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
-                   enforce_eager: bool | None = None, max_logprobs: int = 100, python: str | None = None,
-                   extra_args: list[str] | None = None) -> ReplicaLaunch:
-    """The recipe for one vLLM replica serving `model` plus runtime-loaded adapters (VLLM_SERVER_DEV_MODE serves the
-    `/pause` and `/resume` TRL calls). The API key goes into the environment, never the command line `ps` shows."""
+                   enforce_eager: bool | None = None) -> ReplicaLaunch:
+    """One vLLM replica serving `model` plus runtime-loaded adapters (dev mode serves TRL's `/pause` and `/resume`); the
+    API key goes into the environment, never the command line `ps` shows."""
     max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
     check_slots(max_loras, max_staleness)
     check_sleep_level(sleep_level, adapter_only=True)
@@ -140,11 +137,11 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
         if not key:
             raise ValueError(f"api_key_env={api_key_env!r}: the variable is missing or empty; export it first")
         env["VLLM_API_KEY"] = key
-    argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", host, "--port", str(port), "--enable-lora", "--max-loras", str(max_loras),
             "--max-lora-rank", str(max_lora_rank_for(lora_rank)), "--enable-prefix-caching",
             # TRL's VLLMClient.get_sequence_logprobs asks for top_logprobs=100; vLLM's default allows 20
-            "--max-logprobs", str(max_logprobs)]
+            "--max-logprobs", "100"]
     if api_key_env:
         from colo_kit.async_lora.replica_auth import MIDDLEWARE
 
@@ -161,7 +158,6 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
         argv += ["--enable-sleep-mode"]
     if enforce_eager or (enforce_eager is None and gpu is not None and vllm_eager(False)):
         argv += ["--enforce-eager"]
-    argv += list(extra_args or [])
     return ReplicaLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 
@@ -171,8 +167,8 @@ class AdapterMismatch(RuntimeError):
 
 def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | None = None, *,
                    token: str | None = None, generate: bool = True, timeout_s: float = 60.0) -> list[dict]:
-    """Check that every replica serves `lora_name` (from `lora_path`, if given): listed by `GET /v1/models` and, with
-    `generate`, resolved by a one-token completion; raises `AdapterMismatch` listing the replicas that do not."""
+    """Check that every replica lists `lora_name` (from `lora_path`, if given) and, with `generate`, completes a token
+    with it; raises `AdapterMismatch` naming the replicas that do not."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -210,7 +206,7 @@ def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | Non
 
 
 def staleness_table(max_staleness: int, syncs: int) -> list[dict]:
-    """After each sync: which versions must stay loaded, and the slot count (for the notebook)."""
+    """After each sync: which versions must stay loaded, and the slot count."""
     rows = []
     for v in range(1, syncs + 1):
         live = list(range(max(1, v - max_staleness), v + 1))

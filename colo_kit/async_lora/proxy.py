@@ -1,6 +1,5 @@
-"""The routing proxy of the second post (notebook 06): several vLLM replicas that TRL's `AsyncGRPOTrainer` sees as
-one `vllm_server_base_url`. It decides in `routing`, keeps the replicas in `proxy_replicas`, counts in `proxy_metrics`;
-a completion goes to the replica holding its longest known prefix, a state change to every replica.
+"""The routing proxy of the second post (notebook 06): several vLLM replicas that TRL's `AsyncGRPOTrainer` sees as one
+`vllm_server_base_url`; a completion goes to the replica holding its longest known prefix, a state change to every replica.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
 
 
 def connection_cap() -> int:
-    """How many client connections the proxy keeps open: three quarters of its descriptor limit (the soft limit
-    raised to the hard one first), the rest for upstream connections, files and the listening socket."""
+    """Client connections the proxy keeps open: 3/4 of its descriptor limit (raised to the hard limit first)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -44,8 +42,7 @@ def connection_cap() -> int:
 
 
 def _close_idle_past(server, cap: int, counters: dict) -> None:
-    """Past `cap` open client connections, each new one closes the longest-open connections with no request in
-    flight: a local process that keeps opening silent sockets then cannot take the descriptors a trainer needs."""
+    """Past `cap` client connections, each new one closes the oldest idle ones, so silent sockets cannot starve a trainer."""
     made = server.connection_made
 
     def connection_made(handler, transport):
@@ -100,9 +97,8 @@ class RoutingProxy:
         self.keyer = PrefixKeyer(self.config.block_size, self.config.max_prefix_blocks, self.config.tokenizer)
         app = web.Application(client_max_size=int(self.config.max_body_mb * 2**20))
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        # keepalive_timeout is also the head timeout (aiohttp closes a connection with no whole head by then), so
-        # silent sockets cannot use up file descriptors; handler_cancellation lets a client that hangs up close the
-        # upstream connection, and vLLM aborts the request instead of generating for nobody
+        # keepalive_timeout is also aiohttp's head timeout, so silent sockets cannot use up descriptors;
+        # handler_cancellation: a client that hangs up closes the upstream connection, and vLLM aborts the request
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      keepalive_timeout=self.config.client_timeout_s,
                                      lingering_time=min(10.0, self.config.client_timeout_s))
@@ -143,7 +139,7 @@ class RoutingProxy:
             await self._session.close()
 
     def start_in_thread(self, timeout_s: float = 30.0) -> "RoutingProxy":
-        """Serve from a background thread with its own event loop (for notebooks and tests)."""
+        """Serve from a background thread with its own event loop."""
         ready, errors = threading.Event(), []
 
         def run():
@@ -153,9 +149,9 @@ class RoutingProxy:
                 self._loop.run_until_complete(self.start())
             except BaseException as exc:  # surface bind errors etc. to the caller
                 errors.append(exc)
-                ready.set()
                 return
-            ready.set()
+            finally:
+                ready.set()
             self._loop.run_forever()
             self._loop.run_until_complete(self.stop())
             self._loop.close()
@@ -199,7 +195,7 @@ class RoutingProxy:
                 log.error("health poll failed: %s", exc)
 
     def _mark_dead(self, rep: Replica, why: str, *, drop: bool = False):
-        """Take `rep` out of rotation (`Replica.take_out`); it may come back without its adapters."""
+        """Out of rotation; it may come back without its adapters."""
         rep.take_out(why, drop=drop)
         self.broadcaster.forget(rep.url)
 
@@ -351,8 +347,8 @@ class RoutingProxy:
             await upstream_cm.__aexit__(None, None, None)
 
     async def _relay_stream(self, request, rep, up, resp_headers, hit, chain, own_s):
-        """Server-sent events chunk by chunk; a replica failing mid-stream ends it with an error event, since a retry
-        would duplicate tokens the caller already has."""
+        """Server-sent events chunk by chunk; a replica failing mid-stream ends it with an error event (no retry: it would
+        duplicate tokens the caller already has)."""
         import aiohttp
         from aiohttp import web
 

@@ -25,8 +25,7 @@ class ProxyCommand:
 
 
 def parse(argv: list[str]) -> tuple[ProxyConfig, ProxyCommand]:
-    """`colo-kit proxy`'s flags as the proxy's settings (not yet validated: `RoutingProxy` does that) and the
-    command's own; a bad flag is a UsageError."""
+    """`colo-kit proxy`'s flags as the proxy's settings (validated by `RoutingProxy`) and the command's own."""
     cfg, cmd = parse_dataclasses((ProxyConfig, ProxyCommand), argv, prog="colo-kit proxy", description=(
         "Prefix-affinity proxy in front of vLLM replicas (TRL's AsyncGRPOTrainer sees one server)."))
     if cmd.log_level.lower() not in LOG_LEVELS:  # logging.basicConfig would raise its own ValueError with a traceback

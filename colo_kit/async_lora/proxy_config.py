@@ -14,8 +14,8 @@ MAX_BODY_MB = 1024  # the proxy holds a whole body in memory
 
 @dataclass
 class ProxyConfig:
-    # Every init field is a flag of `colo-kit proxy`; the tokens are read from the variables --token-env and
-    # --client-token-env name, so a secret is never typed on a command line.
+    # Every init field is a flag of `colo-kit proxy`; tokens are read from the variables --token-env and
+    # --client-token-env name, never typed on a command line.
     replicas: list[str] = field(default_factory=list, metadata={
         "aliases": ["--replica"], "action": "extend", "metavar": "URL",
         "help": "a vLLM server's root URL; repeat the flag, once per replica"})

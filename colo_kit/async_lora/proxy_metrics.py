@@ -21,11 +21,12 @@ class ProxyMetrics:
 
     def __init__(self, snapshot):
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.snapshot = snapshot
         self._handler_ms: deque[float] = deque(maxlen=8192)  # recent samples: the JSON's p50/p90/p99
         self.registry = CollectorRegistry()
         self.handler_seconds = Histogram("colo_proxy_handler_seconds", "the proxy's own time per routed request",
                                          buckets=HANDLER_BUCKETS_S, registry=self.registry)
-        self.registry.register(_Snapshot(snapshot))
+        self.registry.register(self)  # a custom collector: `collect` below
 
     def record(self, rep, hit: bool, chain, policy: str, own_s: float) -> None:
         """A routed request's first answer came back from `rep`."""
@@ -40,23 +41,16 @@ class ProxyMetrics:
         self.handler_seconds.observe(own_s)
 
     def handler_ms(self) -> dict:
-        """p50/p90/p99 (ms) of the recent handler times, and how many there are."""
+        """p50/p90/p99 (ms) of the recent handler times, and their count."""
         lat = self._handler_ms
         out = {f"p{p}": round(percentile(lat, p), 4) if lat else None for p in (50, 90, 99)}
         return {**out, "n": len(lat)}
 
     def prometheus_text(self) -> bytes:
-        """Everything in Prometheus' text format."""
         return generate_latest(self.registry)
 
-
-class _Snapshot:
-    """The snapshot's counters and gauges, read at each scrape."""
-
-    def __init__(self, snapshot):
-        self.snapshot = snapshot
-
     def collect(self):
+        """The snapshot's counters and gauges, read at each scrape."""
         snap = self.snapshot()
         for name in COUNTERS:
             yield CounterMetricFamily(f"colo_proxy_{name}", f"proxy {name.replace('_', ' ')}", value=snap[name])

@@ -1,5 +1,5 @@
-"""The replicas behind the routing proxy (`colo_kit.async_lora.proxy`): each one's health and key proof, taking it out
-of rotation, and the broadcasts every replica must see, replayed to one that comes back. Notebook 06."""
+"""The replicas behind the routing proxy (notebook 06): health, key proof, taking one out of rotation, and the broadcasts
+every replica must see, replayed to one that comes back."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ log = logging.getLogger("colo_kit.async_lora.proxy")
 
 
 class Retryable(Exception):
-    """The request never produced an answer on this replica: try another one. `busy`: it took no connection (refused,
-    or none within --connect-timeout-s, as a replica whose accept queue is full), so the caller may retry later."""
+    """No answer from this replica: try another. `busy`: it took no connection (refused, or a full accept queue)."""
 
     def __init__(self, why: str, busy: bool = False):
         super().__init__(why)
@@ -41,7 +40,7 @@ class Replica:
         self.dropped = False  # its health polls failed: the requests waiting on it were failed over
         self.dead = asyncio.Event()  # set while out of rotation
         self.waiting: set[asyncio.Task] = set()  # upstream calls in flight: cancelled when it is dropped
-        self.proof = KeyProof(token, base, url) if token else None  # has it proved it holds the replicas' key?
+        self.proof = KeyProof(token, base) if token else None  # has it proved it holds the replicas' key?
         self.inflight = 0
         self.requests = 0
         self.failures = 0
@@ -51,12 +50,11 @@ class Replica:
 
     @property
     def trusted(self) -> bool:
-        """False until its last health poll proved the replicas' key for its address: never sent the token."""
+        """Whether its last health poll proved the replicas' key (else it is never sent the token)."""
         return self.proof is None or self.proof.trusted
 
     async def probe(self, session, *, challenge: bool, timeout_s: float, failures_to_drop: int) -> bool:
-        """One health poll: True when it answered 200 and (once it has proved the replicas' key) proved it again; no
-        credentials, only a fresh challenge, so a process that took a dead replica's port learns nothing."""
+        """One health poll: True on a 200 with the key's proof; it sends only a fresh challenge, never credentials."""
         import aiohttp
 
         nonce = new_challenge() if challenge else None
@@ -87,8 +85,7 @@ class Replica:
         return True
 
     def take_out(self, why: str, *, drop: bool = False) -> None:
-        """Out of rotation until a health poll finds it well; with `drop` (health polls failed) the requests waiting
-        on it fail over now, while one request's failure leaves the others on it to be answered."""
+        """Out of rotation until a health poll finds it well; with `drop` (failed polls) its waiting requests fail over now."""
         was_healthy = self.healthy
         self.healthy = False
         self.dead.set()
@@ -119,8 +116,7 @@ class Replica:
 
 
 class Broadcaster:
-    """What every replica must see (adapter loads and unloads, pause, resume, cache resets), and what each holds, so
-    that a replica that comes back is caught up."""
+    """What every replica must see (adapter loads, pause, cache resets...) and what each holds, to catch up a returning one."""
 
     def __init__(self, proxy):
         self.proxy = proxy
@@ -197,7 +193,7 @@ class Broadcaster:
         return web.Response(status=first[0], text=first[1], content_type=content_type(first[1]))
 
     async def holds(self, rep: Replica, name, lora_path) -> bool:
-        """Whether `rep` serves adapter `name` from `lora_path`: "already loaded" is success for the same adapter only."""
+        """Whether `rep` serves adapter `name` from `lora_path`."""
         p = self.proxy
         status, text = await p._send(rep.url, "GET", "/v1/models", b"", p._upstream_headers(), p.config.upstream_timeout_s)
         try:
@@ -222,7 +218,7 @@ class Broadcaster:
             self.paused = False
 
     async def replay(self, rep: Replica) -> None:
-        """Replay what a returning replica missed: the adapters, then the pause state."""
+        """Replay the adapters, then the pause state, to a returning replica."""
         p = self.proxy
         headers = {**p._upstream_headers(), "Content-Type": "application/json"}
         for name, body in list(self.adapters.items()):
@@ -240,7 +236,6 @@ class Broadcaster:
             await p._send(rep.url, "POST", "/pause?mode=keep", b"", p._upstream_headers(), p.config.upstream_timeout_s)
 
     def forget(self, url: str) -> None:
-        """`url` went out of rotation: it may come back without its adapters."""
         for names in self.loaded.values():
             names.discard(url)
 
@@ -262,7 +257,7 @@ def error(status: int, message: str, kind: str):
 
 
 async def send_upstream(session, url: str, method: str, body: bytes, headers: dict, timeout_s: float):
-    """One request with a deadline: (status, text), or (None, why) if it failed or timed out."""
+    """One request with a deadline: (status, text), or (None, why)."""
     import aiohttp
 
     try:

@@ -1,7 +1,7 @@
-"""A replica's own port, guarded (notebook 06). vLLM checks its key only under `/v1` (serve/middleware/authenticate.py),
-yet a dev-mode replica serves `/collective_rpc` to any local process: `ReplicaAuthMiddleware` asks for it on every path
-but `/health`. Each health poll carries a challenge answered with HMAC-SHA256(key, host, port, challenge), so a process
-that took a dead replica's port, or relays to a live one from another address, is never sent the token.
+"""A replica's own port, guarded (notebook 06). vLLM checks its key only under `/v1`, yet a dev-mode replica serves
+`/collective_rpc` to anyone: `ReplicaAuthMiddleware` asks for it on every path but `/health`, whose polls carry a challenge
+answered with HMAC-SHA256(key, host, port, challenge): a process on a dead replica's port, or relaying from another
+address, is never sent the token.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_CHALLENGE_CHARS = 128
 
 
 def new_challenge() -> str:
-    """A fresh random challenge: a process that never saw it cannot have the proof for it."""
+    """A fresh random challenge, so no earlier proof answers it."""
     return secrets.token_hex(16)
 
 
@@ -43,7 +43,7 @@ def replica_proof(key: str, host: str, port: int | None, challenge: str) -> str:
 
 
 def proof_ok(key: str, host: str, port: int | None, challenge: str, answer: str | None) -> bool:
-    """Whether `answer` is the proof for `challenge` of a replica holding `key` at `host`:`port` (constant time)."""
+    """Whether `answer` is `replica_proof(key, host, port, challenge)`, compared in constant time."""
     if not answer:
         return False
     return hmac.compare_digest(answer.strip().encode("utf-8", "surrogateescape"),
@@ -100,12 +100,10 @@ class ReplicaAuthMiddleware:
 
 
 class KeyProof:
-    """The proxy's side, for one replica: trusted only while its polls prove the key for the address it is reached at
-    (a host name: any address it resolves to)."""
+    """The proxy's side, for one replica: trusted only while its polls prove the key for an address it is reached at."""
 
-    def __init__(self, key: str, base_url: str, shown: str | None = None):
+    def __init__(self, key: str, base_url: str):
         self.key = key
-        self.shown = shown or base_url  # the URL as logs show it (no password)
         parts = urlsplit(base_url)
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
@@ -119,7 +117,7 @@ class KeyProof:
         self.trusted = False  # did its last poll?
 
     def verify(self, challenge: str, answer: str | None) -> bool:
-        """Whether a poll's answer to `challenge` lets the replica be trusted (and sent the token) now."""
+        """Whether a poll's answer to `challenge` lets the replica be trusted (and sent the token)."""
         self.trusted = any(proof_ok(self.key, h, self.port, challenge, answer) for h in self.hosts)
         self.proved |= self.trusted
         return self.trusted

@@ -1,6 +1,5 @@
-"""vLLM replicas as subprocesses (started together, all stopped on exit or error), their prefix-cache counters, and
-the affinity experiment: GRPO-shaped traffic through a proxy, the hit rate the replicas count in tokens. Notebook 06.
-"""
+"""vLLM replicas as subprocesses, their prefix-cache counters, and the affinity experiment of notebook 06: GRPO-shaped
+traffic through the proxy, and the hit rate the replicas count in tokens."""
 
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ class ReplicaSet:
         self.startup_s: list[float] = []
 
     def start(self, timeout_s: float = 300.0) -> "ReplicaSet":
-        """Start every replica and wait for `/health`; replicas that share a GPU start one after another (vLLM sizes
-        its KV cache from the free memory it sees while profiling, and would count the other's growth as its own)."""
+        """Start every replica and wait for `/health`; replicas sharing a GPU start one after another (vLLM sizes its KV
+        cache from the free memory it sees, and would count the other's growth as its own)."""
         import atexit
 
         from colo_kit.procs import child_env
@@ -65,7 +64,7 @@ class ReplicaSet:
 
 
 def _check_gpu_share(launch: ReplicaLaunch) -> None:
-    """Refuse a replica whose GPU share another process holds now, not with an engine failure in its log later."""
+    """Refuse a replica whose GPU share another process holds now, not with an engine failure later."""
     gpu = launch.env.get("CUDA_VISIBLE_DEVICES", "")
     if not gpu.isdigit() or "--gpu-memory-utilization" not in launch.argv:
         return
@@ -89,8 +88,8 @@ def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
 
 
 def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
-    """Where `n` replicas go (`{"gpu", "gpu_memory_utilization"}` each): one GPU each when there are enough (the post's
-    layout), else shared round-robin at an equal part of 0.9; `share_gib` caps each share."""
+    """Where `n` replicas go: one GPU each when there are enough (the post's layout), else shared round-robin at an equal
+    part of 0.9; `share_gib` caps each share."""
     from colo_kit.env import Machine
 
     machine = machine or Machine.here()
@@ -108,32 +107,25 @@ def launch_replicas(launches: list[ReplicaLaunch], log_dir, timeout_s: float = 3
 
 
 def replica_counters(url: str, token: str | None = None) -> dict:
-    """{'hits': tokens, 'queries': tokens, 'requests': finished requests} from the replica's Prometheus `/metrics`."""
+    """Prefix-cache hits and queries (tokens) and finished requests, from the replica's Prometheus `/metrics`."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
-    # vLLM v1's vllm:prefix_cache_*, else older releases' vllm:gpu_prefix_cache_*, never both
-    found: dict[str, dict[str, float]] = {"": {}, "gpu_": {}}
-    requests = 0.0
+    wanted = {"prefix_cache_hits": "hits", "prefix_cache_queries": "queries", "request_success": "requests"}
+    out = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removeprefix("vllm:").removesuffix("_total")
-            if name == "request_success":  # one series per finish reason and engine
-                requests += sample.value
-            for prefix in found:
-                for kind in ("hits", "queries"):
-                    if name == f"{prefix}prefix_cache_{kind}":
-                        found[prefix][kind] = found[prefix].get(kind, 0.0) + sample.value
-    use = found[""] or found["gpu_"]
-    return {"hits": use.get("hits", 0.0), "queries": use.get("queries", 0.0), "requests": requests}
+            if name in wanted:  # summed over engines, and finish reasons for request_success
+                out[wanted[name]] += sample.value
+    return out
 
 
 def settled_counters(replica_urls: list[str], before: list[dict], requests: int, token: str | None = None,
                      interval_s: float = 0.1, deadline_s: float = 10.0) -> list[dict]:
-    """The replicas' counters once they count the `requests` just answered (vLLM answers before its stats logger
-    records the step): read until they have and two reads agree, or `deadline_s` passes."""
+    """The replicas' counters once they count the `requests` just answered (vLLM answers before it records them)."""
     deadline = time.monotonic() + deadline_s
     last = None
     while True:
@@ -149,8 +141,8 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
                         token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
                         max_tokens: int = 4, seed_rng: random.Random | None = None,
                         timeout_s: float = 600.0) -> dict:
-    """Send `prompts` as GRPO groups to `url` (`group_size` n=1 requests at once, as TRL's rollout worker does);
-    return the per-replica deltas of `replica_counters`, each request's latency in seconds, and the wall time."""
+    """Send `prompts` as GRPO groups of `group_size` n=1 requests (as TRL's rollout worker does); return the per-replica
+    counter deltas, each request's latency and the wall time."""
     import asyncio
 
     import aiohttp
@@ -191,8 +183,8 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
                                group_size: int = 8, prompt_tokens: int = 256, shared_prefix_tokens: int = 0,
                                max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
                                token: str | None = None, timeout_s: float = 600.0) -> dict:
-    """Send `groups` GRPO groups of random token-id prompts through the proxy, caches reset first; return the
-    replicas' prefix-cache hit rate in tokens. `shared_prefix_tokens`: a preamble every prompt starts with."""
+    """The replicas' prefix-cache hit rate (tokens) for `groups` GRPO groups of random token-id prompts through the proxy,
+    caches reset first; `shared_prefix_tokens`: a preamble every prompt starts with."""
     import httpx
 
     rng = random.Random(seed)

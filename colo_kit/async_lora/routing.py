@@ -49,8 +49,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def normalise_path(path: str) -> str:
-    """One spelling per route: percent-decoded, repeated slashes and `.` segments collapsed, no
-    trailing slash. `..` is not resolved but kept, so `/v1/../collective_rpc` matches nothing."""
+    """One spelling per route: percent-decoded, `//` and `.` collapsed, no trailing slash; `..` is kept, so matches nothing."""
     path = unquote(path)
     parts = [p for p in path.split("/") if p not in ("", ".")]
     return "/" + "/".join(parts)
@@ -64,8 +63,8 @@ def route_kind(method: str, path: str) -> str | None:
 
 
 class PrefixKeyer:
-    """A request body -> the hashes of its prompt's leading full blocks, each over every block
-    before it (vLLM's prefix-cache key), salted with the requested model (the adapter name)."""
+    """A request body -> the chained hashes of its prompt's leading full blocks (vLLM's prefix-cache key), salted with the
+    requested model (the adapter name)."""
 
     def __init__(self, block_size: int = 16, max_prefix_blocks: int = 64, tokenizer: str | None = None):
         self.block_size = block_size
@@ -101,8 +100,8 @@ class PrefixKeyer:
         return self._chain([data[i * width:(i + 1) * width] for i in range(n_full)] or [data], salt)
 
     def _leading_ids(self, text: str) -> list[int]:
-        """The token ids of `text`'s first `max_prefix_blocks` blocks, encoded from a bounded prefix (a whole 10 MB
-        prompt held the event loop for 17 s): 4 characters a token plus a block, doubled while too few."""
+        """The token ids of `text`'s first `max_prefix_blocks` blocks, from a bounded prefix (a whole 10 MB prompt held the
+        event loop for 17 s): 4 characters a token, doubled while too few."""
         need = self.block_size * self.max_prefix_blocks
         chars = 4 * (need + self.block_size)
         while True:
@@ -112,8 +111,7 @@ class PrefixKeyer:
             chars *= 2
 
     def chain(self, body) -> list[bytes] | None:
-        """The prefix chain of a completion or chat request; None when there is no prompt the proxy
-        can read (such a request is routed by load alone, never refused for it)."""
+        """The prefix chain of a completion or chat request; None when it has no readable prompt (routed by load alone)."""
         try:
             return self._chain_or_raise(body)
         except (TypeError, ValueError, AttributeError, struct.error, RecursionError, OverflowError):
@@ -142,8 +140,7 @@ class PrefixKeyer:
 
 
 class PrefixIndex:
-    """Which replica last received each chain hash, for at most `capacity` hashes (least recently
-    used first out). `longest(chain)` finds the deepest hash of a chain it knows."""
+    """Which replica last received each chain hash, for at most `capacity` hashes (least recently used first out)."""
 
     def __init__(self, capacity: int = 65536):
         self.capacity = capacity
@@ -173,8 +170,7 @@ class PrefixIndex:
 
 
 def rendezvous_order(key: bytes, replicas: list[str]) -> list[str]:
-    """Replicas ranked for `key` by highest random weight: stable, and removing one replica only
-    moves the keys that ranked it first."""
+    """Replicas ranked for `key` by highest random weight: removing one moves only the keys that ranked it first."""
     return sorted(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest(), reverse=True)
 
 
@@ -186,8 +182,8 @@ def load_bound(inflight: dict[str, int], healthy: list[str], imbalance: float, s
 
 def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, int], *,
                    imbalance: float = 1.2, slack: int = 8) -> tuple[str, bool]:
-    """Pick the replica for a request nobody has seen the prefix of; returns (replica, top-ranked): the
-    first in `key`'s rendezvous order within the load bound, else the least loaded one."""
+    """(replica, top-ranked) for an unseen prefix: the first in `key`'s rendezvous order within the load bound, else the
+    least loaded."""
     if not healthy:
         raise LookupError("no healthy replica")
     if key is None:
@@ -200,8 +196,7 @@ def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, in
 
 
 def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | None]:
-    """(why a `/v1/load_lora_adapter` body must not reach the replicas, None) or (None, the resolved lora_path to
-    forward: as checked, so no `..` or symlink is left for the replica to resolve differently)."""
+    """(why a `/v1/load_lora_adapter` body is refused, None) or (None, the resolved lora_path to forward as checked)."""
     if adapter_root is None:
         return ("adapter loads are refused: start the proxy with --adapter-root DIR, the shared directory "
                 "the trainer publishes its adapters under (TRL: <output_dir>/.vllm_lora)"), None
@@ -226,7 +221,7 @@ def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | 
 
 def already_done(path: str, status: int | None, text: str) -> bool:
     """Whether a replica's refusal of a broadcast says it is already in the state asked for, so a retry converges
-    (vllm/entrypoints/openai/models/serving.py: 400 "has already been loaded", 404 "cannot be found")."""
+    (vllm/entrypoints/openai/models/serving.py)."""
     if path == "/v1/load_lora_adapter":
         return status == 400 and "has already been loaded" in text
     if path == "/v1/unload_lora_adapter":
@@ -235,8 +230,7 @@ def already_done(path: str, status: int | None, text: str) -> bool:
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
-    """Whether an `Authorization` header carries `token`, checked as vLLM does (serve/middleware/authenticate.py):
-    the scheme in any case (RFC 7235), the tokens' SHA-256 compared in constant time."""
+    """Whether an `Authorization` header carries `token`, checked as vLLM's serve/middleware/authenticate.py does."""
     scheme, _, given = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
@@ -248,7 +242,7 @@ _URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#]*@")
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password, if it has one, shown as `***`: for logs, metrics and error messages."""
+    """`url` with its password, if any, shown as `***`."""
     return _URL_PASSWORD.sub(r"\1:***@", str(url))
 
 
