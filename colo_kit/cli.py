@@ -1,8 +1,5 @@
-"""`colo-kit` (or `python -m colo_kit`): one entry point, one subcommand per module.
-
-Each subcommand is a `cli_main(argv) -> int` named in `COMMANDS`, imported only when called (`colo-kit plan` does not
-pay for importing vLLM), in its module or a `<module>_cli.py` beside it.
-"""
+"""`colo-kit` (or `python -m colo_kit`): one subcommand per module, each a `cli_main(argv) -> int` named in `COMMANDS` and
+imported only when called (`colo-kit plan` does not pay for importing vLLM)."""
 
 from __future__ import annotations
 
@@ -53,7 +50,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"colo-kit: {name!r} is not available in this checkout ({exc})", file=sys.stderr)
         return 2
     return run(fn, rest, f"colo-kit {name}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

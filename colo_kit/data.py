@@ -1,6 +1,5 @@
 """Prompt sets: `trl-lib/tldr` and `HuggingFaceH4/MATH-500` when online, `data/*.jsonl` stand-ins when not; each
-says which it used (`dataset.info.description`).
-"""
+says which it used (`dataset.info.description`)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ import os
 from colo_kit.paths import data_dir
 
 log = logging.getLogger(__name__)
-
-TLDR_HUB_ID = "trl-lib/tldr"
-MATH500_HUB_ID = "HuggingFaceH4/MATH-500"
 
 
 def _offline_requested() -> bool:
@@ -106,12 +102,12 @@ def load_problems(path):
 
 def load_tldr(split: str = "train", source: str = "auto"):
     """Prompts for the length-reward runs: a `prompt` column (plain text ending in 'TL;DR:')."""
-    return _load(TLDR_HUB_ID, split, "tldr_prompts.jsonl", source)
+    return _load("trl-lib/tldr", split, "tldr_prompts.jsonl", source)
 
 
 def load_math(split: str = "test", source: str = "auto"):
     """Math problems with `problem`, `answer`, `subject`, `level`, `unique_id`."""
-    return _load(MATH500_HUB_ID, split, "math_problems.jsonl", source)
+    return _load("HuggingFaceH4/MATH-500", split, "math_problems.jsonl", source)
 
 
 def math_prompt(problem: str) -> list[dict]:

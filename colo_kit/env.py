@@ -1,11 +1,11 @@
 """The runtime the kit needs: defaults set before torch or vLLM load (`setup`; the user's values win), the tier (CPU or
 GPU), the machine every results JSON describes. OMP_NUM_THREADS=1: a trainer and an engine share 2 cores; on CPU an
 in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) starts several times faster; on GPU PYTORCH_NVML_BASED_CUDA_CHECK
-keeps `torch.cuda.is_available()` from initialising CUDA, so the process can still fork workers.
-"""
+keeps `torch.cuda.is_available()` from initialising CUDA, so the process can still fork workers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -51,7 +51,6 @@ def visible_gpus() -> list[dict]:
 
 
 def has_cuda() -> bool:
-    """True on a machine with an NVIDIA GPU this process may use."""
     return bool(visible_gpus())
 
 
@@ -59,13 +58,9 @@ def gpu_count() -> int:
     return len(visible_gpus())
 
 
-def tier() -> str:
-    return "gpu" if has_cuda() else "cpu"
-
-
 def vllm_eager(default: bool) -> bool:
-    """Whether to build a vLLM engine with `enforce_eager`: `COLO_KIT_VLLM_EAGER` when set, else `default` (an eager
-    engine starts in seconds instead of the 50-90 s compiling takes on an H200)."""
+    """`enforce_eager` for a vLLM engine: `COLO_KIT_VLLM_EAGER` when set, else `default` (eager starts in seconds, compiling
+    takes 50-90 s on an H200)."""
     value = os.environ.get("COLO_KIT_VLLM_EAGER")
     if value is None or value == "":
         return default
@@ -77,7 +72,7 @@ class Machine:
     """What a notebook adapts to: how many GPUs, and the smallest one's memory (`Machine.here()`)."""
 
     gpus: int
-    gpu_mem_gib: float | None = None  # the smallest visible GPU's memory
+    gpu_mem_gib: float | None = None  # the smallest GPU's
     gpu_name: str | None = None
 
     @classmethod
@@ -102,43 +97,8 @@ class Machine:
         print(f"[{self}] {what}", flush=True)
 
 
-_SET_UP = False
-
-
-def setup() -> None:
-    """The kit's runtime defaults (above) and log lines, once per process; called, never an import's side effect."""
-    global _SET_UP
-    if not _SET_UP:
-        _SET_UP = True
-        apply_defaults()
-
-
-def apply_defaults() -> None:
-    gpu = has_cuda()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("WANDB_DISABLED", "true")
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    if gpu:
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    else:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    if os.environ.get("COLO_KIT_QUIET") == "1":
-        _hold_vllm_import_chatter()
-    _kit_log_lines()
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-
-
 class KitLines(logging.Handler):
-    """The `colo_kit` logger's INFO lines on the current `sys.stdout` (a notebook cell's), while Python's logging has
-    no root handler to take them instead."""
+    """The `colo_kit` logger's INFO lines on the current `sys.stdout` (a notebook cell's), while logging has no root handler."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -154,12 +114,32 @@ class KitLines(logging.Handler):
             self.handleError(record)
 
 
-def _kit_log_lines() -> None:
+@functools.cache  # once per process
+def setup() -> None:
+    """The kit's runtime defaults (above) and log lines; called, never an import's side effect."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    if has_cuda():
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ.get("COLO_KIT_QUIET") == "1":
+        _hold_vllm_import_chatter()
     kit = logging.getLogger("colo_kit")
     if not any(isinstance(h, KitLines) for h in kit.handlers):
         kit.addHandler(KitLines())
     if kit.level == logging.NOTSET:
         kit.setLevel(logging.INFO)
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 def _hold_vllm_import_chatter() -> None:
@@ -171,8 +151,8 @@ def _hold_vllm_import_chatter() -> None:
 
 
 def quiet() -> None:
-    """What a notebook shows: the kit's lines, the libraries' errors and the warnings that teach something, not their
-    start-up chatter; call before torch or vLLM is imported."""
+    """A notebook shows the kit's lines, the libraries' errors and the warnings that teach, not start-up chatter; call
+    before torch or vLLM is imported."""
     import warnings
 
     setup()
@@ -210,7 +190,7 @@ def describe() -> dict:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "tier": tier(),
+        "tier": "gpu" if has_cuda() else "cpu",
         "versions": {name: _version(name) for name in
                      ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed", "math-verify")},
     }

@@ -1,6 +1,5 @@
 """Before an engine starts: is its share of the GPU free? vLLM asserts only after the model has loaded (usually another
-kernel holds an engine); `check_share(u)` reads NVML first and raises `GpuBusy` naming the holder and the fixes.
-"""
+kernel holds an engine); `check_share(u)` reads NVML first and raises `GpuBusy` naming the holder and the fixes."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def nvml_device(index: int, physical: bool = False):
 
 
 def read_gpu(index: int = 0, physical: bool = False) -> dict:
-    """{"gpu", "total_gib", "free_gib", "others": [{"pid", "gib", "name"}]} for CUDA device `index` of this process
-    (with `physical`, NVML's GPU `index`)."""
+    """{"gpu", "total_gib", "free_gib", "others": [{"pid", "gib", "name"}]} for `index`, numbered as `nvml_device`."""
     import psutil
     import pynvml
 

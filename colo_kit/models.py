@@ -1,7 +1,6 @@
 """Offline models: real architectures with random weights, and a tokenizer made here. No machine the kit is tested on
 reaches a hub, so `build_model("qwen2.5-1.5b")` writes Qwen2.5-1.5B-Instruct's exact shapes with random weights
-(memory and timings are the real architecture's); `tiny` is it shrunk for a 2-core CPU.
-"""
+(memory and timings are the real architecture's); `tiny` is it shrunk for a 2-core CPU."""
 
 from __future__ import annotations
 
@@ -108,7 +107,7 @@ def get_preset(name: str) -> Preset:
 
 
 def qwen2_config(preset: Preset):
-    """A transformers `Qwen2Config` with the preset's shapes."""
+    """A transformers `Qwen2Config` with the preset's shapes; no token ids (build_model sets them from its tokenizer)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -122,11 +121,6 @@ def qwen2_config(preset: Preset):
         rope_theta=preset.rope_theta,
         rms_norm_eps=preset.rms_norm_eps,
         tie_word_embeddings=preset.tie_word_embeddings,
-        hidden_act="silu",
-        # Token ids depend on the tokenizer; build_model sets them once it exists.
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
         torch_dtype="bfloat16",
     )
 
@@ -151,7 +145,6 @@ def _meta_param_counts(shape: tuple) -> tuple[int, int]:
     # parameters() yields a tied embedding / LM head once
     counts = (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.model.layers[0].parameters()))
     try:  # a read-only cache only costs the next process the build again
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: list(counts)}))
         os.replace(tmp, path)
@@ -185,12 +178,8 @@ def build_tokenizer(vocab_size: int, bpe_vocab: int):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=bpe_vocab,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+                                  show_progress=False)
     tok.train_from_iterator(_training_text(), trainer=trainer)
 
     # filler tokens after the learned vocab, then the special tokens at the very end, as in Qwen2
@@ -208,24 +197,16 @@ def build_tokenizer(vocab_size: int, bpe_vocab: int):
     tok.add_special_tokens(SPECIAL_TOKENS)
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
-    )
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   model_max_length=32768, chat_template=CHAT_TEMPLATE)
 
 
 def model_dir(preset_name: str) -> Path:
     return cache_dir() / "models" / preset_name
 
 
-def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False,
-                dtype: str = "bfloat16") -> Path:
-    """Build (or reuse) the preset's model folder and return its path; a folder without its `colo_kit.json` marker
-    (an interrupted build) is rebuilt."""
+def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False) -> Path:
+    """Build (or reuse) the preset's model folder and return its path; one without its `colo_kit.json` marker is rebuilt."""
     import shutil
 
     import torch
@@ -253,19 +234,18 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         config = qwen2_config(preset)
         config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        config.bos_token_id = None
 
         torch.manual_seed(seed)
         # 7B's random init takes minutes on a CPU, seconds on a GPU; smaller presets keep the CPU's generator,
         # which gives the same weights for a seed on every machine
         device = "cuda" if preset.num_params() > 3e9 and torch.cuda.is_available() else "cpu"
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.generation_config.eos_token_id = config.eos_token_id
         model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed, "dtype": dtype,
+        (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed, "dtype": "bfloat16",
                                                         "random_weights": True, "init_device": device}, indent=1))
     except BaseException:  # a failed or interrupted build leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -284,7 +264,7 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     return out
 
 
-def resolve_model(name_or_path: str = "tiny", *, build: bool = True, **kwargs) -> str:
+def resolve_model(name_or_path: str = "tiny", *, build: bool = True) -> str:
     """Where to load a model from: a folder as is, a preset built offline and cached (`build=False`: only checked),
     a hub id unchanged for transformers and vLLM to download."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
@@ -298,7 +278,7 @@ def resolve_model(name_or_path: str = "tiny", *, build: bool = True, **kwargs) -
             if not preset.buildable:
                 build_model(name_or_path)  # raises the config-only error
             return str(model_dir(preset.name))
-        return str(build_model(name_or_path, **kwargs))
+        return str(build_model(name_or_path))
     if "/" in name_or_path:
         return name_or_path
     raise ValueError(f"{name_or_path!r} is neither a local folder, a preset ({sorted(PRESETS)}) nor a hub id "

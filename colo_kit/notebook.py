@@ -1,12 +1,12 @@
 """Notebooks executed headless as JupyterLab's Run All runs them, saved with an HTML copy (`make demo`,
-`colo-kit run-notebooks`); the runner rewrites nothing, and what it adds against hangs is below.
-"""
+`colo-kit run-notebooks`); the runner rewrites nothing, and what it adds against hangs is below."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +26,8 @@ POLL_SLICE_S = 1.0
 
 
 def _sliced(get_msg):
-    """A channel's `get_msg(timeout)` as a loop of short polls. Each new zmq.asyncio poll reads the
-    socket's real state first, so a message whose edge-triggered wake-up was missed is picked up
-    within one slice instead of at the end of the whole timeout (or never, for timeout=None)."""
+    """A channel's `get_msg(timeout)` as a loop of short polls: each new zmq.asyncio poll reads the socket's real state,
+    so a message whose edge-triggered wake-up was missed is read within a slice, not at the timeout (or never)."""
     from queue import Empty
     from time import monotonic
 
@@ -83,10 +82,9 @@ def _execute_within(client, wall_s: float, kernel_env: dict) -> None:
 
 def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html: bool = True,
             wall_s: float | None = None) -> dict:
-    """Run a notebook top to bottom in a fresh kernel (cwd = notebooks/), save the executed copy (and an HTML
-    one) under `out_dir`; return where they are and how long it took. A failing cell raises nbclient's
-    `CellExecutionError`; `timeout_s` bounds each cell, `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S)
-    the whole notebook."""
+    """Run a notebook in a fresh kernel (cwd = notebooks/), save the executed copy (and an HTML one) under `out_dir`;
+    return where they are and the seconds. A failing cell raises `CellExecutionError`; `timeout_s` bounds each cell,
+    `wall_s` (default 2 × timeout_s, or COLO_KIT_NOTEBOOK_WALL_S) the whole notebook."""
     import nbformat
 
     path = Path(path)
@@ -110,8 +108,7 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
             _execute_within(client, wall_s, kernel_env)
             break
         except (CellTimeoutError, NotebookWallTimeout) as exc:
-            # the backstop to the sliced polls, should a reply still go unread: a timeout is retried once in a new
-            # kernel, a cell error never
+            # the sliced polls' backstop: a timeout is retried once in a new kernel, a cell error never
             if attempt == 2:
                 raise
             log.warning("%s: %s; retrying once in a new kernel", path.name, exc)
@@ -126,8 +123,8 @@ def execute(path: Path, out_dir: Path | None = None, timeout_s: int = 300, html:
 
 
 def save_html(nb, html_path: Path) -> Path:
-    """The HTML copy of an executed notebook, charts included: a plotly figure is a JSON output only
-    JupyterLab draws, so each gets an HTML rendering beside it (plotly.js from its CDN) before nbconvert writes the page."""
+    """The HTML copy of an executed notebook, charts included: a plotly figure is a JSON output only JupyterLab draws,
+    so each gets an HTML rendering beside it (plotly.js from its CDN)."""
     _find_nbconvert_templates()
     import plotly.io as pio
     from nbconvert import HTMLExporter
@@ -144,8 +141,8 @@ def save_html(nb, html_path: Path) -> Path:
 
 
 def _find_nbconvert_templates() -> None:
-    """nbconvert's HTML templates are data files on Jupyter's data path; `pip install --target
-    DIR` (the kit's GPU machines carry such a stack) puts them in DIR/share/jupyter, where nobody looks: add it."""
+    """`pip install --target DIR` (the kit's GPU stacks) puts nbconvert's HTML templates in DIR/share/jupyter, off
+    Jupyter's data path: add it."""
     import nbconvert
 
     share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
@@ -158,12 +155,12 @@ def _find_nbconvert_templates() -> None:
 
 @dataclass
 class RunNotebooksArgs:
-    """`colo-kit run-notebooks [notebook ...]`'s flag."""
-
     out: str | None = field(default=None, metadata={"help": "folder for executed copies (default results/runs/notebooks)"})
 
 
 def cli_main(argv: list[str]) -> int:
+    import nbformat
+
     from colo_kit.commands import UsageError, parse_dataclasses, writable_dir
 
     # HfArgumentParser takes flags only: the notebooks, the words before the first flag, are taken off first
@@ -175,15 +172,10 @@ def cli_main(argv: list[str]) -> int:
         if not p.is_file():
             raise UsageError(f"{p}: no such notebook; give .ipynb files, e.g. notebooks/00_quickstart.ipynb")
         try:
-            import nbformat
-
             nbformat.read(p, as_version=4)
         except Exception as exc:  # nbformat raises several kinds for a file that is not a notebook
             raise UsageError(f"{p}: not a Jupyter notebook ({type(exc).__name__}); give an .ipynb file") from None
     out = writable_dir(args.out, "--out") if args.out else None
-    import sys
-
-    import nbformat
     from nbclient.exceptions import CellExecutionError
 
     failed = 0
@@ -206,8 +198,6 @@ def cli_main(argv: list[str]) -> int:
 
 @dataclass
 class DemoArgs:
-    """`colo-kit demo`'s flag."""
-
     out: str | None = field(default=None, metadata={"help": "folder for the executed copies (default results/runs/demo)"})
 
 

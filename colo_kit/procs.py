@@ -1,6 +1,5 @@
 """Child processes the kit serves from (vLLM servers and replicas): started, waited for on `/health`, stopped. A
-server's engine core, which holds the GPU memory, is its child, so each server leads a process group of its own.
-"""
+server's engine core, which holds the GPU memory, is its child, so each server leads a process group of its own."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ def free_port() -> int:
 
 
 def claim_rendezvous_port() -> None:
-    """For one process that will form a group of its own (a colocated engine or trainer): a MASTER_PORT the OS chose,
-    unless one is set. TRL's own picker tries 29500 first, and two trainings started in the same second both took it
-    (EADDRINUSE in vLLM's rendezvous)."""
+    """A MASTER_PORT the OS chose, unless one is set, for one process forming its own group (colocated engine or trainer):
+    TRL's picker tries 29500 first, and two trainings started in the same second both took it (EADDRINUSE in vLLM)."""
     if not os.environ.get("MASTER_PORT") and os.environ.get("WORLD_SIZE", "1") == "1":
         os.environ["MASTER_PORT"] = str(free_port())
 
@@ -33,8 +31,8 @@ RANK_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 
 def without_rank_vars(environ=None) -> dict:
-    """`environ` (default os.environ) without rank, rendezvous or torchrun/accelerate variables, which an engine's
-    builder writes and a child would inherit, binding a port its parent still holds."""
+    """`environ` (default os.environ) without the rank, rendezvous and torchrun/accelerate variables an engine's builder
+    writes: a child inheriting them binds a port its parent still holds."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items()
             if k not in RANK_VARS and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
@@ -89,8 +87,8 @@ def _answers(url: str) -> bool:
 
 def wait_all_healthy(children: dict[str, tuple[subprocess.Popen | None, str | Path | None]], timeout_s: float,
                      *, t0: float | None = None, what: str = "vLLM server") -> dict[str, float]:
-    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200; return the seconds from
-    `t0` until each did. RuntimeError with the log's tail when a process exits first, TimeoutError after `timeout_s`."""
+    """Poll `GET {url}/health` of every `url: (process, log_path)` until each answers 200; return the seconds from `t0`
+    until each did. RuntimeError with the log's tail when a process exits first, TimeoutError after `timeout_s`."""
     t0 = time.perf_counter() if t0 is None else t0
     pending, ready = dict(children), {}
     while True:

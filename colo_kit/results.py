@@ -1,6 +1,5 @@
 """The lessons' one window on the lab record: a committed result under `results/` by name, and one footnote on where
-a number comes from (machine, date, file). The runs that wrote them live in `record/`, outside the kit.
-"""
+a number comes from (machine, date, file). The runs that wrote them live in `record/`, outside the kit."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def load(name: str, results: Path | None = None) -> dict | None:
 
 
 def shown(key: str) -> dict:
-    """One entry of `results/lessons.json` (e.g. "04.speed"): what a lesson shows, with its `source`, `machine` and
-    `date`."""
+    """What a lesson shows (e.g. "04.speed") from `results/lessons.json`, with its `source`, `machine` and `date`."""
     entries = load(LESSONS) or {}
     if key not in entries:
         raise KeyError(f"results/{LESSONS} has no {key!r}; `make numbers` derives it from the records")
@@ -43,8 +41,7 @@ def record_footnote(name: str, results: Path | None = None) -> str:
 
 
 def machine_label(env: dict) -> str:
-    """A machine as a learner reads it, from a record's `env` (`colo_kit.env.describe`): `1×H200`, `2×H100`, or
-    `CPU laptop (2 cores)` without GPUs."""
+    """A record's `env` (`colo_kit.env.describe`) as a learner reads it: `1×H200`, `2×H100`, `CPU laptop (2 cores)`."""
     gpus = env.get("gpus") or []
     if not gpus:
         return f"CPU laptop ({env.get('cpu_count', '?')} cores)"
@@ -53,8 +50,8 @@ def machine_label(env: dict) -> str:
 
 
 def measured_runs(results: Path | None = None) -> dict[str, dict[str, dict]]:
-    """{notebook: {"cpu" | "gpu": its Run All record}} from the committed check runs, whole runs only, each with the
-    `machine` it ran on and the `date` of its record."""
+    """{notebook: {"cpu" | "gpu": its Run All record, with `machine` and `date`}} from the committed check runs, whole runs
+    only."""
     out: dict[str, dict[str, dict]] = {}
     for tier, name in CHECKS.items():
         record = load(name, results) or {}
