@@ -1,5 +1,5 @@
-"""The comparison behind `colo_kit.answers.math500.is_correct`, in this process: `check(completion, gold)` reads the
-completion's final answer and compares it with the gold one (notebook 05); `is_correct` adds the deadline."""
+"""The comparison behind `math500.is_correct` (notebook 05), in this process: `check(completion, gold)` reads the
+completion's final answer and compares it with the gold one; `is_correct` adds the deadline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-# math-verify warns once that its timeout is disabled; we disable it on purpose (see colo_kit.answers.math500).
+# math-verify warns that its timeout is disabled: on purpose, math500 runs the check under its own deadline
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_COMPLETION_CHARS = 20_000  # only the end of a completion is read: the final answer is there
@@ -44,8 +44,7 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` that closes, braces matched by depth.
-    For `\\boxed{\\boxed{10}}` that is the inner box; for an unclosed box, the one before it."""
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` that closes (`\\boxed{\\boxed{10}}`: the inner one)."""
     starts = {m.end() - 1 for m in _BOX.finditer(text)}  # index of each box's "{"
     if not starts:
         return None
@@ -107,8 +106,8 @@ _DECIMAL = re.compile(r"\d*\.\d+")
 
 
 def simple_number(answer: str) -> tuple[Fraction, bool] | None:
-    """(exact value, written as a decimal?) for an integer, decimal or plain fraction, optionally
-    signed, with a dollar sign in front or a degree sign behind; None for anything else."""
+    """(exact value, written as a decimal?) for a signed integer, decimal or plain fraction, with a dollar sign in front or
+    a degree sign behind; None for anything else."""
     if len(answer) > 100:
         return None
     t = re.sub(r"\s+|\\[;: ]|\\,(?!\d)", "", answer)
@@ -129,8 +128,7 @@ def simple_number(answer: str) -> tuple[Fraction, bool] | None:
 
 
 def simple_tuple(answer: str) -> tuple[str, list] | None:
-    """(brackets, elements) for a pair, triple or interval of plain numbers or +-infinity, such as
-    `(-2, 3)` or `[1, \\infty)`; None for anything else. Parsing these with ANTLR costs ~20 ms."""
+    """(brackets, elements) for a tuple or interval of plain numbers or +-infinity such as `[1, \\infty)` (ANTLR: ~20 ms)."""
     t = _squash(answer)
     if len(t) > 100 or len(t) < 5 or t[0] not in "([" or t[-1] not in ")]":
         return None
@@ -147,8 +145,8 @@ def simple_tuple(answer: str) -> tuple[str, list] | None:
 
 
 def _fast_verdict(answer: str, gold_norm: str) -> bool | None:
-    """True/False when both sides are plain numbers (or tuples / intervals of them) that settle it exactly; else None
-    for math-verify (which accepts 0.333333 for 1/3, rounding to 6 places, and may read (2, 5) as a point)."""
+    """True/False when both sides are plain numbers (or tuples of them) that settle it exactly; else None for math-verify
+    (which accepts 0.333333 for 1/3 and may read (2, 5) as a point)."""
     a, g = simple_number(answer), simple_number(gold_norm)
     if a is not None and g is not None:
         if a[0] == g[0]:
@@ -161,8 +159,7 @@ def _fast_verdict(answer: str, gold_norm: str) -> bool | None:
 
 
 def _differ_numerically(gold, pred) -> bool:
-    """True when two constant expressions (or intervals / tuples of them) are clearly different numbers: a wrong
-    `4\\sqrt{8}` is settled in well under a millisecond, not by simplify(); close values are left to math-verify."""
+    """True when two constant expressions (or tuples of them) are clearly different numbers, settled without simplify()."""
     import sympy
 
     if isinstance(gold, sympy.Interval) and isinstance(pred, sympy.Interval):  # (2, 5) vs (2, 6)
@@ -298,28 +295,17 @@ def _parse(latex: str, anchored_only: bool = False):
 @lru_cache(maxsize=4096)
 def _gold_norm(gold: str) -> str | None:
     """The normalised gold answer, None if it cannot be one (cached: GRPO checks each gold G times)."""
-    if _refuse_text(gold):
-        return None
-    norm = normalize_answer(gold)
-    if not norm:
-        return None
-    if simple_number(norm) is None and simple_tuple(norm) is None and _gold(gold)[1] is None:
-        return None
-    return norm
+    norm = None if _refuse_text(gold) else normalize_answer(gold)
+    if norm and (simple_number(norm) is not None or simple_tuple(norm) is not None or _gold_parsed(norm) is not None):
+        return norm
+    return None
 
 
 @lru_cache(maxsize=4096)
-def _gold(gold: str):
-    """(normalised gold, parsed gold) — cached: GRPO checks every gold G times per step."""
-    if _refuse_text(gold):
-        return gold, None
-    norm = normalize_answer(gold)
-    if not norm:
-        return norm, None
+def _gold_parsed(norm: str):
+    """math-verify's reading of a normalised gold answer; None if it reads nothing or the guards refuse it."""
     parsed = _parse("\\boxed{" + norm + "}")
-    if not parsed or _refuse_expr(parsed):
-        return norm, None
-    return norm, parsed
+    return None if not parsed or _refuse_expr(parsed) else parsed
 
 
 def check(completion: str, gold: str) -> Verdict:
@@ -327,8 +313,7 @@ def check(completion: str, gold: str) -> Verdict:
     from math_verify import verify
 
     if not isinstance(completion, str) or not isinstance(gold, str):
-        raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} "
-                        f"and {type(gold).__name__}")
+        raise TypeError(f"check(completion, gold) takes two strings, got {type(completion).__name__} and {type(gold).__name__}")
     gold_norm = _gold_norm(gold)
     if gold_norm is None:
         return Verdict(False, None, "gold unparseable", gold_ok=False)
@@ -358,8 +343,8 @@ def check(completion: str, gold: str) -> Verdict:
     refused = _refuse_expr(pred)
     if refused:
         return Verdict(False, answer[:80], "refused: " + refused)
-    gold_parsed = _gold(gold)[1]
-    if gold_parsed is None:  # a plain-number gold math-verify cannot read (not seen; kept safe)
+    gold_parsed = _gold_parsed(gold_norm)
+    if gold_parsed is None:  # a plain-number gold math-verify cannot read
         return Verdict(False, answer, "gold unparseable", gold_ok=False)
     if _differ_numerically(gold_parsed[0], pred[0]):
         return Verdict(False, answer, "different-value")

@@ -16,8 +16,7 @@ import time
 from dataclasses import asdict
 
 from colo_kit.answers.answer_check import (DEFAULT_DEADLINE_S, MAX_ANSWER_CHARS, MAX_COMPLETION_CHARS,  # noqa: F401
-                                           CheckerTimeout, UnparseableGold, Verdict, check, last_boxed,
-                                           normalize_answer, simple_number)
+                                           CheckerTimeout, UnparseableGold, Verdict, check, last_boxed, simple_number)
 
 
 def _worker_main() -> None:
@@ -32,8 +31,7 @@ def _worker_main() -> None:
         try:
             v = asdict(check(req["completion"], req["gold"]))
         except Exception as exc:  # a checker bug must not kill the worker: count it wrong, say why
-            v = {"correct": False, "answer": None, "reason": f"error: {type(exc).__name__}: {exc}"[:200],
-                 "gold_ok": True}
+            v = {"correct": False, "answer": None, "reason": f"error: {type(exc).__name__}: {exc}"[:200], "gold_ok": True}
         out.write(json.dumps(v) + "\n")
         out.flush()
 
@@ -70,16 +68,14 @@ class _Worker:
         return self.pid == os.getpid() and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.pid == os.getpid() and self.proc.poll() is None:
+        if self.alive():
             self.proc.kill()  # not waited for (subprocess reaps it later): the caller returns now
 
 
 class Checker:
-    """`check` in worker processes, with a deadline per comparison, starting once a worker is ready. Thread-safe (each
-    concurrent call gets its own worker) and fork-safe; a call that overruns comes back `timed_out`, never wrong."""
+    """`check` in worker processes with a deadline per comparison, thread- and fork-safe: an overrun is `timed_out`."""
 
-    def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8,
-                 start_timeout_s: float = 120.0):
+    def __init__(self, deadline_s: float = DEFAULT_DEADLINE_S, max_workers: int = 8, start_timeout_s: float = 120.0):
         if not deadline_s > 0:
             raise ValueError(f"deadline_s={deadline_s!r}: give the seconds a comparison may take, e.g. 3.0")
         if max_workers < 1:

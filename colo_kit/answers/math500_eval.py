@@ -99,13 +99,13 @@ def _generate(model, prompts: list[str], *, max_tokens: int, temperature: float,
 def evaluate(model, *, limit: int | None = None, source: str = "auto", max_tokens: int = 1024,
              temperature: float = 0.0, seed: int = 0, tokenizer=None, out: str | Path | None = None,
              llm_kwargs: dict | None = None, problems=None) -> dict:
-    """Generate one answer per MATH-500 problem (`colo_kit.data.math_prompt` through the chat template), score it.
-    `model`: a vLLM `LLM`, the kit's `ColocatedEngine`, or a name / folder for which this starts and stops a vLLM."""
+    """Generate one answer per MATH-500 problem with the training prompt and score it. `model`: a vLLM `LLM`, the kit's
+    `ColocatedEngine`, or a name / folder for which this starts and stops a vLLM."""
     import colo_kit
 
     colo_kit.setup()
     from colo_kit.data import load_math, math_prompt
-    from colo_kit.env import describe
+    from colo_kit.env import describe, vllm_version
 
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit!r}: evaluate at least one problem (or None for all)")
@@ -148,8 +148,6 @@ def evaluate(model, *, limit: int | None = None, source: str = "auto", max_token
 
             shutdown(owned)
     report = score(rows, texts)
-    from colo_kit.env import vllm_version
-
     report = {"model": model_name, "dataset": dataset_name, "generate_s": round(generate_s, 3),
               "settings": {"limit": limit, "source": source, "max_tokens": max_tokens, "temperature": temperature,
                            "seed": seed, "prompt": "colo_kit.data.math_prompt"},
@@ -189,7 +187,7 @@ def compare_models(engine, models: dict, **evaluate_kwargs) -> dict[str, dict]:
     return reports
 
 
-def _check_tp(tp: int, model: str, error) -> None:  # tp: vLLM's tensor_parallel_size
+def _check_tp(tp: int, model: str, error) -> None:
     """vLLM's tensor_parallel_size checked against the GPUs now, not after its engine starts."""
     from colo_kit.env import gpu_count
     from colo_kit.models import PRESETS

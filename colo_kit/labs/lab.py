@@ -1,6 +1,6 @@
 """Predict-then-run exercises (`exercises.yaml` beside this module): `lab.check(key, answer)` says right (and why) or
-gives a hint, never the answer. Right answers come from the kit's own functions where one exists, and answers are
-structured (a number within a tolerance, "7/8", "87.5%", or one of the options), never free text matched for words.
+gives a hint, never the answer. Answers are structured (a number within a tolerance, or one of the options), never free
+text matched for words; right ones come from the kit's own functions where one exists. Also "What you should see" boxes.
 """
 
 from __future__ import annotations
@@ -42,17 +42,16 @@ class Exercise:
 
 NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
-# After a number these are no unit: they make "2 or 16" two answers, hedge one, or change its value ("seven eighths",
-# "16 billion"); a unit ending in -th(s) is a fraction's too.
+# After a number these are no unit: they make "2 or 16" two answers, hedge one, or change its value ("16 billion",
+# and any -th(s): "seven eighths").
 NOT_A_UNIT = {"or", "and", "not", "no", "to", "than", "maybe", "probably", "about", "perhaps", "ish", "half", "halves",
               "third", "thirds", "quarter", "quarters", "hundred", "thousand", "million", "billion"}
 _WRITTEN = re.compile(r"(?P<num>[-+]?\d*\.?\d+(?:/\d+)?|[a-z]+)\s*(?P<pct>%?)\s*(?P<unit>[a-z ]*)")
 
 
 def read_number(answer, share: bool = False) -> float | None:
-    """One number as a learner writes it: 2, "2", "7/8", "two", "16 bytes", "two prompts", "1.3x"; for a `share`
-    also "87.5%" or 87.5 (a share is at most 1, so more is a percentage). None for anything else: "2 or 16", "maybe",
-    a percentage where no share is asked."""
+    """One number as a learner writes it: 2, "7/8", "two", "16 bytes", "1.3x"; for a `share` also "87.5%" or 87.5 (more
+    than 1 is a percentage). None for anything else: "2 or 16", "maybe", a percentage where no share is asked."""
     if answer is None or isinstance(answer, bool):
         return None
     percent = False
@@ -133,8 +132,7 @@ def exercises() -> dict[str, Exercise]:
 
 
 def verdict(key: str, answer) -> bool | None:
-    """Whether `answer` is right: True, False, or None while it is still `...` (the placeholder the exercise
-    cells start with). An answer outside a choice exercise's options is not right."""
+    """Whether `answer` is right: True, False, or None while it is still the cell's placeholder `...`."""
     ex = exercises().get(key)
     if ex is None:
         raise KeyError(f"no exercise {key!r}; the notebook's exercises are {sorted(exercises())}")
@@ -142,9 +140,8 @@ def verdict(key: str, answer) -> bool | None:
 
 
 def check(key: str, answer) -> None:
-    """Say whether `answer` is right (and why) or give a hint; while the answer is still `...`, say what to do
-    (so Run All passes through); an answer in a form the exercise cannot read gets what form to write instead.
-    Prints and returns nothing: a cell shows the message, not a stray True/False."""
+    """Print whether `answer` is right (and why), a hint, the form to write it in, or, while it is `...`, what to do (so
+    Run All passes through)."""
     right = verdict(key, answer)
     ex = exercises()[key]
     if right is None:
@@ -157,13 +154,11 @@ def check(key: str, answer) -> None:
         print(f"✘ not yet. Hint: {ex.hint}")
 
 
-# "What you should see": your numbers beside the ones measured on each kind of machine
-FACT_KEY = "colo_kit_fact"  # the box's values ride along as output metadata, which the check runs record
+FACT_KEY = "colo_kit_fact"  # a "What you should see" box's values ride along as output metadata, which check runs record
 
 
 def measured_facts(key: str) -> dict[str, dict]:
-    """{tier: {"label", "values", "source", "date"}} for `key` from the committed check runs
-    (`colo_kit.results.measured_runs`); `label` is the machine the value was measured on."""
+    """{tier: {"label" (the machine), "values", "source", "date"}} for `key` from the committed check runs."""
     out = {}
     for runs in measured_runs().values():
         for tier, rec in runs.items():
@@ -183,9 +178,8 @@ def _value(v) -> str:
 
 
 def see(key: str, what: str, **values) -> None:
-    """Show a "What you should see" box: `what` it means, this run's `values`, and what the kit's check runs
-    measured on a CPU laptop and on a GPU node, each named; the values ride along as metadata, which
-    `scripts/check.py` records."""
+    """Show a "What you should see" box: `what` it means, this run's `values`, and what the check runs measured on each
+    machine; the values ride along as metadata, which `scripts/check.py` records."""
     from IPython.display import Markdown, display
 
     def fmt(vals: dict) -> str:

@@ -1,5 +1,4 @@
-"""Break-it labs: the posts' pitfalls, run live on the learner's machine, broken and then fixed, one row per
-run for the notebook to print side by side.
+"""Break-it labs: the posts' pitfalls run live on the learner's machine, broken and then fixed, a row per run.
 
 - `top_p_breaks_importance_sampling` (notebook 00): with `top_p < 1` vLLM samples from a truncated distribution the
   trainer scores under its full softmax; TRL's sequence-level importance-sampling ratio collapses towards 0 (TRL #6789).
@@ -83,9 +82,8 @@ def _seed_rule_worker(model: str, max_tokens: int, enforce_eager: bool | None, r
 
 def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool | None = True,
                  rules=tuple(SEED_RULES)) -> list[dict]:
-    """Launch a TP-2 engine on two processes (2 GPUs, or 2 CPU processes) and compare what its two workers
-    sampled under each seed rule in `rules` (keys of SEED_RULES): one row per rule with the share of token
-    positions where they agree."""
+    """A TP-2 engine on two processes (GPUs or CPU): per seed rule in `rules` (SEED_RULES' keys), how often its two
+    workers sampled the same token."""
     unknown = [r for r in rules if r not in SEED_RULES]
     if unknown:
         raise ValueError(f"seed rule {unknown[0]!r}: use one of {list(SEED_RULES)}")
@@ -109,10 +107,9 @@ def tp_seed_rule(model: str = "tiny", max_tokens: int = 16, enforce_eager: bool 
 
 
 def lost_buffers(engine, trainer_model, restore: bool) -> list[dict]:
-    """On a live `ColocatedEngine`: the greedy probe as built, then after losing the buffers and pushing the weights,
-    with the buffers put back from a snapshot taken beforehand (what `SleepManager` keeps) when `restore`. A random
-    model's greedy tokens often repeat one token whatever the positions say, so the rows compare log-probabilities
-    too. The engine gets its buffers back at the end either way."""
+    """On a live `ColocatedEngine`: the greedy probe as built, then after losing the buffers and pushing the weights
+    (buffers restored from a snapshot, as `SleepManager` keeps one, when `restore`); log-probs too, as a random model's
+    greedy tokens often repeat. The engine gets its buffers back at the end either way."""
     import torch
 
     before = engine.probe()
@@ -145,16 +142,13 @@ def lost_buffers(engine, trainer_model, restore: bool) -> list[dict]:
 
 
 # TRL's defaults for colocate mode, as the planner and the speed race name them
-TRL_DEFAULTS = dict(model="qwen2.5-1.5b", per_device_train_batch_size=8, gradient_checkpointing=True,
-                    max_completion_length=256)
+TRL_DEFAULTS = dict(model="qwen2.5-1.5b", per_device_train_batch_size=8, gradient_checkpointing=True, max_completion_length=256)
 
 
 def share_by_hand(vllm_gpu_memory_utilization: float | list[float], gpu_mem_gib: float | None = None,
                   **plan) -> tuple[list[dict], dict]:
-    """The planner's peak at the share given (picked by hand; or several, a row each) and at its own share, for TRL's
-    defaults (or `plan`) on this GPU (or a GPU of `gpu_mem_gib`; an H100 80 GB on a CPU); on a GPU each share also
-    trained for two steps (`try_plan`). Returns one row per share, and the planner's estimate at the (first) share
-    given, for its chart."""
+    """A row per share picked by hand and for the planner's own, on this GPU (an H100 on a CPU) or `gpu_mem_gib`: the
+    planner's peak and, on a GPU, two steps trained (`try_plan`); and the estimate at the first share, for its chart."""
     from colo_kit.env import has_cuda
     from colo_kit.memory.planner import estimate, recommend
 
@@ -184,10 +178,9 @@ def share_by_hand(vllm_gpu_memory_utilization: float | list[float], gpu_mem_gib:
 def try_plan(*, model: str, vllm_gpu_memory_utilization: float, per_device_train_batch_size: int,
              gradient_checkpointing: bool, max_completion_length: int, num_generations: int = 8, max_steps: int = 3,
              gpu: int = 0, timeout_s: float = 600, every_s: float = 0.2) -> dict:
-    """Train `max_steps` steps of `colo-kit train` with these settings in a child process (a run that dies of
-    out-of-memory leaves a CUDA context and an engine behind in its process: in a notebook's kernel that would poison
-    every cell after it). Returns {"completed", "seconds", "nvml_peak_gib" (the GPU's used memory at its highest, less
-    what was used before; None without a GPU), "error" (the line that says why it stopped), "out_of_memory"}."""
+    """Train `max_steps` steps of `colo-kit train` in a child process (an out-of-memory death would leave a CUDA context
+    in a notebook's kernel). Returns {"completed", "seconds", "nvml_peak_gib" (above what was used before; None without
+    a GPU), "error" (why it stopped), "out_of_memory"}."""
     from colo_kit.env import has_cuda
 
     argv = [sys.executable, "-m", "colo_kit", "train", "--model", model,
@@ -248,9 +241,8 @@ PUBLISHING = {"one name": ("one name, one folder", ("policy", "policy")),
 
 def one_adapter_name(replica_url: str, token: str | None, first, second, workdir,
                      prompt_tokens: int = 128, publish=tuple(PUBLISHING)) -> list[dict]:
-    """On a live LoRA replica: prompt tokens served from cached blocks when the second adapter version follows
-    the first under one name and folder, or under versioned names and folders (`publish`: keys of PUBLISHING;
-    the replica's own counters)."""
+    """On a live LoRA replica: prompt tokens served from cached blocks (its own counters) when a second adapter version
+    follows the first under one name and folder, or under versioned ones (`publish`: PUBLISHING's keys)."""
     unknown = [p for p in publish if p not in PUBLISHING]
     if unknown:
         raise ValueError(f"publish={unknown[0]!r}: use one of {list(PUBLISHING)}")
@@ -283,14 +275,14 @@ def one_adapter_name(replica_url: str, token: str | None, first, second, workdir
     workdir = Path(workdir)
     rows = []
     for case, names in (PUBLISHING[p] for p in publish):
-        folders = names  # a fixed-name sync overwrites one folder too
         post("/reset_prefix_cache")
         loaded = []
-        for version, (name, folder, src) in enumerate(zip(names, folders, (first, second)), start=1):
+        for version, (name, src) in enumerate(zip(names, (first, second)), start=1):
             if name in loaded:  # the new version replaces the old one under its name, as a fixed-name sync would
                 post("/v1/unload_lora_adapter", lora_name=name)
                 loaded.remove(name)
-            post("/v1/load_lora_adapter", lora_name=name, lora_path=copy_in(src, workdir / case.split()[0] / folder))
+            # one folder per name: a fixed-name sync overwrites one folder too
+            post("/v1/load_lora_adapter", lora_name=name, lora_path=copy_in(src, workdir / case.split()[0] / name))
             loaded.append(name)
             hits = reused(name)
             rows.append({"publishing": case, "version": version, "adapter name": name,

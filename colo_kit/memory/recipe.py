@@ -55,7 +55,9 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
         else:
             return {"fits": False, "why": rec["why"], "fields": [], "comments": [], "plan": base,
                     "model": base.model, "peak_gib_per_gpu": None}
-        chosen = replace(base, gradient_checkpointing=ckpt, **_planned(rec))
+        planned = ("vllm_gpu_memory_utilization", "sleep_level", "vllm_tensor_parallel_size", "zero_stage",
+                   "offload_optimizer", "expandable_segments")
+        chosen = replace(base, gradient_checkpointing=ckpt, **{k: rec[k] for k in planned})
         ckpt_why = ("without it the activations do not fit (modelled)" if ckpt else
                     "training fits without recomputing activations once the engine is sized by the planner")
     big = model_shape(chosen.model).num_params() >= STALE_FROM_PARAMS
@@ -168,11 +170,6 @@ def recipe(plan: Plan | None = None, num_generations: int = 8, **settings) -> di
     return {"fits": True, "fields": fields, "model": chosen.model, "comments": comments, "plan": chosen,
             "environment": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if chosen.expandable_segments else {},
             "peak_gib_per_gpu": est["peak_gib_per_gpu"]}
-
-
-def _planned(rec: dict) -> dict:
-    return {k: rec[k] for k in ("vllm_gpu_memory_utilization", "sleep_level", "vllm_tensor_parallel_size",
-                                "zero_stage", "offload_optimizer", "expandable_segments")}
 
 
 def to_yaml(r: dict) -> str:
