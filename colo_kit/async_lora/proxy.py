@@ -12,10 +12,9 @@ import time
 
 from colo_kit.async_lora.proxy_config import ProxyConfig  # noqa: F401  (notebook 06 imports it from here)
 from colo_kit.async_lora.proxy_metrics import ProxyMetrics
-from colo_kit.async_lora.proxy_replicas import (Broadcaster, HungUp, Replica, Retryable, content_type, describe, error,
-                                     send_upstream)
+from colo_kit.async_lora.proxy_replicas import Broadcaster, HungUp, Replica, Retryable, content_type, describe, error
 from colo_kit.async_lora.routing import (ANY, BROADCAST, OWN, PrefixIndex, PrefixKeyer, bearer_ok, choose_replica, load_bound,
-                              normalise_path, route_kind)
+                                         normalise_path, route_kind)
 
 log = logging.getLogger("colo_kit.async_lora.proxy")
 
@@ -121,8 +120,7 @@ class RoutingProxy:
     async def _ask_block_size(self) -> int:
         """The replicas' KV block size from `/server_info` (a dev-mode endpoint); 16 if none says."""
         for url in (u for u, r in self.replicas.items() if r.healthy):
-            status, text = await self._send(url, "GET", "/server_info?config_format=json", b"",
-                                            self._upstream_headers(), self.config.upstream_timeout_s)
+            status, text = await self._send(url, "GET", "/server_info?config_format=json")
             try:
                 return int(json.loads(text)["vllm_config"]["cache_config"]["block_size"])
             except (TypeError, ValueError, KeyError):
@@ -390,17 +388,26 @@ class RoutingProxy:
 
         query = f"?{request.query_string}" if request.query_string else ""
         for rep in sorted((r for r in self.replicas.values() if r.trusted), key=lambda r: not r.healthy):
-            status, text = await self._send(rep.url, request.method, path + query, body,
-                                            self._upstream_headers(request.headers), self.config.upstream_timeout_s)
+            status, text = await self._send(rep.url, request.method, path + query, body, self._upstream_headers(request.headers))
             if status is not None:
                 return web.Response(status=status, text=text, content_type=content_type(text))
             self._mark_dead(rep, text)
         return error(502, f"no replica answered {path}", "proxy_upstream_error")
 
-    async def _send(self, url, method, path, body, headers, timeout_s: float):
-        """One request to replica `url` with a deadline: (status, text), or (None, why)."""
-        return await send_upstream(self._session, self.config.upstream_urls.get(url, url) + path, method, body,
-                                   headers, timeout_s)
+    async def _send(self, url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+        """One request to replica `url` within --upstream-timeout-s: (status, text), or (None, why)."""
+        import aiohttp
+
+        timeout_s = self.config.upstream_timeout_s
+        try:
+            async with self._session.request(method, self.config.upstream_urls.get(url, url) + path, data=body,
+                                             headers=self._upstream_headers() if headers is None else headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status, (await r.read()).decode("utf-8", "replace")
+        except asyncio.TimeoutError:
+            return None, f"no answer within {timeout_s:g} s (--upstream-timeout-s)"
+        except (aiohttp.ClientError, OSError) as exc:
+            return None, describe(exc)
 
     async def _own(self, request, path):
         from aiohttp import web
@@ -410,9 +417,8 @@ class RoutingProxy:
             return web.json_response({"healthy_replicas": len(healthy), "replicas": len(self.replicas)},
                                      status=200 if healthy else 503)
         if path == "/get_world_size":
-            sizes = await asyncio.gather(*(self._send(r.url, "GET", "/get_world_size", b"", self._upstream_headers(),
-                                                      self.config.upstream_timeout_s)
-                                           for r in self.replicas.values() if r.healthy))
+            sizes = await asyncio.gather(*(self._send(r.url, "GET", "/get_world_size") for r in self.replicas.values()
+                                           if r.healthy))
             try:
                 total = sum(json.loads(t)["world_size"] for s, t in sizes if s == 200)
             except (ValueError, KeyError, TypeError):

@@ -155,8 +155,7 @@ class Broadcaster:
         if partial and partial[0] == payload:  # a retry after a partial failure: only where it failed
             already = partial[1]
             targets = [r for r in targets if r.url not in already]
-        results = await asyncio.gather(*(p._send(r.url, request.method, path + query, body, headers,
-                                                 p.config.upstream_timeout_s) for r in targets))
+        results = await asyncio.gather(*(p._send(r.url, request.method, path + query, body, headers) for r in targets))
         answers = {r.url: (s, t) for r, (s, t) in zip(targets, results)}
         for r, (s, t) in zip(targets, results):
             if s is None:
@@ -195,7 +194,7 @@ class Broadcaster:
     async def holds(self, rep: Replica, name, lora_path) -> bool:
         """Whether `rep` serves adapter `name` from `lora_path`."""
         p = self.proxy
-        status, text = await p._send(rep.url, "GET", "/v1/models", b"", p._upstream_headers(), p.config.upstream_timeout_s)
+        status, text = await p._send(rep.url, "GET", "/v1/models")
         try:
             return status == 200 and any(m.get("id") == name and m.get("root") == lora_path
                                          for m in json.loads(text)["data"])
@@ -224,8 +223,7 @@ class Broadcaster:
         for name, body in list(self.adapters.items()):
             if rep.url in self.loaded.get(name, set()):
                 continue
-            status, text = await p._send(rep.url, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(),
-                                         headers, p.config.upstream_timeout_s)
+            status, text = await p._send(rep.url, "POST", "/v1/load_lora_adapter", json.dumps(body).encode(), headers)
             if status == 200 or (already_done("/v1/load_lora_adapter", status, text)
                                  and await self.holds(rep, name, body.get("lora_path"))):
                 self.loaded.setdefault(name, set()).add(rep.url)
@@ -233,7 +231,7 @@ class Broadcaster:
                 p.counters["replay_failures"] += 1
                 log.warning("replaying adapter %s on %s failed (%s): skipped", name, rep.url, status)
         if self.paused:
-            await p._send(rep.url, "POST", "/pause?mode=keep", b"", p._upstream_headers(), p.config.upstream_timeout_s)
+            await p._send(rep.url, "POST", "/pause?mode=keep")
 
     def forget(self, url: str) -> None:
         for names in self.loaded.values():
@@ -255,16 +253,3 @@ def error(status: int, message: str, kind: str):
 
     return web.json_response({"error": {"message": f"colo_kit proxy: {message}", "type": kind}}, status=status)
 
-
-async def send_upstream(session, url: str, method: str, body: bytes, headers: dict, timeout_s: float):
-    """One request with a deadline: (status, text), or (None, why)."""
-    import aiohttp
-
-    try:
-        async with session.request(method, url, data=body, headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            return r.status, (await r.read()).decode("utf-8", "replace")
-    except asyncio.TimeoutError:
-        return None, f"no answer within {timeout_s:g} s (--upstream-timeout-s)"
-    except (aiohttp.ClientError, OSError) as exc:
-        return None, describe(exc)
