@@ -11,6 +11,9 @@ import re
 from collections.abc import Sequence
 from decimal import Decimal
 
+from colo_kit.answers.answer_check import last_boxed
+from colo_kit.answers.math500 import CheckerTimeout, UnparseableGold, is_correct
+
 MAX_TARGET_CHARS = 10**9  # a completion longer than this is not generated
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")  # 1e20, as a float gold is written
 
@@ -66,16 +69,12 @@ def _gold_text(gold) -> str | None:
 
 def _same_number(text: str, gold) -> bool:
     """A boxed answer written as Python writes a float (1e20) equal to a number gold: the checker reads `e` as Euler's."""
-    from colo_kit.answers.answer_check import last_boxed
-
     boxed = (last_boxed(text) or "").strip()
     return isinstance(gold, numbers.Real) and _SCIENTIFIC.fullmatch(boxed) is not None and float(boxed) == gold
 
 
 def math500_reward(completions, answer, **kwargs) -> list[float | None]:
     """1.0 / 0.0 per completion against the gold `answer` column; None where gold is unparseable."""
-    from colo_kit.answers.math500 import CheckerTimeout, UnparseableGold, is_correct
-
     completions = _completion_list(completions)
     if isinstance(answer, (str, bytes, bytearray, dict, numbers.Number)) or not hasattr(answer, "__len__"):
         answer = [answer] * len(completions)  # one gold answer for every completion (None included)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -194,8 +195,6 @@ class Timeline:
 
     def phase_per_step(self, skip_steps: int = 1) -> dict[str, dict[str, float]]:
         """Median seconds per device per phase per step after the first `skip_steps` (robust to one disturbed step)."""
-        import statistics
-
         steps = sorted(s["step"] for s in self.meta.get("steps", []))[skip_steps:]
         per: dict[str, dict[str, dict[int, float]]] = {}
         for iv in self.intervals:

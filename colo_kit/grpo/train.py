@@ -11,9 +11,14 @@ import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import colo_kit
+from colo_kit.data import load_tldr
 from colo_kit.env import has_cuda, vllm_eager
-from colo_kit.paths import runs_dir
+from colo_kit.gpu_free import check_share
 from colo_kit.grpo.train_checks import check_settings
+from colo_kit.models import resolve_model
+from colo_kit.paths import runs_dir
+from colo_kit.procs import claim_rendezvous_port
 
 
 @dataclass
@@ -141,8 +146,6 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     `http_weight_sync` (serving.server), `vllm_enforce_eager` (an engine starts in seconds, decodes more slowly),
     `push_bucket_mb` (colocate.bucketed_push), `kv_only_sleep` (colocate.kv_sleep).
     """
-    import colo_kit
-
     if kv_only_sleep and not vllm_enable_sleep_mode:  # refused before a model loads
         raise ValueError("kv_only_sleep=True changes how the engine sleeps: it needs vllm_enable_sleep_mode=True")
     if mode == "colocate" and vllm_enable_sleep_mode and not has_cuda():  # pydantic's error would come after the load
@@ -156,8 +159,6 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
     colo_kit.setup()  # before TRL builds an engine: vLLM-CPU's settings, thread counts
     from trl import GRPOTrainer
 
-    from colo_kit.data import load_tldr
-    from colo_kit.models import resolve_model
     from colo_kit.colocate.engine import trl_llm_overrides
     from colo_kit.colocate.vllm_compat import make_room_for_an_engine, stdout_with_fd
 
@@ -186,12 +187,8 @@ def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", da
         settings["http_weight_sync"] = bool(sync)
     try:
         if mode == "colocate":
-            from colo_kit.procs import claim_rendezvous_port
-
             claim_rendezvous_port()  # vLLM's group in this process; TRL's picker would try 29500 first
             make_room_for_an_engine()  # TRL builds an engine: free what dropped ones held, a graph pool of its own
-            from colo_kit.gpu_free import check_share
-
             # another kernel's engine on this GPU: one line now, not vLLM's assert after the model loads
             check_share(vllm_gpu_memory_utilization, int(os.environ.get("LOCAL_RANK", 0)))
         if vllm_enforce_eager is None and vllm_eager(False):  # COLO_KIT_VLLM_EAGER=1 (GPU test suites)

@@ -3,7 +3,19 @@ value and the fix, instead of failing 10-30 s later inside TRL or vLLM (notebook
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
+import re
+import reprlib
+import socket
+import types
+import typing
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from colo_kit.models import PRESETS
 
 MODES = ("colocate", "server", "plain")
 MAX_PER_DEVICE_BATCH = 65536  # completions per device per step; the planner's recipes use 8-256
@@ -14,8 +26,6 @@ MAX_YAML_ALIASES = 16  # `*name` repeats a whole value: 9 levels of 9 make 9**9 
 
 def shown(value, limit: int = 80) -> str:
     """`repr(value)` cut to `limit` characters: an error message never formats a whole huge value."""
-    import reprlib
-
     short = reprlib.Repr()
     short.maxlist = short.maxtuple = short.maxdict = 8
     short.maxstring = short.maxother = limit
@@ -44,8 +54,6 @@ def check_settings(mode: str, *, max_steps: int, num_generations: int, per_devic
                    max_completion_length: int | None = None, learning_rate: float | None = None,
                    seed: int | None = None) -> None:
     """Raise ValueError naming the bad value and the fix; the keywords are GRPOConfig fields, None ones unchecked."""
-    import math
-
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
     for name, value, least in (("max_steps", max_steps, 1), ("num_generations", num_generations, 2),
@@ -82,8 +90,6 @@ def check_settings(mode: str, *, max_steps: int, num_generations: int, per_devic
 
 def check_server_url(url) -> None:
     """An http(s) URL with a host and a valid port: anything else TRL refuses only after its 240 s wait."""
-    from urllib.parse import urlsplit
-
     try:
         parts = urlsplit(url) if isinstance(url, str) else None
         ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
@@ -97,9 +103,6 @@ def check_server_url(url) -> None:
 
 def check_server_listens(url: str, timeout_s: float = 3.0) -> None:
     """Something accepts connections at `url`'s host and port: else TRL waits 240 s after the model loads."""
-    import socket
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
@@ -111,10 +114,6 @@ def check_server_listens(url: str, timeout_s: float = 3.0) -> None:
 
 def check_train_args(kit) -> None:
     """The kit's own settings, from flags or a YAML (which TRL's parser hands on unchecked): types, choices, a model folder."""
-    import dataclasses
-    import os
-    import typing
-
     kinds = typing.get_type_hints(type(kit))
     for f in dataclasses.fields(kit):
         value, choices = getattr(kit, f.name), f.metadata.get("choices")
@@ -128,11 +127,6 @@ def check_train_args(kit) -> None:
 
 def model_max_positions(model: str) -> int | None:
     """The model's `max_position_embeddings` when its config can be read without a download; None otherwise."""
-    import json
-    import os
-
-    from colo_kit.models import PRESETS
-
     model = str(model)
     config = None
     if os.path.isdir(model):
@@ -172,10 +166,7 @@ def check_context(model: str, max_completion_length: int | None) -> None:
 
 def _fits(value, kind) -> bool | None:
     """Whether `value` is of the GRPOConfig field type `kind`; None for a type this check does not know."""
-    import types as pytypes
-    import typing
-
-    if typing.get_origin(kind) in (typing.Union, pytypes.UnionType):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
         args = typing.get_args(kind)
         if value is None and type(None) in args:
             return True
@@ -198,9 +189,6 @@ def _kind_name(kind) -> str:
 
 def loss_types() -> tuple[str, ...]:
     """The loss_type values TRL implements, read from its GRPOConfig help; empty if that help changes."""
-    import dataclasses
-    import re
-
     from trl import GRPOConfig
 
     help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type")
@@ -211,9 +199,6 @@ def loss_types() -> tuple[str, ...]:
 def check_grpo_fields(fields: dict) -> None:
     """Raise ValueError naming a GRPOConfig field TRL would fail on only once the model is loaded: a wrong type (TrlParser
     hands a YAML's values on unconverted), an unknown loss_type, a bad temperature or beta."""
-    import math
-    import typing
-
     from trl import GRPOConfig
 
     kinds = typing.get_type_hints(GRPOConfig)  # not the fields' .type, which HfArgumentParser rewrites in place

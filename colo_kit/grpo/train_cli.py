@@ -3,13 +3,16 @@ or `--config recipe.yaml`) and the kit's few knobs (`TrainArgs`), all checked be
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+from colo_kit.commands import UsageError, writable_dir, writable_file
 from colo_kit.env import has_cuda
 from colo_kit.grpo.train import RUN_DEFAULTS
 from colo_kit.grpo.train_checks import (MODES, check_context, check_grpo_fields, check_server_listens, check_settings,
                                         check_train_args, check_yaml_aliases)
+from colo_kit.models import resolve_model
 
 
 @dataclass
@@ -43,8 +46,6 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
     an unknown name is a one-line `UsageError`."""
     import yaml
     from trl import GRPOConfig, TrlParser
-
-    from colo_kit.commands import UsageError
 
     args = _config_apart(list(argv))
     if "--config" in args and args.index("--config") == len(args) - 1:
@@ -103,11 +104,7 @@ def parse(argv: list[str]) -> tuple[dict, TrainArgs, list[str]]:
 
 
 def cli_main(argv: list[str]) -> int:
-    import json
-
     from colo_kit.grpo import train  # looked up at call time: tests stand a recording run_grpo in for it
-    from colo_kit.commands import UsageError, writable_dir, writable_file
-    from colo_kit.models import resolve_model
 
     grpo, kit, given = parse(argv)
     checked = {k: grpo[k] for k in given if k in grpo}  # as given: their types are checked below

@@ -12,11 +12,15 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import nullcontext, suppress
 from pathlib import Path
 
-from colo_kit.env import describe, has_cuda
+from colo_kit.env import Machine, describe, gpu_count, has_cuda
+from colo_kit.models import resolve_model
 from colo_kit.paths import runs_dir
+from colo_kit.procs import child_env, free_port
+from colo_kit.serving.server import KEY_ENV, server_headers, server_key, start_server
 from colo_kit.serving.bench_results import (attach_model, load_result, merge_results, summarize,  # noqa: F401
                                             throughput_figure, variants, write_plots)
 from colo_kit.colocate.engine_reuse import ENGINE_BUILDS, release_engines, reuse_engines  # noqa: F401
@@ -122,8 +126,6 @@ def _free_rendezvous_port() -> None:
     """A lone process's torch.distributed group gets a free port, not 29500, which other runs on the host hold."""
     import torch.distributed as dist
 
-    from colo_kit.procs import free_port
-
     if "LOCAL_RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
         return
     os.environ["MASTER_PORT"] = str(free_port())
@@ -133,8 +135,6 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
                     prompt_len: int = 64) -> float:
     """Seconds the server takes for `batch` completions of exactly `max_tokens` tokens (the ping-pong model's cost curve)."""
     import httpx
-
-    from colo_kit.serving.server import server_headers
 
     n_prompts = max(1, batch // num_generations)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n_prompts)]
@@ -176,9 +176,6 @@ def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = Non
         return out
     plan = workdir / f"plan-{int(time.time() * 1000)}.json"
     plan.write_text(json.dumps({"configs": configs, "out": str(workdir)}))
-    from colo_kit.procs import child_env
-    from colo_kit.serving.server import KEY_ENV, server_key
-
     # the server's key, through the workers' environment (TRL's client there reads it)
     env = child_env(gpus, **{KEY_ENV: k for c in configs if (k := server_key(c.get("vllm_server_base_url") or ""))})
     log_path = workdir / (plan.stem + ".log")
@@ -215,8 +212,6 @@ def _worker_main(plan_path: str) -> int:
         try:
             rec = measure(**cfg, timeline_dir=plan["out"])
         except Exception as exc:
-            import traceback
-
             traceback.print_exc()
             # written like a measurement, or the config would read as "exited 0 with no record"
             rec = {"label": cfg["label"], "mode": cfg["mode"],
@@ -233,8 +228,6 @@ def _worker_main(plan_path: str) -> int:
 def live_settings(machine=None) -> dict:
     """Notebook 01's live run on this machine, and (`plan`) one line saying what it is: one batch, 3 steps per mode, eager
     engines (they start 50-90 s sooner but decode more slowly than the committed H200 sweep's)."""
-    from colo_kit.env import Machine
-
     m = machine or Machine.here()
     if not m.gpus:
         return dict(model="tiny", per_device_train_batch_size=8, num_generations=4, max_completion_length=32, max_steps=3,
@@ -266,9 +259,6 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
     adds colocate variants at the largest batch; `server`: a running `VLLMServer`; `budget_s`: a wall-clock budget, the
     configs finished by then kept.
     """
-    from colo_kit.models import resolve_model
-    from colo_kit.serving.server import start_server
-
     for b in batches:
         if b % num_generations:
             raise ValueError(f"batch {b} is not a multiple of num_generations={num_generations}")
@@ -278,8 +268,6 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
     gpu = has_cuda()
     shared = False
     if gpu:
-        from colo_kit.env import gpu_count
-
         n_devices = n_devices or gpu_count()
         shared = n_devices == 1
         if shared:

