@@ -5,6 +5,7 @@ keeps `torch.cuda.is_available()` from initialising CUDA, so the process can sti
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -195,11 +196,8 @@ def describe() -> dict:
                      ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed", "math-verify")},
     }
     info["versions"]["vllm"] = vllm_version()
-    try:
-        with open("/proc/meminfo") as f:
-            info["host_mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        info["host_mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     gpus = visible_gpus()
     if gpus:
         import pynvml

@@ -4,6 +4,7 @@ reaches a hub, so `build_model("qwen2.5-1.5b")` writes Qwen2.5-1.5B-Instruct's e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -144,12 +145,10 @@ def _meta_param_counts(shape: tuple) -> tuple[int, int]:
         model = AutoModelForCausalLM.from_config(qwen2_config(Preset("count", None, *shape)))
     # parameters() yields a tied embedding / LM head once
     counts = (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.model.layers[0].parameters()))
-    try:  # a read-only cache only costs the next process the build again
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next process the build again
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: list(counts)}))
         os.replace(tmp, path)
-    except OSError:
-        pass
     return counts
 
 
@@ -241,8 +240,6 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         device = "cuda" if preset.num_params() > 3e9 and torch.cuda.is_available() else "cpu"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.generation_config.eos_token_id = config.eos_token_id
-        model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "colo_kit.json").write_text(json.dumps({"preset": asdict(preset), "seed": seed, "dtype": "bfloat16",

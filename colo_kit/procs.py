@@ -3,6 +3,7 @@ server's engine core, which holds the GPU memory, is its child, so each server l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -53,12 +54,10 @@ def child_env(gpus: str | None = None, **extra: str) -> dict:
 
 def die_with_parent() -> None:
     """`preexec_fn` of a server the kit starts: SIGTERM when its starter dies, even by SIGKILL (no atexit then)."""
-    try:
+    with contextlib.suppress(Exception):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def start_in_session(argv: list[str], env: dict, log_path: str | Path) -> subprocess.Popen:
@@ -117,17 +116,13 @@ def stop_groups(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
     """SIGTERM each of `procs`' process groups (server + engine core), wait up to `timeout_s`, then SIGKILL."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + timeout_s
     for p in running:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(timeout=10)
