@@ -221,8 +221,7 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
     if marker.exists() and not force:
         return out
 
-    # a folder of this process's own: two kernels (or test workers) building the same preset at once must not
-    # write into one half-built folder
+    # a folder of this process's own: two kernels building the same preset at once must not share a half-built one
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -235,8 +234,7 @@ def build_model(preset_name: str = "tiny", *, seed: int = 0, force: bool = False
         config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
         torch.manual_seed(seed)
-        # 7B's random init takes minutes on a CPU, seconds on a GPU; smaller presets keep the CPU's generator,
-        # which gives the same weights for a seed on every machine
+        # 7B's init takes minutes on a CPU; smaller presets keep the CPU's generator: one seed, one set of weights anywhere
         device = "cuda" if preset.num_params() > 3e9 and torch.cuda.is_available() else "cpu"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
