@@ -41,8 +41,7 @@ class TorchVarlenAttention:
 
 @contextmanager
 def cpu_async_grpo_patches(tokenizer=None) -> Iterator[list[str]]:
-    """Within a `with` block, replace what stops TRL's AsyncGRPOTrainer on a CPU (the FA3 kernel, the peak-FLOPs lookup,
-    the tiny tokenizer's missing response template); yields what was patched."""
+    """Within a `with` block, replace what stops TRL's AsyncGRPOTrainer on a CPU; yields what was patched."""
     import torch
     from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
 
@@ -112,14 +111,13 @@ class BearerRequests:
 
 
 def bearer_rollout_loop(loop_cls, token_env: str, **kwargs):
-    """TRL's rollout loop sending `Authorization: Bearer $token_env`, read in the spawned child (nothing secret is
-    pickled); TRL's session is used from `_post` only."""
+    """TRL's rollout loop sending `Authorization: Bearer $token_env`, read in the spawned child so nothing secret is pickled."""
     loop = loop_cls(**kwargs)
     authorization = f"Bearer {os.environ.get(token_env, '')}"
     post = loop._post
 
     async def _post(*args, **kw):
-        loop.session.headers["Authorization"] = authorization  # the session's default headers, as TRL made it
+        loop.session.headers["Authorization"] = authorization  # TRL uses its session from `_post` only
         return await post(*args, **kw)
 
     loop._post = _post
@@ -216,8 +214,7 @@ def run_async_grpo(vllm_server_base_url: str, model: str, output_dir: str | os.P
                    max_steps: int = 3, num_generations: int = 4, per_device_train_batch_size: int = 8,
                    max_completion_length: int = 16, max_staleness: int = 1, learning_rate: float = 4e-5,
                    lora_rank: int = 1, lora_alpha: int = 2, client_token_env: str | None = None, **config) -> dict:
-    """TRL's AsyncGRPOTrainer with the post's LoRA (rank 1, alpha 2) against the proxy; returns the log history, what
-    was patched and the adapter versions published."""
+    """TRL's AsyncGRPOTrainer with the post's LoRA (rank 1, alpha 2) against the proxy; returns its logs and what it did."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer

@@ -124,12 +124,11 @@ def replica_launch(model: str, *, port: int, host: str = "127.0.0.1", max_stalen
                    max_model_len: int | None = None, gpu: int | None = None, dtype: str | None = None,
                    gpu_memory_utilization: float | None = None, sleep_level: int | None = None,
                    enforce_eager: bool | None = None) -> ReplicaLaunch:
-    """One vLLM replica serving `model` plus runtime-loaded adapters (dev mode serves TRL's `/pause` and `/resume`); the
-    API key goes into the environment, never the command line `ps` shows."""
+    """One vLLM replica serving `model` and runtime-loaded adapters; the API key goes in its environment, never its argv."""
     max_loras = max_loras_for(max_staleness) if max_loras is None else max_loras
     check_slots(max_loras, max_staleness)
     check_sleep_level(sleep_level, adapter_only=True)
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves TRL's /pause, /resume
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if api_key_env:
@@ -167,8 +166,7 @@ class AdapterMismatch(RuntimeError):
 
 def probe_adapters(replica_urls: list[str], lora_name: str, lora_path: str | None = None, *,
                    token: str | None = None, generate: bool = True, timeout_s: float = 60.0) -> list[dict]:
-    """Check that every replica lists `lora_name` (from `lora_path`, if given) and, with `generate`, completes a token
-    with it; raises `AdapterMismatch` naming the replicas that do not."""
+    """Check every replica lists `lora_name` (from `lora_path`) and, with `generate`, completes with it; else AdapterMismatch."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}

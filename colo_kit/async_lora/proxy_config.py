@@ -22,37 +22,30 @@ class ProxyConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "anything but loopback needs --client-token-env"})
     port: int = field(default=8000, metadata={"help": "1-65535; 0 picks a free one"})
     token_env: str | None = field(default=None, metadata={
-        "metavar": "NAME",
-        "help": "environment variable holding the replicas' API key (sent upstream as Authorization: Bearer)"})
+        "metavar": "NAME", "help": "environment variable holding the replicas' API key (sent upstream as a Bearer token)"})
     client_token_env: str | None = field(default=None, metadata={
         "metavar": "NAME", "help": "environment variable holding the key every client must send (401 otherwise)"})
     adapter_root: str | None = field(default=None, metadata={
-        "metavar": "DIR", "help": "the shared directory adapters are published under; adapter loads outside it "
-                                  "are refused, and without it every adapter load is"})
+        "metavar": "DIR", "help": "the shared directory adapters are published under; loads outside it, or all without it, fail"})
     block_size: int | None = field(default=None, metadata={
         "help": "the replicas' KV block size in tokens; None asks them (16 if they do not say)"})
     max_prefix_blocks: int = field(default=64, metadata={"help": "leading KV blocks of a prompt that pick its replica"})
-    prefix_index_size: int = field(default=65536, metadata={
-        "help": "prefix hashes remembered for routing, least recently used first out"})
+    prefix_index_size: int = field(default=65536, metadata={"help": "prefix hashes kept for routing, least recently used out"})
     policy: str = field(default="affinity", metadata={
         "choices": ["affinity", "round_robin"], "help": "round_robin is the baseline the post compares against"})
     imbalance: float = field(default=1.2, metadata={"help": "bound on max/mean in-flight load"})
     slack: int = field(default=8, metadata={"help": "extra in-flight requests allowed above the bound"})
-    tokenizer: str | None = field(default=None, metadata={
-        "help": "model folder whose tokenizer.json tokenises text prompts"})
+    tokenizer: str | None = field(default=None, metadata={"help": "model folder whose tokenizer.json tokenises text prompts"})
     max_body_mb: float = field(default=16.0, metadata={"help": f"larger request bodies get 413 (at most {MAX_BODY_MB})"})
-    upstream_timeout_s: float = field(default=30.0, metadata={
-        "help": "how long broadcasts and health checks wait for a replica"})
-    request_timeout_s: float = field(default=600.0, metadata={
-        "help": "how long one generation may take (thousands of tokens take minutes)"})
+    upstream_timeout_s: float = field(default=30.0, metadata={"help": "how long broadcasts and health checks wait for a replica"})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "how long one generation may take (a long one: minutes)"})
     health_interval_s: float = field(default=1.0, metadata={
         "aliases": ["--health-interval"], "metavar": "S", "help": "seconds between health polls of each replica"})
     health_failures_to_drop: int = field(default=2, metadata={
         "help": "consecutive failed health polls that drop a replica (a refused connection drops it at once)"})
     connect_timeout_s: float = field(default=2.0, metadata={"help": "how long a connection to a replica may take"})
     client_timeout_s: float = field(default=30.0, metadata={
-        "help": "how long a client may take to send a request's head, and then its body; silent sockets are "
-                "closed after it"})
+        "help": "how long a client may take to send a request's head, and then its body; silent sockets are closed after it"})
     max_attempts: int = field(default=3, metadata={"help": "replicas a request is tried on before a 502"})
     token: str | None = field(default=None, init=False, repr=False)
     client_token: str | None = field(default=None, init=False, repr=False)

@@ -171,11 +171,9 @@ class Broadcaster:
         missed = sorted({u for u, (s, _) in answers.items() if s is None} | set(skipped))
         refused = {u: (s, t) for u, (s, t) in answers.items() if s is not None and s >= 300 and u not in converged}
         self.remember(path, name, payload, ok, refused)
-        if refused and not ok:
-            statuses = {s for s, _ in refused.values()}
-            if len(statuses) == 1:  # the same answer everywhere: the caller's problem, pass it through
-                s, t = next(iter(refused.values()))
-                return web.Response(status=s, text=t, content_type=content_type(t))
+        if refused and not ok and len({s for s, _ in refused.values()}) == 1:  # the same answer everywhere: pass it on
+            s, t = next(iter(refused.values()))
+            return web.Response(status=s, text=t, content_type=content_type(t))
         if refused:
             counters["broadcast_failures"] += 1
             log.warning("broadcast %s: mixed answers (%s)", path, {u: s for u, (s, _) in refused.items()})

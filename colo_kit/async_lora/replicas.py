@@ -88,8 +88,7 @@ def _start_waves(launches: list[ReplicaLaunch]) -> list[list[int]]:
 
 
 def placement(n: int, machine=None, *, share_gib: float | None = None) -> list[dict]:
-    """Where `n` replicas go: one GPU each when there are enough (the post's layout), else shared round-robin at an equal
-    part of 0.9; `share_gib` caps each share."""
+    """Where `n` replicas go: a GPU each if enough (the post's layout), else equal shares of 0.9 (`share_gib` at most)."""
     from colo_kit.env import Machine
 
     machine = machine or Machine.here()
@@ -141,8 +140,7 @@ def measure_prefix_hits(url: str, replica_urls: list[str], prompts: list, group_
                         token: str | None = None, headers: dict | None = None, concurrent_groups: int = 2,
                         max_tokens: int = 4, seed_rng: random.Random | None = None,
                         timeout_s: float = 600.0) -> dict:
-    """Send `prompts` as GRPO groups of `group_size` n=1 requests (as TRL's rollout worker does); return the per-replica
-    counter deltas, each request's latency and the wall time."""
+    """Send `prompts` as GRPO groups of `group_size` requests, as TRL's rollout worker does; return counters and latencies."""
     import asyncio
 
     import aiohttp
@@ -183,8 +181,7 @@ def prefix_hit_rate_experiment(proxy_url: str, replica_urls: list[str], model: s
                                group_size: int = 8, prompt_tokens: int = 256, shared_prefix_tokens: int = 0,
                                max_tokens: int = 4, concurrent_groups: int = 2, vocab: int = 1000, seed: int = 0,
                                token: str | None = None, timeout_s: float = 600.0) -> dict:
-    """The replicas' prefix-cache hit rate (tokens) for `groups` GRPO groups of random token-id prompts through the proxy,
-    caches reset first; `shared_prefix_tokens`: a preamble every prompt starts with."""
+    """The replicas' prefix-cache hit rate (in tokens) for `groups` GRPO groups of random prompts through the proxy."""
     import httpx
 
     rng = random.Random(seed)

@@ -53,8 +53,7 @@ def route_kind(method: str, path: str) -> str | None:
 
 
 class PrefixKeyer:
-    """A request body -> the chained hashes of its prompt's leading full blocks (vLLM's prefix-cache key), salted with the
-    requested model (the adapter name)."""
+    """A request body -> the chained hashes of its prompt's leading blocks (vLLM's prefix-cache key), salted with the model."""
 
     def __init__(self, block_size: int = 16, max_prefix_blocks: int = 64, tokenizer: str | None = None):
         self.block_size = block_size
@@ -170,8 +169,7 @@ def load_bound(inflight: dict[str, int], healthy: list[str], imbalance: float, s
 
 def choose_replica(key: bytes | None, healthy: list[str], inflight: dict[str, int], *,
                    imbalance: float = 1.2, slack: int = 8) -> tuple[str, bool]:
-    """(replica, top-ranked) for an unseen prefix: the first in `key`'s rendezvous order within the load bound, else the
-    least loaded."""
+    """(replica, top-ranked) for an unseen prefix: the first in rendezvous order within the load bound, else the least loaded."""
     if not healthy:
         raise LookupError("no healthy replica")
     if key is None:
@@ -208,8 +206,7 @@ def vet_adapter_load(body, adapter_root: str | None) -> tuple[str | None, str | 
 
 
 def already_done(path: str, status: int | None, text: str) -> bool:
-    """Whether a replica's refusal of a broadcast says it is already in the state asked for, so a retry converges
-    (vllm/entrypoints/openai/models/serving.py)."""
+    """Whether a replica's refusal says it is already in the state asked for (vllm/entrypoints/openai/models/serving.py)."""
     if path == "/v1/load_lora_adapter":
         return status == 400 and "has already been loaded" in text
     if path == "/v1/unload_lora_adapter":
