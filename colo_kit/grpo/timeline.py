@@ -13,13 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # TRL profiling names (after the "GRPOTrainer." prefix) -> the post's phases.
-TRL_PHASES = {
-    "vLLM.generate": "generation",
-    "transformers.generate": "generation",
-    "sync_weights": "weight_sync",
-    "compute_loss": "forward",
-    "_calculate_rewards": "scoring",
-}
+TRL_PHASES = {"vLLM.generate": "generation", "transformers.generate": "generation", "sync_weights": "weight_sync",
+              "compute_loss": "forward", "_calculate_rewards": "scoring"}
 BUSY = ("generation", "weight_sync", "scoring", "forward", "backward", "optimizer", "sleep", "wake_up")
 COLORS = {"generation": "#1f77b4", "weight_sync": "#9467bd", "scoring": "#8c564b", "forward": "#2ca02c",
           "backward": "#98df8a", "optimizer": "#bcbd22", "sleep": "#7f7f7f", "wake_up": "#c7c7c7",

@@ -130,15 +130,13 @@ def _step_log(run: GRPORun, on_step=None):
     return StepLog()
 
 
-def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None,
-             num_prompts: int = 256, max_steps: int = 20, num_generations: int = 4,
-             per_device_train_batch_size: int = 8, max_completion_length: int = 32, learning_rate: float = 1e-3,
-             seed: int = 0, target_length: int = 20, vllm_gpu_memory_utilization: float = 0.3,
-             vllm_enable_sleep_mode: bool = False, vllm_server_base_url: str | None = None,
-             output_dir: str | Path | None = None, callbacks=(),
-             on_step=None, on_trainer=None, http_weight_sync: bool = False,
-             vllm_enforce_eager: bool | None = None, push_bucket_mb: float | None = None,
-             kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
+def run_grpo(model: str = "tiny", mode: str = "colocate", *, reward="length", dataset=None, num_prompts: int = 256,
+             max_steps: int = 20, num_generations: int = 4, per_device_train_batch_size: int = 8,
+             max_completion_length: int = 32, learning_rate: float = 1e-3, seed: int = 0, target_length: int = 20,
+             vllm_gpu_memory_utilization: float = 0.3, vllm_enable_sleep_mode: bool = False,
+             vllm_server_base_url: str | None = None, output_dir: str | Path | None = None, callbacks=(), on_step=None,
+             on_trainer=None, http_weight_sync: bool = False, vllm_enforce_eager: bool | None = None,
+             push_bucket_mb: float | None = None, kv_only_sleep: bool = False, **config_overrides) -> GRPORun:
     """Train with TRL's GRPOTrainer and return the per-step log.
 
     `GRPOConfig` fields take TRL's names and any other passes through (`beta=0.04`); `dataset` defaults to the tl;dr

@@ -34,6 +34,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
             label: str | None = None, timeline_dir: str | Path | None = None, warmup_steps: int = 1,
             **overrides) -> dict:
     """Train `max_steps` GRPO steps here and return this rank's record; `timeline_dir` gets `timeline_<label>_rank<r>.json`."""
+    import torch
+
     from colo_kit.grpo.train import run_grpo
 
     if max_steps <= warmup_steps:
@@ -54,8 +56,6 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
 
     _free_rendezvous_port()
     if has_cuda():  # this process's own peaks, beside NVML's whole-GPU view (see `torch_peak_gib`)
-        import torch
-
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     try:
@@ -80,7 +80,6 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
                      "samples": completions, "reward": row.get("reward"), "generated": "reward" in row})
     meas = [r for r in rows[warmup_steps:] if r["step_time_s"]]
     total_s = sum(r["step_time_s"] for r in meas)
-    per_step = tl.phase_per_step(skip_steps=warmup_steps)
     rec = {
         "label": label, "mode": mode, "model": model, "rank": rank, "world_size": world,
         "per_device_train_batch_size": per_device_train_batch_size, "num_generations": num_generations,
@@ -90,10 +89,11 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
         "tokens_per_s": round(sum(r["tokens"] for r in meas) / total_s, 1) if total_s else None,
         "samples_per_s": round(sum(r["samples"] for r in meas) / total_s, 3) if total_s else None,
         "idle_fraction": tl.idle_fraction(skip_steps=warmup_steps),
-        "phase_s_per_step": per_step,
+        "phase_s_per_step": tl.phase_per_step(skip_steps=warmup_steps),
         "peak_mem_gib": sampler.peak_mem_gib(),
         # NVML's peak split into the tensors (allocated) and PyTorch's cache (reserved); wrong under sleep mode
-        "torch_peak_gib": _torch_peaks(),
+        "torch_peak_gib": {"allocated": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                           "reserved": round(torch.cuda.max_memory_reserved() / 2**30, 2)} if has_cuda() else None,
         "mean_util_pct": sampler.mean_util_pct(),
         "settings": {k: v for k, v in run.settings.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "elapsed_s": run.elapsed_s,
@@ -106,20 +106,8 @@ def measure(mode: str, *, model: str = "tiny", per_device_train_batch_size: int 
     del run  # and its trainer, before the next config builds one
     gc.collect()
     if has_cuda():
-        import torch
-
         torch.cuda.empty_cache()
     return rec
-
-
-def _torch_peaks() -> dict | None:
-    if not has_cuda():
-        return None
-    import torch
-
-    gib = 2 ** 30
-    return {"allocated": round(torch.cuda.max_memory_allocated() / gib, 2),
-            "reserved": round(torch.cuda.max_memory_reserved() / gib, 2)}
 
 
 def _free_rendezvous_port() -> None:
@@ -304,16 +292,15 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
                 cfgs = [dict(base, mode="server", per_device_train_batch_size=b, label=f"server-b{b}",
                              vllm_server_base_url=srv.url, server_pid=srv.pid,
                              **({"http_weight_sync": True} if shared else {})) for b in desc]
-                # generation-only probes first, after one small request that pays any first-request cost
-                if gen_probe_batches:
+                if gen_probe_batches:  # generation-only probes first, after one small request that pays any first-request cost
+                    model_path = str(resolve_model(model))
                     with suppress(Exception):
-                        time_generation(srv.url, str(resolve_model(model)), num_generations,
-                                        num_generations=num_generations, max_tokens=8)
+                        time_generation(srv.url, model_path, num_generations, num_generations=num_generations, max_tokens=8)
                 for B in gen_probe_batches:
                     try:
-                        gen_probe.append({"batch": B, "gen_s": time_generation(
-                            srv.url, str(resolve_model(model)), B, num_generations=num_generations,
-                            max_tokens=max_completion_length)})
+                        gen_s = time_generation(srv.url, model_path, B, num_generations=num_generations,
+                                                max_tokens=max_completion_length)
+                        gen_probe.append({"batch": B, "gen_s": gen_s})
                     except Exception as exc:
                         gen_probe.append({"batch": B, "error": repr(exc)[:300]})
                     log.info("gen probe %s", gen_probe[-1])
@@ -340,8 +327,7 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
     result = {
         "env": describe(),
         "settings": dict(base, batches=list(batches), n_devices=n_devices, k_server=k, server_gpus=server_gpus,
-                         server_shares_the_trainer_gpu=shared,
-                         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                         server_shares_the_trainer_gpu=shared, vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                          extra_colocate=extra_colocate or {}),
         "server": server_info,
         "runs": records,

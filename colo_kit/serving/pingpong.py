@@ -110,7 +110,7 @@ def _plain_runs(records: list[dict]) -> list[dict]:
             and r.get("label", "").startswith(("server-b", "colocate-b"))]
 
 
-def fit_costs(records: list[dict], gen_probe: list[dict] = (), warm: bool = True) -> PhaseCosts:
+def fit_costs(records: list[dict], gen_probe: list[dict] = ()) -> PhaseCosts:
     """Phase costs from bench records: generation points per batch, train by least squares against the per-device batch,
     sync and other (the rest of a step) as means per mode."""
     gen_pts = {"server": [], "colocate": []}
