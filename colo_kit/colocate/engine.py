@@ -176,12 +176,12 @@ class ColocatedEngine:
         make_room_for_an_engine()  # a dropped engine's memory, and a CUDA-graph pool of its own
         from colo_kit.gpu_free import check_share
 
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         # another kernel's engine on this GPU: one line now, not vLLM's assert once the model has loaded
-        check_share(s.vllm_gpu_memory_utilization, int(os.environ.get("LOCAL_RANK", self.rank)))
+        check_share(s.vllm_gpu_memory_utilization, local_rank)
         with stdout_with_fd():
-            self.trl, self.trl_llm_kwargs, self.llm_kwargs = build_trl_generation(
-                self.model_path, s, rank=self.rank, local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),
-                world_size=self.world_size, **overrides)
+            self.trl, _, self.llm_kwargs = build_trl_generation(self.model_path, s, rank=self.rank, local_rank=local_rank,
+                                                                world_size=self.world_size, **overrides)
         self.startup_s = time.perf_counter() - t0
         self.llm = self.trl.llm
         self.tp_group = getattr(self.trl, "tp_group", None)  # TRL makes it only for TP > 1
@@ -268,8 +268,7 @@ class ColocatedEngine:
                 if has_cuda():
                     trl.sync_weights()  # in place: the GPU kernels read the very tensors it copies into
                 else:
-                    # vLLM's CPU engine repacks weights after loading: all in one reload, as copies because a PEFT
-                    # merge is undone when the walk ends, before the repacking runs
+                    # vLLM-CPU repacks weights after loading: one reload, of copies (a PEFT merge is undone before that)
                     load_weights(self.llm, [(n, t.detach().clone()) for n, t in trl._iter_named_params()])
             if has_cuda():
                 torch.cuda.synchronize()

@@ -98,8 +98,8 @@ def trl_llm_overrides(**overrides):
         vllm_generation.LLM = real_llm
 
 
-def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int,
-                         world_size: int, **overrides):
+def build_trl_generation(model_path: str, settings: ColocateSettings, *, rank: int, local_rank: int, world_size: int,
+                         **overrides):
     """TRL's colocate-mode `VLLMGeneration`, made by its own `__init__`; returns it, TRL's `LLM` args and the engine's."""
     import torch
     from trl.generation.vllm_generation import VLLMGeneration

@@ -83,6 +83,7 @@ class SleepManager:
 
         self.engine, self.level = engine, level
         self.device = engine.device
+        self.on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
         # a copy of the buffers outside the engine's sleep pool survives level 2 (vLLM #16564)
         with torch.no_grad():
             self.buffers = {name: b.detach().clone() for name, b in engine.vllm_model.named_buffers()}
@@ -90,8 +91,7 @@ class SleepManager:
         self.record("awake")
 
     def record(self, stage: str, seconds: float | None = None, **extra) -> dict:
-        on_gpu = getattr(self.device, "type", str(self.device)) == "cuda"
-        memory = device_memory_gib(self.device) if on_gpu else {"used_gib": None, "free_gib": None, "total_gib": None}
+        memory = device_memory_gib(self.device) if self.on_gpu else {"used_gib": None, "free_gib": None, "total_gib": None}
         row = {"stage": stage, "seconds": None if seconds is None else round(seconds, 6), **memory, **extra}
         self.stages.append(row)
         return row
@@ -99,12 +99,11 @@ class SleepManager:
     def _timed(self, fn, *args, **kwargs) -> float:
         import torch
 
-        cuda = getattr(self.device, "type", str(self.device)) == "cuda"
-        if cuda:
+        if self.on_gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(*args, **kwargs)
-        if cuda:
+        if self.on_gpu:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -194,8 +193,7 @@ def h200_reference() -> dict:
         data.setdefault("source", f"measured, results/engine_bench.json (vLLM "
                                   f"{data.get('env', {}).get('versions', {}).get('vllm')})")
         return data
-    return {"source": "not measured here: bash scripts/gpu/engine_bench.sh on a GPU node writes "
-                      "results/engine_bench.json"}
+    return {"source": "not measured here: bash scripts/gpu/engine_bench.sh on a GPU node writes results/engine_bench.json"}
 
 
 def memory_figure(stages: list[dict], title: str = "GPU memory at each stage (NVML)"):

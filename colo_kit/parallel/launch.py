@@ -71,10 +71,6 @@ def kernel_problems() -> list[str]:
     return problems
 
 
-_FIX = ("Fix: restart the kernel and keep every GPU call (models, trainers, torch.cuda.*) inside the launched "
-        "function, or call launch(..., fresh_process=True) to spawn the workers as fresh Python processes.")
-
-
 class _Worker:
     """What each process runs: the process group, then the function (cloudpickled, so a notebook's function travels)."""
 
@@ -96,8 +92,7 @@ class _Worker:
                                                                            for s in (sys.stdout, sys.stderr)))
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        loggers = [logging.root] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                    if isinstance(lg, logging.Logger)]
+        loggers = [logging.root] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
         for handler in (h for lg in loggers for h in lg.handlers):
             if type(handler) is logging.StreamHandler and handler.stream in old:
                 handler.setStream(sys.stderr)
@@ -242,7 +237,9 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
             importlib.import_module(name)
     problems = kernel_problems()
     if problems and fresh_process is False:
-        raise KernelNotSafe("cannot fork workers from this kernel:\n- " + "\n- ".join(problems) + "\n" + _FIX)
+        raise KernelNotSafe("cannot fork workers from this kernel:\n- " + "\n- ".join(problems) + "\nFix: restart the kernel "
+                            "and keep every GPU call (models, trainers, torch.cuda.*) inside the launched function, or call "
+                            "launch(..., fresh_process=True) to spawn the workers as fresh Python processes.")
     if problems and fresh_process == "auto":
         notes.append("kernel not safe to fork (" + "; ".join(problems) + "): workers spawned instead")
     method = "spawn" if fresh_process is True or problems else "fork"
@@ -263,10 +260,9 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
 
     tee = {True: Std.ALL, "brief": Std.ERR}.get(echo, Std.NONE)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, run_id=run_dir.name,
-                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0},
-                          max_restarts=0, monitor_interval=0.1, start_method=method,
-                          logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.ALL, tee=tee),
-                          log_line_prefix_template="[rank ${rank}] ")
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="static", rdzv_configs={"rank": 0}, max_restarts=0,
+                          monitor_interval=0.1, start_method=method, log_line_prefix_template="[rank ${rank}] ",
+                          logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.ALL, tee=tee))
     # elastic's failure reports are quieted (WorkerError says it all) and its signal handlers removed afterwards
     quiet = {name: logging.getLogger(name).level for name in ("torch.distributed.elastic", "torch.distributed.launcher",
                                                               "torch.multiprocessing.spawn")}
@@ -301,8 +297,7 @@ def launch(function: Callable, *args: Any, num_processes: int | None = None, cpu
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml_check
     import cloudpickle
 
-    return LaunchResult(results=[cloudpickle.loads(returned[r]) for r in range(num_processes)],
-                        num_processes=num_processes, port=port, how=f"elastic_launch ({method})",
-                        backend="gloo" if cpu else "nccl", seconds=round(time.perf_counter() - t0, 2),
-                        run_dir=str(run_dir), notes=notes)
+    return LaunchResult(results=[cloudpickle.loads(returned[r]) for r in range(num_processes)], num_processes=num_processes,
+                        port=port, how=f"elastic_launch ({method})", backend="gloo" if cpu else "nccl",
+                        seconds=round(time.perf_counter() - t0, 2), run_dir=str(run_dir), notes=notes)
 

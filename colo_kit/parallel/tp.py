@@ -25,10 +25,11 @@ POST_REFERENCE = {
     "setup": "8 GPUs, TRL colocate, vllm_gpu_memory_utilization=0.3 (post 1)",
 }
 GPU_RESULTS = "tp_gpu.json"
-# Colocated GRPO on 2 H200s (scripts/gpu/tp_tuning.sh, notebook 03): bf16, since 7B in fp32 beside a 0.3 engine
-# does not fit one H200 (colo_kit.memory.planner).
+# Colocated GRPO on 2 H200s (scripts/gpu/tp_tuning.sh): bf16, as 7B in fp32 beside a 0.3 engine does not fit one H200.
 GPU_GRPO_SETTINGS = dict(max_steps=4, per_device_train_batch_size=16, num_generations=8, max_completion_length=256,
                          model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=True)
+
+
 def _preimport() -> tuple[str, ...]:
     """What a CPU launch imports before the fork (10-60 s a worker otherwise); on a GPU nothing may touch CUDA first."""
     return ("vllm", "vllm.entrypoints.llm", "colo_kit.colocate.engine") if not has_cuda() else ()
@@ -44,8 +45,7 @@ def live_plan(machine=None) -> dict:
     m = machine or Machine.here()
     if not m.gpus:
         return {"models": ["tiny"], "generation_tp": (1, 2), "grpo_models": ["tiny"], "grpo_tp": (2,), "num_processes": 2,
-                "plan": f"2 CPU processes over gloo, the tiny model: TP 1 and 2 for generation, TP 2 for GRPO — "
-                        f"{CPU_LABEL}"}
+                "plan": f"2 CPU processes over gloo, the tiny model: TP 1 and 2 for generation, TP 2 for GRPO — {CPU_LABEL}"}
     big = m.gpu_mem_gib >= 70  # 7B in bf16 beside a 0.3 engine needs an 80 GB-class GPU or more
     if m.gpus == 1:
         return {"models": ["qwen2.5-1.5b"], "generation_tp": (1,), "grpo_models": ["qwen2.5-1.5b"], "grpo_tp": (1,),
@@ -169,9 +169,8 @@ def summarize_generation(ranks: list[dict]) -> dict:
             "kv_tokens_per_engine": ranks[0].get("kv_tokens"), "ranks": ranks}
 
 
-def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int | None = None,
-                     prompt_len: int = 32, max_completion_length: int | None = None,
-                     vllm_gpu_memory_utilization: float = 0.3,
+def generation_sweep(model: str = "tiny", tp_sizes=(1, 2), *, num_prompts: int | None = None, prompt_len: int = 32,
+                     max_completion_length: int | None = None, vllm_gpu_memory_utilization: float = 0.3,
                      enforce_eager: bool | None = None, repeats: int = 1, num_processes: int | None = None,
                      echo: bool | str = "brief") -> dict:
     """Generation-only throughput at each TP size, on every GPU of the node (2 CPU processes here), one launch
@@ -244,14 +243,13 @@ def summarize_grpo(ranks: list[dict]) -> dict:
     steady = step_s[1:] or step_s
     return {"tp": r0["tp"], "processes": len(ranks), "step_s": _median(steady), "step_s_all": step_s,
             "rewards": [s.get("reward") for s in r0["steps"]], "elapsed_s": r0["elapsed_s"],
-            "vllm_tp_group_size": r0.get("vllm_tp_group_size"), "kv_tokens_per_engine": r0.get("kv_tokens"),
-            "ranks": ranks}
+            "vllm_tp_group_size": r0.get("vllm_tp_group_size"), "kv_tokens_per_engine": r0.get("kv_tokens"), "ranks": ranks}
 
 
 def grpo_sweep(model: str = "tiny", tp_sizes=(1, 2), *, max_steps: int | None = None, per_device_train_batch_size: int = 4,
-               num_generations: int = 4, max_completion_length: int | None = None,
-               vllm_gpu_memory_utilization: float = 0.3, num_processes: int | None = None, echo: bool | str = "brief",
-               vllm_enforce_eager: bool = False, **overrides) -> dict:
+               num_generations: int = 4, max_completion_length: int | None = None, vllm_gpu_memory_utilization: float = 0.3,
+               num_processes: int | None = None, echo: bool | str = "brief", vllm_enforce_eager: bool = False,
+               **overrides) -> dict:
     """Colocated GRPO step time at each `vllm_tensor_parallel_size`, on every GPU of the node."""
     gpu = has_cuda()
     max_steps = max_steps or (4 if gpu else 2)
@@ -294,9 +292,8 @@ def kv_room(models=("qwen2.5-1.5b", "qwen2.5-7b"), tp_sizes=(1, 2), gpus: int = 
             e = estimate(model=m, gpus=gpus, vllm_tensor_parallel_size=tp,
                          vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
             g = e["parts"]["generation"]
-            rows.append({"model": m, "tp": tp, "vllm_weights_gib": g["vllm_weights"],
-                         "kv_cache_gib": g["vllm_kv_cache"], "kv_tokens": e["vllm"]["kv_tokens"],
-                         "params_b": e["params_b"]})
+            rows.append({"model": m, "tp": tp, "vllm_weights_gib": g["vllm_weights"], "kv_cache_gib": g["vllm_kv_cache"],
+                         "kv_tokens": e["vllm"]["kv_tokens"], "params_b": e["params_b"]})
     return rows
 
 
@@ -368,8 +365,7 @@ def why_figure(rows: list[dict] | None = None):
         color = palette[i % len(palette)]  # one colour per model in both panels, as the one legend entry says
         fig.add_bar(name=m, x=[f"TP {r['tp']}" for r in mine], y=[r["kv_tokens"] for r in mine], row=1, col=1,
                     legendgroup=m, marker_color=color)
-        fig.add_bar(name=m, x=[f"TP {r['tp']}" for r in mine],
-                    y=[allreduce_bytes_per_token(m, r["tp"]) for r in mine], row=1, col=2, legendgroup=m,
-                    showlegend=False, marker_color=color)
+        fig.add_bar(name=m, x=[f"TP {r['tp']}" for r in mine], y=[allreduce_bytes_per_token(m, r["tp"]) for r in mine],
+                    row=1, col=2, legendgroup=m, showlegend=False, marker_color=color)
     fig.update_layout(height=380, barmode="group")
     return fig
