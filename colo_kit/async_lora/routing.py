@@ -20,18 +20,28 @@ OWN, ROUTED, BROADCAST, ANY = "own", "routed", "broadcast", "any"
 
 # (method, path) -> how the proxy serves it. Everything not listed is 404 at the proxy.
 ROUTES: dict[tuple[str, str], str] = {
-    # the proxy's own; /get_world_size is the sum over the replicas it fronts
-    **{("GET", p): OWN for p in ("/health", "/metrics", "/get_world_size")},
-    # any one replica; TRL reads lora_config and parallel_config from /server_info
-    **{("GET", p): ANY for p in ("/v1/models", "/server_info", "/version")},
-    # by prefix: the rollout worker's /v1/completions (token-id prompts, model=trl-policy-vN) and the like
-    **{("POST", p): ROUTED for p in ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/render",
-                                     "/inference/v1/generate", "/tokenize", "/detokenize")},
-    # state changes: every replica, so a policy name means the same everywhere (the last four: TRL's NCCL
-    # merged-weight sync, without LoRA)
-    **{("POST", p): BROADCAST for p in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume",
-                                        "/reset_prefix_cache", "/init_weight_transfer_engine", "/start_weight_update",
-                                        "/update_weights", "/finish_weight_update")},
+    ("GET", "/health"): OWN,
+    ("GET", "/metrics"): OWN,
+    ("GET", "/get_world_size"): OWN,  # the sum over the replicas the proxy fronts
+    ("GET", "/v1/models"): ANY,
+    ("GET", "/server_info"): ANY,  # TRL reads lora_config and parallel_config from it
+    ("GET", "/version"): ANY,
+    ("POST", "/v1/completions"): ROUTED,  # the rollout worker: token-id prompts, model=trl-policy-vN
+    ("POST", "/v1/chat/completions"): ROUTED,
+    ("POST", "/v1/chat/completions/render"): ROUTED,
+    ("POST", "/inference/v1/generate"): ROUTED,
+    ("POST", "/tokenize"): ROUTED,
+    ("POST", "/detokenize"): ROUTED,
+    # state changes: every replica, so a policy name means the same everywhere
+    ("POST", "/v1/load_lora_adapter"): BROADCAST,
+    ("POST", "/v1/unload_lora_adapter"): BROADCAST,
+    ("POST", "/pause"): BROADCAST,
+    ("POST", "/resume"): BROADCAST,
+    ("POST", "/reset_prefix_cache"): BROADCAST,
+    ("POST", "/init_weight_transfer_engine"): BROADCAST,  # merged-weight sync (no LoRA): TRL's NCCL path
+    ("POST", "/start_weight_update"): BROADCAST,
+    ("POST", "/update_weights"): BROADCAST,
+    ("POST", "/finish_weight_update"): BROADCAST,
 }
 NEVER = frozenset({"/collective_rpc"})  # it runs any method of a dev-mode replica's workers
 
