@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from colo_kit.parallel.launch import KernelNotSafe, WorkerError, kernel_problems, launch
+from colo_kit.parallel.launch import KernelNotSafe, WorkerError, free_port, kernel_problems, launch
 from colo_kit.paths import REPO_ROOT
 
 
@@ -146,15 +146,16 @@ _PARTIALSTATE_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_partialstate_without_cpu_true_is_a_world_of_one(tmp_path, free_port):
+def test_partialstate_without_cpu_true_is_a_world_of_one(tmp_path):
     """Why every worker calls PartialState(cpu=True): under torchrun with 2 processes on a machine
     without a GPU, a bare PartialState() makes each process a world of one."""
     script = tmp_path / "state.py"
     script.write_text(_PARTIALSTATE_SCRIPT)
     worlds = {}
-    for i, mode in enumerate(("plain", "cpu")):
+    for mode in ("plain", "cpu"):
+        # a port the OS has just chosen for each run: the one above an earlier free port was in use under CI's load
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(free_port + i), str(script), mode, str(tmp_path)],
+                               "--master_port", str(free_port()), str(script), mode, str(tmp_path)],
                               capture_output=True, text=True, timeout=180, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert proc.returncode == 0, proc.stderr[-2000:]
         worlds[mode] = sorted(p.read_text() for p in tmp_path.glob(f"{mode}_*.txt"))
