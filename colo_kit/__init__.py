@@ -1,7 +1,16 @@
-"""colo_kit — teaches and reproduces colocated vLLM generation for GRPO training, one subpackage per notebook: grpo 00,
-serving 01 (ping-pong), colocate 02, parallel 03, memory 04, answers 05, async_lora 06, and labs (every exercise); README's
-"The package" says what each holds. Shared plumbing at the top (env, models, data, procs, paths, commands; the drivers
-notebook and cli); imports only go down these layers."""
+"""colo_kit — teaches and reproduces colocated vLLM generation for GRPO training. One subpackage per notebook:
+
+  grpo        00  GRPO with TRL's trainer, its rewards and its step timeline
+  serving     01  a vLLM server beside the trainers against vLLM inside them (ping-pong)
+  colocate    02  the colocated engine: sizing, sleep mode, the weight push
+  parallel    03  tensor parallelism and multi-GPU cells launched from a notebook
+  memory      04  the memory planner, the recipes it writes, the speed race
+  answers     05  the Math500 answer checker and evaluation
+  async_lora  06  async GRPO with LoRA adapters behind a routing proxy
+  labs        all the exercises and break-it labs
+Shared plumbing at the top (env, models, data, procs, paths, commands, and the drivers notebook and cli); imports
+only go down these layers.
+"""
 
 from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())
 from colo_kit.env import setup  # noqa: F401  (the runtime defaults: an explicit call, never an import's side effect)

@@ -26,7 +26,8 @@ class ProxyConfig:
     client_token_env: str | None = field(default=None, metadata={
         "metavar": "NAME", "help": "environment variable holding the key every client must send (401 otherwise)"})
     adapter_root: str | None = field(default=None, metadata={
-        "metavar": "DIR", "help": "the shared directory adapters are published under; loads outside it, or all without it, fail"})
+        "metavar": "DIR", "help": "the shared directory adapters are published under; adapter loads outside it "
+                                  "are refused, and without it every adapter load is"})
     block_size: int | None = field(default=None, metadata={
         "help": "the replicas' KV block size in tokens; None asks them (16 if they do not say)"})
     max_prefix_blocks: int = field(default=64, metadata={"help": "leading KV blocks of a prompt that pick its replica"})
