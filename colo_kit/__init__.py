@@ -8,8 +8,8 @@
   answers     05  the Math500 answer checker and evaluation
   async_lora  06  async GRPO with LoRA adapters behind a routing proxy
   labs        all the exercises and break-it labs
-Shared plumbing at the top (env, models, data, procs, paths, commands, and the drivers notebook and cli); imports
-only go down these layers.
+Shared plumbing at the top (env, models, data, procs, paths, results); imports only go down these layers. The
+`colo-kit` commands live apart, in colo_kit_cli, which the library never imports.
 """
 
 from colo_kit.env import quiet  # noqa: F401  (a notebook's first call: colo_kit.quiet(), which calls setup())

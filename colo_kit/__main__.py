@@ -1,3 +1,3 @@
-from colo_kit.cli import main
+from colo_kit_cli import main
 
 raise SystemExit(main())

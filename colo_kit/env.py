@@ -210,13 +210,3 @@ def describe() -> dict:
             pynvml.nvmlShutdown()
     info["nvcc"] = shutil.which("nvcc")
     return info
-
-
-def cli_main(argv: list[str]) -> int:
-    import json
-
-    from colo_kit.commands import ArgumentParser
-
-    ArgumentParser(prog="colo-kit env", description="The tier, hardware and versions as JSON.").parse_args(argv)
-    print(json.dumps(describe(), indent=1))
-    return 0

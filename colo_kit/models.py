@@ -8,7 +8,7 @@ import contextlib
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colo_kit.paths import cache_dir, data_dir
@@ -285,34 +285,3 @@ def default_preset() -> str:
     from colo_kit.env import has_cuda
 
     return "qwen2.5-0.5b" if has_cuda() else "tiny"
-
-
-@dataclass
-class BuildArgs:
-    """`colo-kit build-model [preset]`'s flags: `build_model`'s keyword arguments."""
-
-    seed: int = field(default=0, metadata={"help": "random weights from this seed (one cached folder per seed)"})
-    force: bool = field(default=False, metadata={"help": "rebuild even if cached"})
-
-
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.commands import UsageError, parse_dataclasses
-
-    # HfArgumentParser takes flags only: the preset, a leading word, is taken off first
-    preset, argv = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("tiny", argv)
-    buildable = sorted(n for n, p in PRESETS.items() if p.buildable)
-    (args,) = parse_dataclasses((BuildArgs,), argv, prog="colo-kit build-model", description=(
-        f"preset (a first word, before the flags): one of {', '.join(buildable)}; default tiny. {build_model.__doc__}"))
-    if preset not in buildable:
-        raise UsageError(f"preset {preset!r}: choose one of {', '.join(buildable)}")
-    if not 0 <= args.seed <= 2**32 - 1:  # numpy's seed range: TRL's and transformers' set_seed seed numpy too
-        raise UsageError(f"--seed {args.seed}: give a whole number from 0 to 2**32 - 1")
-    try:
-        cache = cache_dir()
-    except OSError as exc:
-        raise UsageError(f"cannot create the model cache ({exc.strerror}: {exc.filename}); set COLO_KIT_CACHE to a "
-                         "writable folder") from None
-    if not os.access(cache, os.W_OK):
-        raise UsageError(f"the model cache {cache} is not writable; set COLO_KIT_CACHE to a writable folder")
-    print(build_model(preset, **asdict(args)))
-    return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from colo_kit.notebook import NOTEBOOKS
+from colo_kit_cli.notebooks import NOTEBOOKS
 from colo_kit.paths import REPO_ROOT
 from colo_kit.results import CHECKS, UNMEASURED, measured_runs
 from record.store import write_text_atomic

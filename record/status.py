@@ -32,7 +32,7 @@ from colo_kit.paths import REPO_ROOT
 from colo_kit.results import CHECKS, LESSONS, machine_label
 from record.refresh import source_digest
 
-_CHECK = "colo_kit notebooks/src scripts/check.py scripts/check_plugin.py"
+_CHECK = "colo_kit colo_kit_cli/notebooks.py notebooks/src scripts/check.py scripts/check_plugin.py"
 # results file: the code whose changes make its numbers older than the kit (a line ending in \ goes on)
 _TABLE = f"""
 speed_1xh200.json: colo_kit/grpo colo_kit/colocate colo_kit/memory record/speed.py record/race.py scripts/speed_bench.py \
@@ -45,22 +45,23 @@ kernel_kill_1xh200.json: colo_kit/colocate colo_kit/async_lora colo_kit/procs.py
 engine_bench.json: colo_kit/colocate scripts/engine_bench.py scripts/gpu/engine_bench.sh
 share_by_hand_1xh100.json: colo_kit/labs/pitfalls.py colo_kit/memory colo_kit/grpo colo_kit/colocate scripts/share_by_hand.py
 tp_gpu.json: colo_kit/parallel colo_kit/colocate scripts/tp_tuning.py scripts/gpu/tp_tuning.sh
-pingpong_cpu.json: colo_kit/serving
-pingpong_gpu.json: colo_kit/serving scripts/gpu/pingpong.sh
-pingpong_gpu_partial.json: colo_kit/serving scripts/gpu/pingpong.sh
+pingpong_cpu.json: colo_kit/serving colo_kit_cli/bench.py
+pingpong_gpu.json: colo_kit/serving colo_kit_cli/bench.py scripts/gpu/pingpong.sh
+pingpong_gpu_partial.json: colo_kit/serving colo_kit_cli/bench.py scripts/gpu/pingpong.sh
 planner_validation.json: colo_kit/memory record/planner_validation.py results/planner_measured_peaks.json \
 results/zero3_run.json results/speed_1xh200.json
-zero3_run.json: colo_kit/memory colo_kit/grpo scripts/zero3_run.py scripts/gpu/zero3.sh
+zero3_run.json: colo_kit/memory colo_kit/grpo colo_kit_cli/plan.py scripts/zero3_run.py scripts/gpu/zero3.sh
 two_machines_cpu.json: colo_kit/parallel colo_kit/memory scripts/two_machines.py scripts/two_machines.sh
 server_node_cpu.json: colo_kit/grpo colo_kit/serving scripts/server_node.py scripts/server_node.sh
 math500_checker.json: colo_kit/answers scripts/bench_checker.py
 math500_checker_gpu_host.json: colo_kit/answers scripts/bench_checker.py
 math500_gpu.json: colo_kit/answers scripts/gpu/math500.sh
 async_lora_gpu.json: colo_kit/async_lora scripts/gpu/async_lora.sh
-proxy_bench.json: colo_kit/async_lora scripts/bench_proxy.py
-proxy_bench_gpu_host.json: colo_kit/async_lora scripts/bench_proxy.py
+proxy_bench.json: colo_kit/async_lora colo_kit_cli/proxy.py scripts/bench_proxy.py
+proxy_bench_gpu_host.json: colo_kit/async_lora colo_kit_cli/proxy.py scripts/bench_proxy.py
 proxy_prefix_hits.json: colo_kit/async_lora scripts/prefix_hit_rate.py
-router_vs_proxy_cpu.json: colo_kit/async_lora record/router_compare.py scripts/router_compare.py scripts/router_compare.sh
+router_vs_proxy_cpu.json: colo_kit/async_lora colo_kit_cli/proxy.py record/router_compare.py scripts/router_compare.py \
+scripts/router_compare.sh
 {CHECKS["cpu"]}: {_CHECK}
 {CHECKS["gpu"]}: {_CHECK}
 cpu_check_00_avx2.json: {_CHECK}

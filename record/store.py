@@ -23,7 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from colo_kit.commands import UsageError
+from colo_kit_cli.commands import UsageError
 
 
 def commit() -> str | None:
@@ -42,7 +42,7 @@ def commit() -> str | None:
 
 class RecordError(UsageError):
     """A record that cannot be read back or written, as one line naming the file, the problem and the fix (a
-    UsageError: `colo_kit.commands.run` prints it as one line, exit code 2)."""
+    UsageError: `colo_kit_cli.commands.run` prints it as one line, exit code 2)."""
 
 
 def write_text_atomic(path: str | Path, text: str | bytes) -> Path:

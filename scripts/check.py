@@ -423,7 +423,7 @@ def run_notebooks(lanes: list[list[str]] | None, html_dir: Path, budget_s: float
 
 
 def _notebook_numbers() -> dict[str, Path]:
-    from colo_kit.notebook import NOTEBOOKS
+    from colo_kit_cli.notebooks import NOTEBOOKS
 
     return {p.name[:2]: p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))}
 

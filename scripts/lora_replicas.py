@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 
 from colo_kit.async_lora.lora import max_lora_rank_for, max_loras_for, replica_launch
-from colo_kit.commands import UsageError, parse_dataclasses, run
+from colo_kit_cli.commands import UsageError, parse_dataclasses, run
 
 PROG = "python scripts/lora_replicas.py"
 

@@ -32,7 +32,7 @@ colo_kit.setup()  # the runtime defaults, before torch or vLLM is imported
 
 
 def main(argv=None) -> int:
-    from colo_kit.commands import writable_file
+    from colo_kit_cli.commands import writable_file
     from colo_kit.env import describe
     from colo_kit.parallel.launch import free_port
     from colo_kit.async_lora.lora import replica_launch

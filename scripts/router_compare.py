@@ -506,7 +506,7 @@ NAME = "router_vs_proxy_cpu.json"
 
 
 def main(argv=None) -> int:
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
 
     return run(_main, sys.argv[1:] if argv is None else list(argv), "scripts/router_compare.py")  # bad input: one line
 
@@ -514,7 +514,7 @@ def main(argv=None) -> int:
 def _main(argv: list[str]) -> int:
     import shlex
 
-    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+    from colo_kit_cli.commands import ArgumentParser, UsageError, writable_file
     from colo_kit.env import describe
     from colo_kit.paths import results_dir, runs_dir
     from record.store import load_record, publish

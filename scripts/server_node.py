@@ -353,7 +353,7 @@ def summary(record: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "trainer":
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
 
 
 def _drive_main(argv: list[str]) -> int:
-    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+    from colo_kit_cli.commands import ArgumentParser, UsageError, writable_file
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("role", nargs="?", default="drive", choices=("drive",))

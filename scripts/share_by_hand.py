@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def shares(text: str) -> list[float]:
     """'0.3,0.9' -> [0.3, 0.9]; each a fraction of the GPU in (0, 1]."""
-    from colo_kit.commands import UsageError
+    from colo_kit_cli.commands import UsageError
 
     out = []
     for part in text.split(","):
@@ -36,7 +36,7 @@ def shares(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from colo_kit.commands import ArgumentParser, writable_file
+    from colo_kit_cli.commands import ArgumentParser, writable_file
     from colo_kit.env import describe, visible_gpus
     from colo_kit.labs.pitfalls import TRL_DEFAULTS, share_by_hand
     from colo_kit.paths import results_dir
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     by_hand = shares(a.shares)
     gpus = visible_gpus()
     if not gpus:
-        from colo_kit.commands import UsageError
+        from colo_kit_cli.commands import UsageError
 
         raise UsageError("no GPU visible: the break-it trains on a GPU (on a CPU, notebook 04 shows the H100 record)")
     tag = next((w.lower() for w in gpus[0]["name"].split() if any(ch.isdigit() for ch in w)), "gpu")
@@ -68,6 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
 
     raise SystemExit(run(main, sys.argv[1:], "scripts/share_by_hand.py"))

@@ -428,7 +428,7 @@ def drive(parts=PARTS, out: Path | None = None, timeout_s: float = 480, work: Pa
 
 
 def main(argv=None) -> int:
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
 
     return run(_main, sys.argv[1:] if argv is None else list(argv), SCRIPT)  # bad input: one line, exit 2
 
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
 def _main(argv: list[str]) -> int:
     import shlex
 
-    from colo_kit.commands import ArgumentParser, UsageError, writable_file
+    from colo_kit_cli.commands import ArgumentParser, UsageError, writable_file
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("role", nargs="?", default="drive", choices=("drive", "rank"))

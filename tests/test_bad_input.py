@@ -4,7 +4,7 @@ before any model is loaded or any run starts. Each case here once ended in a tra
 
 import pytest
 
-from colo_kit.cli import main
+from colo_kit_cli import main
 from colo_kit.env import has_cuda
 
 
@@ -27,16 +27,14 @@ def files(tmp_path):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """A case the checks let through fails here at once, instead of loading a model for a minute."""
-    from colo_kit import models, notebook
-    from colo_kit.answers import math500_eval
     from colo_kit.grpo import train
-    from colo_kit.serving import bench_cli
+    from colo_kit_cli import bench, build_model, eval_math500, notebooks
 
     def ran(*args, **kwargs):
         raise AssertionError(f"the bad input was taken: the run started with {args} {kwargs}")
 
-    for module, name in ((train, "run_grpo"), (bench_cli, "sweep"), (math500_eval, "evaluate"),
-                         (notebook, "execute"), (models, "build_model")):
+    for module, name in ((train, "run_grpo"), (bench, "sweep"), (eval_math500, "evaluate"),
+                         (notebooks, "execute"), (build_model, "build_model")):
         monkeypatch.setattr(module, name, ran)
 
 
@@ -114,9 +112,9 @@ def test_sleep_mode_on_a_cpu_is_the_kits_one_line(nothing_runs, capsys):
      "qwen2.5-0.5b's 14 attention heads do not split evenly over 4"),
 ])
 def test_eval_math500_tp_fits_the_machine(gpus, argv, words, nothing_runs, monkeypatch, capsys):
-    from colo_kit import env
+    from colo_kit_cli import eval_math500
 
-    monkeypatch.setattr(env, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(eval_math500, "gpu_count", lambda: gpus)
     assert main(["eval-math500", *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], lines

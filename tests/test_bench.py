@@ -7,12 +7,12 @@ import pytest
 
 from colo_kit.paths import results_dir
 from colo_kit.serving.bench import load_result, sweep
-from colo_kit.serving.bench_cli import cli_main
+from colo_kit_cli.bench import main as cli_main
 from colo_kit.env import has_cuda
 
 
 def test_cli_rejects_bad_batches(capsys):
-    from colo_kit.commands import UsageError
+    from colo_kit_cli.commands import UsageError
 
     with pytest.raises(UsageError, match="--batches '8,x'"):
         cli_main(["--batches", "8,x"])

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from colo_kit.cli import main
+from colo_kit_cli import main
 from colo_kit.paths import REPO_ROOT
 
 
@@ -95,7 +95,7 @@ def test_a_failed_bench_leaves_the_committed_results_alone(capsys):
 
 
 def test_bench_writes_under_runs_unless_a_path_is_named(monkeypatch, tmp_path):
-    from colo_kit.serving import bench_cli as bench
+    from colo_kit_cli import bench
     from colo_kit.paths import runs_dir
 
     written = []
@@ -214,11 +214,11 @@ def test_an_unwritable_model_cache_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_build_model_takes_the_preset_first_then_build_models_flags(tmp_path, monkeypatch):
-    from colo_kit import models
+    from colo_kit_cli import build_model
 
     seen = []
     monkeypatch.setenv("COLO_KIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "build_model", lambda preset, **kwargs: seen.append((preset, kwargs)) or tmp_path)
+    monkeypatch.setattr(build_model, "build_model", lambda preset, **kwargs: seen.append((preset, kwargs)) or tmp_path)
     assert main(["build-model", "qwen2.5-0.5b", "--seed", "4294967295", "--force"]) == 0
     assert main(["build-model", "--seed=7"]) == 0
     assert seen == [("qwen2.5-0.5b", {"seed": 4294967295, "force": True}), ("tiny", {"seed": 7, "force": False})]

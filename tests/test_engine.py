@@ -127,8 +127,8 @@ def test_peft_push_merges_the_adapter(engine, hf_model):
 
 
 def test_the_check_command_takes_trls_names_only(monkeypatch, capsys):
-    from colo_kit.commands import run
-    from colo_kit.colocate import engine_check
+    from colo_kit_cli.commands import run
+    from colo_kit_cli import engine_check
 
     class Built(Exception):
         pass
@@ -155,7 +155,7 @@ def test_tp2_under_two_processes_agree(free_port, tmp_path):
     group completions (sampled, seed = rank // tp), and each rank keeps the completions of its own prompts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "-m", "colo_kit.colocate.engine_check", "--vllm-tensor-parallel-size", "2", "--sampled", "--push",
+           "-m", "colo_kit_cli.engine_check", "--vllm-tensor-parallel-size", "2", "--sampled", "--push",
            "--max-completion-length", "6",
            "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -93,7 +93,7 @@ def test_the_break_its_gpu_record_refuses_a_bad_share_in_one_line_before_anythin
     line naming it and the form to give, exit code 2, before it looks for a GPU or writes anything."""
     import importlib.util
 
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
     from colo_kit.paths import REPO_ROOT
 
     spec = importlib.util.spec_from_file_location("share_by_hand", REPO_ROOT / "scripts" / "share_by_hand.py")

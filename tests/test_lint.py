@@ -10,23 +10,23 @@ from colo_kit.paths import REPO_ROOT
 
 def test_ruff_finds_nothing():
     pytest.importorskip("ruff", reason="ruff is in requirements/common.txt; this environment lacks it")
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "colo_kit", "tests", "scripts", "record"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "colo_kit", "colo_kit_cli", "tests", "scripts", "record"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
 
 
 def _module_level_kit_imports(called_too: bool = False) -> dict[str, set[str]]:
-    """Each colo_kit module -> the colo_kit modules that importing it imports: its top-level `import` and
-    `from` statements (in `if`/`try` blocks too, not under `if TYPE_CHECKING:`), read with `ast`; imports
+    """Each module of colo_kit and colo_kit_cli -> the modules of the two that importing it imports: its top-level
+    `import` and `from` statements (in `if`/`try` blocks too, not under `if TYPE_CHECKING:`), read with `ast`; imports
     inside functions run when called and are left out unless `called_too`. `import colo_kit.a.b` also
     imports `colo_kit.a`."""
     import ast
 
-    root = REPO_ROOT / "colo_kit"
     files = {}
-    for p in root.rglob("*.py"):
-        parts = ("colo_kit",) + p.relative_to(root).with_suffix("").parts
-        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    for package in ("colo_kit", "colo_kit_cli"):
+        for p in (REPO_ROOT / package).rglob("*.py"):
+            parts = (package,) + p.relative_to(REPO_ROOT / package).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     graph = {}
     for mod, path in files.items():
         package = mod if path.stem == "__init__" else mod.rpartition(".")[0]
@@ -92,24 +92,27 @@ def test_no_kit_module_imports_itself_through_others():
     to, and the modules that need it import it from there."""
     graph = _module_level_kit_imports()
     assert len(graph) > 40 and "colo_kit.env" in graph["colo_kit"]  # the reader sees the kit's imports
-    assert "colo_kit.paths" in graph["colo_kit.notebook"]
+    assert "colo_kit.paths" in graph["colo_kit_cli.notebooks"]
     cycle = _a_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 # Who may import whom: the plumbing every lesson shares, the lessons' subpackages (one per notebook), and on top
-# what drives them (the labs, notebook execution, the `colo-kit` entry point). A module imports its own layer or
-# a lower one, never a higher one, so a lesson's code reads without the exercises or the command line above it.
+# the exercises, and last the command line (colo_kit_cli, and `python -m colo_kit` that calls it). A module imports
+# its own layer or a lower one, never a higher one, so a lesson's code reads without the exercises or the command line
+# above it: the library never imports its commands.
 LAYERS = [
-    {"colo_kit", "colo_kit.paths", "colo_kit.procs", "colo_kit.commands", "colo_kit.env", "colo_kit.gpu_free",
-     "colo_kit.models", "colo_kit.data", "colo_kit.results"},
+    {"colo_kit", "colo_kit.paths", "colo_kit.procs", "colo_kit.env", "colo_kit.gpu_free", "colo_kit.models",
+     "colo_kit.data", "colo_kit.results"},
     {"grpo", "serving", "colocate", "parallel", "memory", "answers", "async_lora"},
-    {"labs", "colo_kit.notebook", "colo_kit.cli", "colo_kit.__main__"},
+    {"labs"},
+    {"colo_kit_cli", "colo_kit.__main__"},
 ]
 
 
 def _layer(module: str) -> int:
-    subpackage = module.split(".")[1] if "." in module else None
+    top, _, rest = module.partition(".")
+    subpackage = rest.partition(".")[0] if top == "colo_kit" else top  # colo_kit_cli's modules: one layer
     for i, members in enumerate(LAYERS):
         if module in members or subpackage in members:
             return i
@@ -118,7 +121,7 @@ def _layer(module: str) -> int:
 
 def test_no_module_imports_a_higher_layer_even_inside_a_function():
     graph = _module_level_kit_imports(called_too=True)
-    assert "colo_kit.commands" in graph["colo_kit.serving.bench_cli"]  # function-level imports are read too
+    assert "colo_kit.procs" in graph["colo_kit_cli.notebooks"]  # function-level imports are read too
     upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _layer(b) > _layer(a))
     assert not upward, upward
 
@@ -126,9 +129,9 @@ def test_no_module_imports_a_higher_layer_even_inside_a_function():
 def test_no_import_circle_even_through_imports_inside_functions():
     """What a function imports when called counts too: a circle there is the same knot, only later. The root
     package is left out as a target: any kit import has run `colo_kit/__init__.py` (which imports only `env`)
-    before the module that asks, so `env -> commands` does not lead back through it."""
+    before the module that asks, so `models -> env` does not lead back through it."""
     graph = {m: deps - {"colo_kit"} for m, deps in _module_level_kit_imports(called_too=True).items()}
-    assert "colo_kit.commands" in graph["colo_kit.env"]
+    assert "colo_kit.env" in graph["colo_kit.models"]
     cycle = _a_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 

@@ -65,7 +65,7 @@ def test_launch_recipe(monkeypatch):
 
 
 def test_the_recipe_command_takes_the_model_first_then_replica_launchs_flags(capsys):
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
     from conftest import load_script
 
     script = load_script("scripts/lora_replicas.py")

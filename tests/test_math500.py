@@ -251,8 +251,7 @@ def test_score_breakdowns_from_known_completions():
 
 
 def test_eval_cli_hands_its_flags_to_evaluate(tmp_path, monkeypatch, capsys):
-    from colo_kit.answers import math500_eval
-    from colo_kit.cli import main
+    from colo_kit_cli import eval_math500, main
 
     seen = {}
 
@@ -261,7 +260,7 @@ def test_eval_cli_hands_its_flags_to_evaluate(tmp_path, monkeypatch, capsys):
         return {"model": model, "correct": 0, "n": 0, "accuracy": 0.0, "ci95": [0, 1], "dataset": "d", "by_subject": {},
                 "path": "p"}
 
-    monkeypatch.setattr(math500_eval, "evaluate", evaluate)
+    monkeypatch.setattr(eval_math500, "evaluate", evaluate)
     assert main(["eval-math500", "--limit", "6", "--max-tokens", "12", "--source", "offline",
                  "--out", str(tmp_path / "e.json")]) == 0
     assert {k: seen[k] for k in ("model", "limit", "source", "max_tokens", "out", "llm_kwargs")} == \
@@ -275,7 +274,7 @@ def test_eval_cli_hands_its_flags_to_evaluate(tmp_path, monkeypatch, capsys):
 def test_eval_cli_runs_vllm_on_the_tiny_model(tmp_path, tiny_model_path):
     """The real runner: vLLM (CPU) generates with the training prompt; a random model's accuracy is
     ~0 by construction, so this checks the mechanics, not the score."""
-    from colo_kit.answers.math500_eval import cli_main
+    from colo_kit_cli.eval_math500 import main as cli_main
 
     out = tmp_path / "eval.json"
     assert cli_main(["--model", tiny_model_path, "--limit", "6", "--max-tokens", "12", "--source", "offline",

@@ -3,7 +3,7 @@
 
 import nbformat
 
-from colo_kit.cli import main
+from colo_kit_cli import main
 
 
 def test_a_failing_cell_is_one_line_and_the_executed_copy_is_kept(tmp_path, capsys):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from colo_kit.notebook import NOTEBOOKS
+from colo_kit_cli.notebooks import NOTEBOOKS
 from record.notebooks import SOURCES, notebook_text
 
 SRCS = sorted(SOURCES.glob("[0-9][0-9]_*.py"))
@@ -53,7 +53,7 @@ def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
 
     import nbformat
 
-    from colo_kit.notebook import execute
+    from colo_kit_cli.notebooks import execute
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('ran', 6 * 7)")])
     nb.cells[0].metadata["tags"] = ["gpu"]
@@ -65,8 +65,8 @@ def test_the_runner_runs_every_cell_as_written_tags_included(tmp_path):
 
 
 def test_run_notebooks_and_demo_take_their_flags(tmp_path, monkeypatch):
-    from colo_kit import notebook
-    from colo_kit.cli import main
+    from colo_kit_cli import notebooks as notebook
+    from colo_kit_cli import main
     from colo_kit.paths import runs_dir
 
     ran = []
@@ -102,7 +102,7 @@ def test_the_kernel_gets_its_environment_without_this_process_losing_its_own(tmp
 
     import nbformat
 
-    from colo_kit.notebook import execute
+    from colo_kit_cli.notebooks import execute
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("COLO_KIT_PROBE", "kept")
@@ -143,7 +143,7 @@ def test_a_notebook_past_its_wall_limit_is_retried_once_then_fails_and_its_kerne
 
     import nbformat
 
-    from colo_kit.notebook import NotebookWallTimeout, execute
+    from colo_kit_cli.notebooks import NotebookWallTimeout, execute
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import os; print(os.getpid())"),
                                          nbformat.v4.new_code_cell("import time; time.sleep(60)")])
@@ -173,7 +173,7 @@ def test_sliced_polls_keep_asking_until_a_message_or_the_deadline(monkeypatch):
     import time
     from queue import Empty
 
-    from colo_kit import notebook
+    from colo_kit_cli import notebooks as notebook
 
     monkeypatch.setattr(notebook, "POLL_SLICE_S", 0.05)
     asked = []

@@ -339,7 +339,7 @@ def test_writing_configs_keeps_a_different_file_and_writes_beside_it(tmp_path):
 
 def test_plan_write_configs_never_changes_the_committed_files(monkeypatch, capsys, tmp_path):
     from colo_kit.memory import recipes
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     committed = {p: p.read_text() for p in (REPO_ROOT / "configs").rglob("*") if p.is_file()}
     monkeypatch.setattr(recipes, "CONFIGS", tmp_path)  # the command's default folder, as a copy of the repo's
@@ -357,7 +357,7 @@ def test_plan_write_configs_never_changes_the_committed_files(monkeypatch, capsy
 
 def test_a_config_past_any_model_is_one_line(tmp_path, capsys):
     """hidden_size 10**12 used to end in torch's 51-line overflow while the meta model was laid out."""
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     config = {"model_type": "qwen2", "hidden_size": 10**12, "num_hidden_layers": 2, "num_attention_heads": 8,
               "num_key_value_heads": 8, "intermediate_size": 100, "vocab_size": 1000}

@@ -123,7 +123,7 @@ def test_missing_token_variable_fails_and_names_it(monkeypatch):
     (["--replica", "http://127.0.0.1:1", "--host", "0.0.0.0"], "--client-token-env"),
 ])
 def test_cli_bad_config_exits_2_with_one_line(capsys, argv, words):
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     assert main(["proxy", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -158,7 +158,7 @@ CLI_CASES = [
 
 @pytest.mark.parametrize("argv, words", CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
 def test_bad_proxy_flags_are_one_line_and_exit_2(argv, words, capsys, monkeypatch):
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     monkeypatch.setenv("COLO_KIT_TEST_REPLICA_KEY", "k")  # set, so only the URL's credentials are wrong
     assert main(["proxy", *argv]) == 2
@@ -170,8 +170,8 @@ def test_bad_proxy_flags_are_one_line_and_exit_2(argv, words, capsys, monkeypatc
 
 
 def test_proxy_flags_come_from_proxy_config_and_the_tokens_are_not_flags():
-    from colo_kit.async_lora.proxy_cli import parse
-    from colo_kit.commands import UsageError
+    from colo_kit_cli.proxy import parse
+    from colo_kit_cli.commands import UsageError
 
     cfg, cmd = parse(["--replica", "http://a:1", "--replica", "http://b:2", "--health-interval", "2",
                       "--log-level", "INFO"])

@@ -69,7 +69,7 @@ def test_the_kits_lines_are_said_once_where_the_process_wants_them(setup, where)
 
 # The modules that import torch when imported: the colocated engine's, which hold and move torch tensors.
 # Every other module imports torch (and vLLM) inside the functions that use them.
-TORCH_AT_IMPORT = {"colocate.engine", "colocate.engine_check", "colocate.vllm_compat"}
+TORCH_AT_IMPORT = {"colo_kit.colocate.engine", "colo_kit.colocate.vllm_compat", "colo_kit_cli.engine_check"}
 
 
 def test_importing_any_kit_module_has_no_side_effects():
@@ -80,8 +80,9 @@ def test_importing_any_kit_module_has_no_side_effects():
 
     from colo_kit.paths import REPO_ROOT
 
-    modules = sorted(".".join(p.relative_to(REPO_ROOT / "colo_kit").with_suffix("").parts)
-                     for p in (REPO_ROOT / "colo_kit").rglob("*.py") if p.stem != "__main__")
+    modules = sorted(".".join((package, *p.relative_to(REPO_ROOT / package).with_suffix("").parts)).removesuffix(".__init__")
+                     for package in ("colo_kit", "colo_kit_cli") for p in (REPO_ROOT / package).rglob("*.py")
+                     if p.stem != "__main__")
     assert TORCH_AT_IMPORT <= set(modules)
     light = [m for m in modules if m not in TORCH_AT_IMPORT]
     code = (
@@ -97,7 +98,7 @@ def test_importing_any_kit_module_has_no_side_effects():
         "        real = getattr(pynvml, fn)\n"
         "        setattr(pynvml, fn, lambda *a, _fn=fn, _real=real: (nvml_inits.append(_fn), _real(*a))[1])\n"
         "def imp(m):\n"
-        "    __import__('colo_kit.' + m.removesuffix('.__init__') if m != '__init__' else 'colo_kit')\n"
+        "    __import__(m)\n"
         f"for m in {light!r}:\n"
         "    imp(m)\n"
         "torch_before = 'torch' in sys.modules\n"

@@ -127,7 +127,7 @@ def test_recipe_peak_is_within_10pct_of_the_h200_run_of_its_settings():
 
 
 def test_plan_recommend_prints_the_peak_and_writes_where_told(tmp_path, capsys):
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     out = tmp_path / "r.yaml"
     assert main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--out", str(out)]) == 0
@@ -241,7 +241,7 @@ def test_a_bad_g_is_one_value_error():
 # --- plan --recommend: which GPU it sized for, the YAML it writes, and colo-kit train on that YAML ---
 
 def _recommend(tmp_path, capsys, *flags):
-    from colo_kit.cli import main
+    from colo_kit_cli import main
 
     out = tmp_path / "r.yaml"
     rc = main(["plan", "--model", "qwen2.5-1.5b", "--recommend", "--out", str(out), *flags])
@@ -315,7 +315,7 @@ def test_colo_kit_train_runs_the_model_the_yaml_names_and_refuses_what_trl_would
     fields; a G the generation does not hold whole groups of, given on top, is TRL's refusal in one line."""
     import types
 
-    from colo_kit.cli import main
+    from colo_kit_cli import main
     from colo_kit.grpo import train
 
     seen = {}

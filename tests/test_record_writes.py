@@ -145,7 +145,7 @@ import importlib.util, pathlib, sys, time
 spec = importlib.util.spec_from_file_location("check", sys.argv[1])
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
-import colo_kit.env, colo_kit.notebook  # what a merge imports: only the merge itself runs after the gate
+import colo_kit.env, colo_kit_cli.notebooks  # what a merge imports: only the merge itself runs after the gate
 ready, go = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
 ready.write_text("ready")
 while not go.exists():

@@ -1,3 +1,3 @@
 """Server mode against colocate mode: notebook 01 (ping-pong). server: `trl vllm-serve` beside the trainers;
-bench, bench_cli, bench_results: the throughput sweep and its JSON; pingpong: the analytic model of a step in each
+bench, bench_results: the throughput sweep and its JSON; pingpong: the analytic model of a step in each
 mode, fitted to measured costs and projected to the post's 8 GPUs."""

@@ -136,9 +136,9 @@ def time_generation(url: str, model_path: str, batch: int, *, num_generations: i
 
 def _worker_cmd(n_procs: int) -> list[str]:
     if n_procs <= 1:
-        return [sys.executable, "-m", "colo_kit.serving.bench_cli", "worker"]
+        return [sys.executable, "-m", "colo_kit.serving.bench", "worker"]
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n_procs),
-            "--mixed_precision", "bf16", "-m", "colo_kit.serving.bench_cli", "worker"]
+            "--mixed_precision", "bf16", "-m", "colo_kit.serving.bench", "worker"]
 
 
 def run_configs(configs: list[dict], *, n_procs: int = 1, gpus: str | None = None, workdir: Path,
@@ -341,3 +341,11 @@ def sweep(model: str = "tiny", *, batches=(4, 8), max_steps: int = 4, num_genera
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))
     return result
+
+
+if __name__ == "__main__":  # a sweep's worker process (`_worker_cmd`): python -m colo_kit.serving.bench worker PLAN.json
+    import colo_kit
+    from colo_kit.serving import bench  # the module proper, not this __main__ copy of it
+
+    colo_kit.setup()
+    raise SystemExit(bench._worker_main(sys.argv[2]))

@@ -47,10 +47,10 @@ def lessons(repo: Path = REPO) -> list[str]:
 
 
 def modules(repo: Path = REPO) -> list[str]:
-    """Every module of the package, by dotted name; `__main__` left out (importing it runs the CLI)."""
-    root = repo / "colo_kit"
+    """Every module of the package and of its command line, by dotted name; `__main__` left out (importing it runs
+    the CLI)."""
     names = []
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted([*(repo / "colo_kit").rglob("*.py"), *(repo / "colo_kit_cli").rglob("*.py")]):
         parts = f.relative_to(repo).with_suffix("").parts
         if parts[-1] == "__main__":
             continue

@@ -101,7 +101,7 @@ lab.check("02.max_num_seqs", answer)
 # `external_launcher` joins an existing group, it never makes one. Under `torchrun --nproc_per_node 2` with
 # `vllm_tensor_parallel_size=2` the two processes would form one TP group with the **same seed** (`rank // tp`, the
 # fix for vLLM #15895), gather their prompts, and each keep its own completions
-# (`torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check --vllm-tensor-parallel-size 2 --sampled` shows
+# (`torchrun --nproc_per_node 2 -m colo_kit_cli.engine_check --vllm-tensor-parallel-size 2 --sampled` shows
 # it).
 
 # %%

@@ -1,5 +1,5 @@
-"""`colo-kit bench --batches 8,32 --modes server,colocate`, and the sweep's own worker processes
-(`python -m colo_kit.serving.bench_cli worker PLAN.json`)."""
+"""`colo-kit bench --batches 8,32 --modes server,colocate`: `colo_kit.serving.bench.sweep` as a command, its settings
+checked before the first run starts."""
 
 from __future__ import annotations
 
@@ -7,17 +7,15 @@ import dataclasses
 import inspect
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import colo_kit
-from colo_kit.commands import UsageError, parse_dataclasses, run, writable_file
+from colo_kit_cli.commands import UsageError, parse_dataclasses, writable_file
 from colo_kit.env import has_cuda
 from colo_kit.grpo.train_checks import check_settings
 from colo_kit.models import resolve_model
 from colo_kit.paths import runs_dir
-from colo_kit.serving.bench import _worker_main, sweep, write_plots
+from colo_kit.serving.bench import sweep, write_plots
 
 
 def _check_overrides(extra: dict, error) -> None:
@@ -59,7 +57,7 @@ class BenchArgs:
 
 
 def _check_ranges(a: BenchArgs, error) -> None:
-    """What neither the field types nor the kit's GRPO checks (`check_settings`, in cli_main) say."""
+    """What neither the field types nor the kit's GRPO checks (`check_settings`, in main) say."""
     if a.n_devices is not None and a.n_devices < 1:
         raise error(f"--n-devices {a.n_devices}: give a whole number of at least 1")
     if not 1 <= a.port <= 65535:
@@ -68,7 +66,7 @@ def _check_ranges(a: BenchArgs, error) -> None:
         raise error(f"--budget-s {a.budget_s}: give a finite number of seconds above 0")
 
 
-def cli_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     (a,) = parse_dataclasses((BenchArgs,), argv, prog="colo-kit bench", description=sweep.__doc__)
     _check_ranges(a, UsageError)
     try:
@@ -114,9 +112,3 @@ def cli_main(argv: list[str]) -> int:
     print(f"[colo_kit] wrote {out}; {len(res['runs'])} runs, {len(errors)} failed")
     return 1 if errors else 0
 
-
-if __name__ == "__main__":
-    colo_kit.setup()
-    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
-        raise SystemExit(_worker_main(sys.argv[2]))
-    raise SystemExit(run(cli_main, sys.argv[1:], "python -m colo_kit.serving.bench_cli"))

@@ -11,7 +11,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from colo_kit.commands import UsageError, parse_dataclasses
+from colo_kit_cli.commands import UsageError, parse_dataclasses
 from colo_kit.async_lora.proxy import ProxyConfig, RoutingProxy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -33,7 +33,7 @@ def parse(argv: list[str]) -> tuple[ProxyConfig, ProxyCommand]:
     return cfg, cmd
 
 
-def cli_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     cfg, cmd = parse(argv)
     logging.basicConfig(level=cmd.log_level.upper(), format="[colo_kit.async_lora.proxy] %(message)s")
     try:

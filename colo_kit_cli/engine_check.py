@@ -1,4 +1,4 @@
-"""The colocated engine across processes: `torchrun --nproc_per_node 2 -m colo_kit.colocate.engine_check
+"""The colocated engine across processes: `torchrun --nproc_per_node 2 -m colo_kit_cli.engine_check
 --vllm-tensor-parallel-size 2 [--sampled] [--push]` prints one JSON line per rank; at TP 2 both ranks are one model.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from colo_kit.colocate.engine import ColocatedEngine, ColocateSettings
 
-PROG = "python -m colo_kit.colocate.engine_check"
+PROG = "python -m colo_kit_cli.engine_check"
 
 
 @dataclass
@@ -29,7 +29,7 @@ class CheckArgs:
 
 def main(argv: list[str]) -> int:
     """Build an engine in every process, generate, and print one JSON line per rank (the TP=2 test compares them)."""
-    from colo_kit.commands import parse_dataclasses
+    from colo_kit_cli.commands import parse_dataclasses
 
     (args,) = parse_dataclasses((CheckArgs,), argv, prog=PROG, description=__doc__)
     s = ColocateSettings(vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, per_device_train_batch_size=2,
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     import colo_kit
-    from colo_kit.commands import run
+    from colo_kit_cli.commands import run
 
     colo_kit.setup()
     raise SystemExit(run(main, sys.argv[1:], PROG))

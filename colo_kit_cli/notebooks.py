@@ -158,10 +158,10 @@ class RunNotebooksArgs:
     out: str | None = field(default=None, metadata={"help": "folder for executed copies (default results/runs/notebooks)"})
 
 
-def cli_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     import nbformat
 
-    from colo_kit.commands import UsageError, parse_dataclasses, writable_dir
+    from colo_kit_cli.commands import UsageError, parse_dataclasses, writable_dir
 
     # HfArgumentParser takes flags only: the notebooks, the words before the first flag, are taken off first
     n = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
@@ -201,11 +201,11 @@ class DemoArgs:
     out: str | None = field(default=None, metadata={"help": "folder for the executed copies (default results/runs/demo)"})
 
 
-def cli_demo(argv: list[str]) -> int:
+def demo(argv: list[str]) -> int:
     """`make demo`: the quickstart, executed headless, saved with an HTML copy."""
-    from colo_kit.commands import parse_dataclasses, writable_dir
+    from colo_kit_cli.commands import parse_dataclasses, writable_dir
 
-    (args,) = parse_dataclasses((DemoArgs,), argv, prog="colo-kit demo", description=cli_demo.__doc__)
+    (args,) = parse_dataclasses((DemoArgs,), argv, prog="colo-kit demo", description=demo.__doc__)
     r = execute(NOTEBOOKS / "00_quickstart.ipynb", writable_dir(args.out or runs_dir() / "demo", "--out"))
     print(f"\n[colo_kit] quickstart ran in {r['seconds']} s\n  executed notebook: {r['executed']}\n"
           f"  HTML copy:         {r['html']}")

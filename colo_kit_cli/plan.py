@@ -54,7 +54,7 @@ def _gpu_for(plan: Plan, argv: list[str]) -> tuple[Plan, str]:
 
 
 def _write_recipe(plan: Plan, args, gpu_line: str) -> int:
-    from colo_kit.commands import UsageError, writable_file
+    from colo_kit_cli.commands import UsageError, writable_file
     from colo_kit.paths import runs_dir
     from colo_kit.memory.recipe import recipe, to_yaml
 
@@ -95,8 +95,8 @@ class PlanCommand:
         "help": "with --write-configs: replace files that differ instead of writing beside them"})
 
 
-def cli_main(argv: list[str]) -> int:
-    from colo_kit.commands import UsageError, parse_dataclasses
+def main(argv: list[str]) -> int:
+    from colo_kit_cli.commands import UsageError, parse_dataclasses
 
     # every field of the planner's Plan is a flag (--per-device-train-batch-size, --zero-stage, --tp, ...)
     plan, args = parse_dataclasses((Plan, PlanCommand), argv, prog="colo-kit plan", description=(
