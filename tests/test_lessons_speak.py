@@ -12,7 +12,7 @@ from colo_kit.paths import REPO_ROOT
 # a commit as git prints one: 7 to 40 hex digits with a letter and a digit among them (a word like "deadbeef" or a
 # number like 1234567 is not one)
 COMMIT = re.compile(r"(?<![0-9A-Za-z_])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
-KIT = sorted((REPO_ROOT / "colo_kit").rglob("*.py"))
+KIT = sorted([*(REPO_ROOT / "colo_kit").rglob("*.py"), *(REPO_ROOT / "colo_kit_cli").rglob("*.py")])  # and its commands
 LESSONS = sorted((REPO_ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"))
 
 
