@@ -35,8 +35,17 @@ site = _site()
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
+    (out / "html" / "api").mkdir(parents=True)  # a page an earlier build made for a module that has since gone
+    (out / "html" / "api" / "colo_kit.gone.html").write_text("<html>an old module</html>")
     info = site.build(out)  # -W: a broken cross-reference or toctree entry is an error, and the build fails
     return out / "html", info
+
+
+def test_the_reference_has_a_page_per_module_and_none_for_a_module_that_has_gone(built):
+    html, _ = built
+    pages = {p.stem for p in (html / "api").glob("*.html")}
+    assert {"colo_kit.colocate.engine", "colo_kit_cli", "colo_kit_cli.plan"} <= pages
+    assert set(site.modules()) <= pages and "colo_kit.gone" not in pages
 
 
 def _code(path: Path) -> list[str]:

@@ -305,8 +305,9 @@ def build(out: Path, repo: Path = REPO, results: Path | None = None, strict: boo
     """Stage into `out/src` and build the HTML into `out/html`; Sphinx's warnings are errors (`strict`) and go to
     `out/warnings.txt`. Returns `stage`'s account of the lesson pages."""
     info = stage(out / "src", repo, results)
-    for tier in TIERS:  # Sphinx adds extra files and never removes one: an HTML copy the site no longer uses goes
-        shutil.rmtree(out / "html" / f"{tier}_check", ignore_errors=True)
+    # Sphinx builds over what is there and never removes a page: a module or HTML copy the site no longer has would
+    # stay published, so every build starts from an empty html/
+    shutil.rmtree(out / "html", ignore_errors=True)
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-w", str(out / "warnings.txt"),
            *(["-W", "--keep-going"] if strict else []), str(out / "src"), str(out / "html")]
     env = {**__import__("os").environ, "COLO_KIT_REPO": str(repo)}
