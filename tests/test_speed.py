@@ -425,6 +425,27 @@ def test_the_recipe_row_notebook_04_shows_ran_the_recipe_plan_recommend_writes(m
         assert {k: r["grpo_config"].get(k) for k in compared} == compared, (model, r["seed"])
 
 
+def test_notebook_04s_chain_table_stays_when_a_newer_race_ran_only_the_defaults_and_the_recipe():
+    """A race of many seeds of TRL's defaults and the recipe (the seed spread notebook 04 charts) is newer than the
+    race of knobs one at a time; the chain table keeps showing the knobs, the plain newest race is the seeds'."""
+    import copy
+
+    from record.lessons import current_race
+
+    result = json.loads(RESULT.read_text())
+    races = result["summary"]["qwen2.5-1.5b"]
+    chain_key = next(k for k, g in reversed(races.items()) if set(g["configs"]) - {"trl_defaults", speed.RECIPE}
+                     and "trl_defaults" in g["configs"])
+    seeds = copy.deepcopy(races[chain_key])
+    seeds["configs"] = {k: v for k, v in seeds["configs"].items() if k in ("trl_defaults", speed.RECIPE)}
+    seeds["race"]["commit"] = "newer"
+    races["a newer race of seeds"] = seeds  # merges append: the last race is the newest
+    shown = {r["configuration"] for r in current_race(result)}
+    chain = {r["configuration"] for r in current_race(result, knobs=True)}
+    assert shown == {"trl_defaults", speed.RECIPE}
+    assert chain == set(races[chain_key]["configs"]) and len(chain) > 2
+
+
 def test_the_recipe_below_7b_is_cispo_on_8_steps_per_generation_with_vllm_sized_for_the_task():
     """The recipe at 1.5B is cispo_b16 (CISPO, 8 steps per generation, batch 16) with vLLM sized for the task's
     longest prompt plus the completion, where cispo_b16 keeps TRL's default (the model's own limit)."""
