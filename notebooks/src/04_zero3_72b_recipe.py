@@ -422,44 +422,53 @@ print(f"the planner against seed 0's NVML peak, every row of both models: {min(e
 #   the defaults' seed 1 got there sooner (0.59×) and their seed 0 got stuck and never did.
 
 # %% [markdown]
-# ### On an 80 GB GPU, over five seeds and more
+# ### Over many seeds, on an 80 GB GPU and on the H200
 #
-# Two seeds cannot carry a time ratio. On one H100 80 GB, `plan --recommend` keeps CISPO on 8 steps per generation at
-# batch 16 by setting PyTorch's expandable segments (the default allocator's reserve would not fit), and
-# `scripts/gpu/speed.sh` raced it against TRL's defaults, five seeds and more each (measured,
-# `results/speed_1xh100.json`). Each line is one seed's running mean reward; the dashed line is the threshold.
+# Two seeds cannot carry a time ratio. `scripts/gpu/speed.sh` also races only TRL's defaults and the recipe, over
+# many seeds, one process per seed. On one H100 80 GB, `plan --recommend` keeps CISPO on 8 steps per generation at
+# batch 16 by setting PyTorch's expandable segments (the default allocator's reserve would not fit); on the H200 the
+# same training settings run with the default allocator. Each line is one seed's running mean reward; the dashed
+# line is the threshold; each chart's first line names its race and machine (measured, `results/speed_1xh100.json`
+# and `results/speed_1xh200.json`).
 
 # %%
-seeds = results.shown("04.seeds_h100")
-print(results.footnote(seeds))
-fig = go.Figure()
-for name, colour in (("trl_defaults", "#7f7f7f"), ("recipe", "#d62728")):
-    c = seeds["configs"][name]
-    for seed, curve in zip(c["seeds"], c["curves"]):
-        fig.add_scatter(x=[t for t, _ in curve], y=[m for _, m in curve], mode="lines", line_color=colour,
-                        name=name, legendgroup=name, showlegend=seed == c["seeds"][0], opacity=0.7)
-    low, high = c["range_s"]
-    print(f"{name:<13} {c['tokens_per_s_vs_defaults']:.2f}x the tokens/s; time to the threshold: median "
-          f"{c['median_s']:.1f} s, {c['reached']} seeds reached it, fastest {low:.1f} s, slowest "
-          f"{f'{high:.1f} s' if high else 'not within the budget'}; NVML peak {min(c['nvml_peak_gib']):.1f}-"
-          f"{max(c['nvml_peak_gib']):.1f} GiB against the planner's {c['planner_peak_gib']:.1f} (measured, modelled)")
-fig.add_hline(y=seeds["threshold_reward"], line_dash="dash", annotation_text="threshold")
-fig.update_layout(xaxis_title="seconds of training", yaxis_title="running mean reward", height=420,
-                  title="1.5B on one H100: every seed of TRL's defaults and of the recipe (measured)")
-fig.show()
-d, r = seeds["configs"]["trl_defaults"], seeds["configs"]["recipe"]
-low, high = r["one_seed_vs_one"]
-print(f"the medians: {d['median_s']:.1f} / {r['median_s']:.1f} s = {r['median_vs_defaults']:.2f}x sooner; one reached "
-      f"recipe seed against one reached defaults seed: {low:.1f}x to {high:.1f}x (measured)")
+def seed_race(entry, gpu):
+    """One race of seeds: each seed's running mean reward as a line, and the medians and spreads in words."""
+    print(results.footnote(entry), "·", entry["race"], "per seed")
+    fig = go.Figure()
+    for name, colour in (("trl_defaults", "#7f7f7f"), ("recipe", "#d62728")):
+        c = entry["configs"][name]
+        for seed, curve in zip(c["seeds"], c["curves"]):
+            fig.add_scatter(x=[t for t, _ in curve], y=[m for _, m in curve], mode="lines", line_color=colour,
+                            name=name, legendgroup=name, showlegend=seed == c["seeds"][0], opacity=0.7)
+        low, high = c["range_s"]
+        print(f"{name:<13} {c['tokens_per_s_vs_defaults']:.2f}x the tokens/s; time to the threshold: median "
+              f"{c['median_s']:.1f} s, {c['reached']} seeds reached it, fastest {low:.1f} s, slowest "
+              f"{f'{high:.1f} s' if high else 'not within the budget'}; NVML peak {min(c['nvml_peak_gib']):.1f}-"
+              f"{max(c['nvml_peak_gib']):.1f} GiB against the planner's {c['planner_peak_gib']:.1f} (measured, modelled)")
+    fig.add_hline(y=entry["threshold_reward"], line_dash="dash", annotation_text="threshold")
+    fig.update_layout(xaxis_title="seconds of training", yaxis_title="running mean reward", height=420,
+                      title=f"1.5B on one {gpu}: every seed of TRL's defaults and of the recipe (measured)")
+    fig.show()
+    d, r = entry["configs"]["trl_defaults"], entry["configs"]["recipe"]
+    low, high = r["one_seed_vs_one"]
+    print(f"the medians: {d['median_s']:.1f} / {r['median_s']:.1f} s = {r['median_vs_defaults']:.2f}x sooner; one "
+          f"reached recipe seed against one reached defaults seed: {low:.1f}x to {high:.1f}x (measured)")
+
+
+seed_race(results.shown("04.seeds_h100"), "H100 80 GB")
+
+# %%
+seed_race(results.shown("04.seeds_h200"), "H200")
 
 # %% [markdown]
 # What "N× sooner" means here: half the recipe's seeds reached the threshold within its median, half the defaults'
 # within theirs, and the ratio is of those two medians (a seed that never got there counts as slower than all that
 # did). It is a statement about the middle of two spreads, not about every seed: one seed against one reads anything
-# in the range printed above, and a seed of either can miss the budget. The tokens/s ratio holds on every seed; the
+# in the ranges printed above, and a seed of either can miss the budget. The tokens/s ratio holds on every seed; the
 # time holds as a median.
 #
-# **7B on the same card.** TRL's defaults do not fit (83 GiB, modelled), so the recipe races their fastest variant
+# **7B on the H100 80 GB.** TRL's defaults do not fit (83 GiB, modelled), so the recipe races their fastest variant
 # that does: the defaults with sleep mode. The recipe recomputes activations rather than hand the optimizer to
 # DeepSpeed's CPU Adam (19-20 s a step in `results/zero3_run.json`), and shares each generation between two steps:
 
