@@ -446,6 +446,28 @@ def test_notebook_04s_chain_table_stays_when_a_newer_race_ran_only_the_defaults_
     assert chain == set(races[chain_key]["configs"]) and len(chain) > 2
 
 
+def test_the_h200_seed_chart_reads_the_newest_race_of_only_the_defaults_and_the_recipe():
+    """Notebook 04's H200 seed chart: the newest race that ran TRL's defaults and the recipe and nothing else, every
+    seed of it, summarized again from its records (the file's own summary predates the spreads)."""
+    import statistics
+
+    from record.lessons import seeds_over, seeds_race
+
+    result = json.loads(RESULT.read_text())
+    races = list(result["summary"]["qwen2.5-1.5b"].items())
+    key = seeds_race(result)
+    only = [k for k, g in races if set(g["configs"]) == {"trl_defaults", speed.RECIPE}]
+    assert key == only[-1]
+    shown = seeds_over(result, key=key)
+    assert shown["race"] == key.split(", at ")[0]
+    for name, c in shown["configs"].items():
+        ran = sorted(r["seed"] for r in result["records"] if r["config"] == name and race.race(r) == key)
+        assert c["seeds"] == ran and len(c["curves"]) == len(ran)
+        reached = [t for t in c["time_to_reward_s"] if t is not None]
+        if len(reached) == len(ran):  # every seed got there: the median is the plain one
+            assert c["median_s"] == pytest.approx(statistics.median(reached), abs=0.01)
+
+
 def test_the_recipe_below_7b_is_cispo_on_8_steps_per_generation_with_vllm_sized_for_the_task():
     """The recipe at 1.5B is cispo_b16 (CISPO, 8 steps per generation, batch 16) with vLLM sized for the task's
     longest prompt plus the completion, where cispo_b16 keeps TRL's default (the model's own limit)."""
