@@ -424,12 +424,10 @@ print(f"the planner against seed 0's NVML peak, every row of both models: {min(e
 # %% [markdown]
 # ### Over many seeds, on an 80 GB GPU and on the H200
 #
-# Two seeds cannot carry a time ratio. `scripts/gpu/speed.sh` also races only TRL's defaults and the recipe, over
-# many seeds, one process per seed. On one H100 80 GB, `plan --recommend` keeps CISPO on 8 steps per generation at
-# batch 16 by setting PyTorch's expandable segments (the default allocator's reserve would not fit); on the H200 the
-# same training settings run with the default allocator. Each line is one seed's running mean reward; the dashed
-# line is the threshold; each chart's first line names its race and machine (measured, `results/speed_1xh100.json`
-# and `results/speed_1xh200.json`).
+# Two seeds cannot carry a time ratio, so `scripts/gpu/speed.sh` also races only TRL's defaults and the recipe over
+# many seeds. On the H100, `plan --recommend` keeps CISPO on 8 steps per generation at batch 16 by setting PyTorch's
+# expandable segments (the default allocator's reserve would not fit). Each line is one seed's running mean reward;
+# the dashed line is the threshold (measured, `results/speed_1xh100.json` and `results/speed_1xh200.json`).
 
 # %%
 def seed_race(entry, gpu):
