@@ -119,12 +119,12 @@ def seeds_over(result: dict, model: str = "qwen2.5-1.5b", key: str | None = None
     tokens/s ratio, the time to the threshold as median and range over seeds, and each seed's running reward curve,
     for the lesson's chart."""
     key = key or next(reversed(result["summary"][model]))
+    ran = [r for r in result["records"] if r["model"] == model and race.race(r) == key]
     # summarized again from the race's records: a file merged before the summary had its spreads lacks them
-    summary, per_gen = race.summarize([r for r in result["records"] if r["model"] == model])[key], None
+    summary, per_gen = race.summarize(ran)[key], None
     out = {"race": key.split(", at ")[0], "threshold_reward": summary["threshold"]["reward"], "configs": {}}
     for name, c in summary["configs"].items():
-        recs = sorted((r for r in result["records"] if r["config"] == name and r["model"] == model
-                       and race.race(r) == key), key=lambda r: r["seed"])
+        recs = sorted((r for r in ran if r["config"] == name), key=lambda r: r["seed"])
         per_gen = recs[0]["completions_per_generation"]
         over = c["time_to_reward_over_seeds"]
         out["configs"][name] = {

@@ -453,11 +453,18 @@ def test_the_h200_seed_chart_reads_the_newest_race_of_only_the_defaults_and_the_
 
     from record.lessons import seeds_over, seeds_race
 
+    import copy
+
     result = json.loads(RESULT.read_text())
-    races = list(result["summary"]["qwen2.5-1.5b"].items())
+    races = result["summary"]["qwen2.5-1.5b"]
     key = seeds_race(result)
-    only = [k for k, g in races if set(g["configs"]) == {"trl_defaults", speed.RECIPE}]
-    assert key == only[-1]
+    assert set(races[key]["configs"]) == {"trl_defaults", speed.RECIPE}
+    # a newer race that ran a knob as well is not a race of seeds; a newer one of only the two is
+    with_knob, of_seeds = copy.deepcopy(result), copy.deepcopy(result)
+    with_knob["summary"]["qwen2.5-1.5b"]["newer, with a knob"] = copy.deepcopy(
+        next(g for g in races.values() if set(g["configs"]) - {"trl_defaults", speed.RECIPE}))
+    of_seeds["summary"]["qwen2.5-1.5b"]["newer, of seeds"] = copy.deepcopy(races[key])
+    assert seeds_race(with_knob) == key and seeds_race(of_seeds) == "newer, of seeds"
     shown = seeds_over(result, key=key)
     assert shown["race"] == key.split(", at ")[0]
     for name, c in shown["configs"].items():
