@@ -308,14 +308,15 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
         per_file_args.setdefault(a.split("::")[0], []).append(a)
     deadline = time.time() + budget_s
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "scripts"), os.environ.get("PYTHONPATH")])))
+    scratch = Path(tempfile.mkdtemp(prefix="colo_kit-check-"))  # the lanes' logs; removed once read
     if done:
-        skip = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-done-{os.getpid()}.txt"
+        skip = scratch / "done.txt"
         skip.write_text("\n".join(sorted(done)) + "\n")
         env["COLO_KIT_CHECK_DONE"] = str(skip)
     t0, tests, rcs, commands, not_run = time.time(), [], [], [], []
 
     def run_lane(i: int, lane: list[str]) -> None:
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"check-tests-{os.getpid()}-{i}.jsonl"
+        log = scratch / f"lane{i}.jsonl"
         collected = Path(f"{log}.collected")
         log.unlink(missing_ok=True)
         collected.unlink(missing_ok=True)
@@ -359,7 +360,10 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
             ran = {t["nodeid"] for t in mine}
             not_run.extend(n for n in collected.read_text().splitlines() if n not in ran)
 
-    _side_by_side(run_lane, lanes)
+    try:
+        _side_by_side(run_lane, lanes)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1

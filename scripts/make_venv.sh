@@ -13,6 +13,23 @@ start=$(date +%s)
 # lines, keep pip's exit status.
 pipq() { "$BIN/pip" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 
+# A fresh CPU-tier .venv takes ~4 GiB (the GPU tier's more) and pip unpacks wheels in the temporary
+# folder: a disk that fills halfway through leaves a broken venv and pip's "[Errno 28] No space left on device".
+# Say so before anything is written. VENV_NEED_GIB (default 6) is how much one folder holding both must have free.
+free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
+if [ ! -x "$BIN/python" ]; then
+  need=${VENV_NEED_GIB:-6}
+  [[ $need =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "[colo_kit] VENV_NEED_GIB=$need is not a number of GiB: give one such as 6" >&2; exit 2; }
+  for dir in "$(dirname "$VENV")" "${TMPDIR:-/tmp}"; do
+    have=$(free_gib "$dir")
+    if [ -n "$have" ] && awk -v h="$have" -v n="$need" 'BEGIN { exit !(h < n) }'; then
+      echo "[colo_kit] building $VENV needs at least $need GiB free; $(cd "$dir" && pwd) has $have GiB:" \
+           "free some space there (or set TMPDIR or VENV to a disk with room) and run again" >&2
+      exit 2
+    fi
+  done
+fi
+
 echo "[colo_kit] building $VENV for the $TIER tier"
 [ -x "$BIN/python" ] || "$PY" -m venv "$VENV"
 if [ "$TIER" = cpu ]; then

@@ -1,6 +1,7 @@
 """scripts/check.py: what a notebook's record says about memory is the peak of its whole process tree (the
 kernel and what it started), not of the process the check launched."""
 
+import os
 import subprocess
 import sys
 import time
@@ -191,13 +192,16 @@ def test_a_run_the_budget_cuts_names_the_tests_it_never_reached(tmp_path):
                  "def test_c():\n    assert True\n")
     record = tmp_path / "check.json"
     repo = load_script("scripts/check.py").REPO
+    scratch = tmp_path / "tmp"  # the check's temporary folder: its lane logs and resume list go, read or not
+    scratch.mkdir()
 
     def check(*extra, budget="20"):
         return subprocess.run([sys.executable, "scripts/check.py", "tests", "--json", str(record), "--budget-s", budget,
                                *extra, "--", "-p", "no:cacheprovider", str(f)], cwd=repo, capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=120, env=dict(os.environ, TMPDIR=str(scratch)))
 
     check()
+    assert not list(scratch.iterdir())
     tests = json.loads(record.read_text())["tests"]
     assert {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in tests["tests"]} == {"test_a": "passed"}
     assert [n.rsplit("::", 1)[-1] for n in tests["not_run"]] == ["test_b", "test_c"], tests
@@ -207,6 +211,7 @@ def test_a_run_the_budget_cuts_names_the_tests_it_never_reached(tmp_path):
     tests = json.loads(record.read_text())["tests"]
     assert proc.returncode == 0 and "not_run" not in tests and "not run" not in tests["counts"], proc.stdout
     assert sorted(t["nodeid"].rsplit("::", 1)[-1] for t in tests["tests"]) == ["test_a", "test_b", "test_c"]
+    assert not list(scratch.iterdir())
 
 
 def test_on_a_gpu_node_each_test_of_the_gpu_lane_records_the_gpu_left_free(tmp_path, monkeypatch):

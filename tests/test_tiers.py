@@ -86,3 +86,24 @@ def test_commit_is_the_given_one_else_gits(monkeypatch, tmp_path):
     assert commit() == "fedcba9"
     fake.unlink()
     assert commit() is None
+
+
+@pytest.mark.parametrize("need_gib, refused", [("1000000", "needs at least 1000000 GiB free; {tmp} has "),
+                                               ("6GB", "VENV_NEED_GIB=6GB is not a number of GiB"), ("0", None)])
+def test_building_the_venv_on_a_full_disk_stops_first_with_one_line(tmp_path, need_gib, refused):
+    """Seen in CI: a disk that filled during the build ended it halfway in pip's "[Errno 28] No space left on device".
+    `false` stands in for Python, so a build the check lets through ends at once at its first step instead."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    out = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "make_venv.sh"), "cpu"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PY": "false", "VENV": str(venv), "TMPDIR": str(tmp_path),
+                              "VENV_NEED_GIB": need_gib})
+    lines = out.stderr.strip().splitlines()
+    if refused:
+        assert out.returncode == 2 and len(lines) == 1, out
+        assert refused.format(tmp=tmp_path) in lines[0], lines
+        assert "building" not in out.stdout and not venv.exists()
+    else:
+        assert out.returncode == 1 and "GiB free" not in out.stderr, out
+        assert f"building {venv} for the cpu tier" in out.stdout
