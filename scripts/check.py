@@ -318,8 +318,6 @@ def run_tests(pytest_args: list[str], budget_s: float, parallel: int = 1, done: 
     def run_lane(i: int, lane: list[str]) -> None:
         log = scratch / f"lane{i}.jsonl"
         collected = Path(f"{log}.collected")
-        log.unlink(missing_ok=True)
-        collected.unlink(missing_ok=True)
         pytest = [sys.executable, "-m", "pytest", "-p", "check_plugin", "-q", "-rN"]
         cmd = [*pytest, *pytest_args, *lane]
         commands.append(shlex.join(cmd[2:]) + (" (a process per file)" if per_file and i == 0 else ""))

@@ -15,7 +15,7 @@ pipq() { "$BIN/pip" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor 
 
 # A fresh CPU-tier .venv takes ~4 GiB (the GPU tier's more) and pip unpacks wheels in the temporary
 # folder: a disk that fills halfway through leaves a broken venv and pip's "[Errno 28] No space left on device".
-# Say so before anything is written. VENV_NEED_GIB (default 6) is how much one folder holding both must have free.
+# Say so before anything is written: each of the two folders must have VENV_NEED_GIB (default 6) free.
 free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
 if [ ! -x "$BIN/python" ]; then
   need=${VENV_NEED_GIB:-6}

@@ -449,11 +449,10 @@ def test_notebook_04s_chain_table_stays_when_a_newer_race_ran_only_the_defaults_
 def test_the_h200_seed_chart_reads_the_newest_race_of_only_the_defaults_and_the_recipe():
     """Notebook 04's H200 seed chart: the newest race that ran TRL's defaults and the recipe and nothing else, every
     seed of it, summarized again from its records (the file's own summary predates the spreads)."""
+    import copy
     import statistics
 
     from record.lessons import seeds_over, seeds_race
-
-    import copy
 
     result = json.loads(RESULT.read_text())
     races = result["summary"]["qwen2.5-1.5b"]
