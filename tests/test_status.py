@@ -172,3 +172,30 @@ def test_a_race_short_of_its_goals_is_owed_in_the_report():
     assert len(short) == 3 and all(line.startswith("results/speed_1xh200.json: ") for line in short)
     assert "2 seed(s) of trl_defaults" in short[0] and "1.9x" in short[2]
     assert status.race_goals("gpu_check.json", race(2, 1.0, 1.0)) == []  # only race files
+
+
+def test_the_report_judges_the_race_of_seeds_from_its_records():
+    """The race judged is the one notebook 04 charts: the newest that ran only the defaults and the recipe, not a
+    newer race of knobs; its medians are summarized again from its records (a file merged before the summary had
+    spreads stores none)."""
+    def rec(config, seed, tps, reached_at, commit):
+        return {"config": config, "seed": seed, "model": "qwen2.5-1.5b", "commit": commit, "budget_s": 80.0,
+                "grpo_config": {"learning_rate": 5e-4}, "completions_per_generation": 64,
+                "rows": [{"t_s": 1.0, "reward": -2000.0}, {"t_s": float(reached_at), "reward": -900.0}],
+                "steady": {"completion_tokens_per_s": tps, "s_per_step": 1.0, "per_cycle": []},
+                "nvml_peak_gib": 70.0, "planner_peak_gib": 66.5, "phase_s_per_step": {}, "switch": {}}
+
+    def speed_file(recipe_times):
+        seeds = [rec("trl_defaults", i, 1000.0, t, "aaa") for i, t in enumerate([20, 30, 40, 50, 60])]
+        seeds += [rec("recipe", i, 4000.0, t, "aaa") for i, t in enumerate(recipe_times)]
+        knobs = [rec("trl_defaults", 0, 1000.0, 40, "bbb"), rec("spg8", 0, 3000.0, 90, "bbb")]
+        summary = {"lr=0.0005, 80 s, at aaa": {"configs": {"trl_defaults": {}, "recipe": {}}},
+                   "lr=0.0005, 80 s, at bbb": {"configs": {"trl_defaults": {}, "spg8": {}}}}
+        return {"summary": {"qwen2.5-1.5b": summary}, "records": seeds + knobs}
+
+    # five seeds each, 4x the tokens/s, median 20 s against 40 s: every goal met, though the knob race has one seed
+    assert status.race_goals("speed_1xh200.json", speed_file([10, 15, 20, 25, 30])) == []
+    short = status.race_goals("speed_1xh200.json", speed_file([10, 15, 25, 35]))
+    assert short == ["results/speed_1xh200.json: the 1.5B race of seeds at aaa has 4 seed(s) of recipe (goal: 5)"]
+    slow = status.race_goals("speed_1xh200.json", speed_file([10, 15, 25, 35, 45]))
+    assert len(slow) == 1 and "median time to the threshold is 1.6x" in slow[0] and "at aaa" in slow[0]
