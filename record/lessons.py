@@ -108,20 +108,13 @@ def current_race(result: dict, model: str = "qwen2.5-1.5b", knobs: bool = False)
             if (r["learning rate"], r["s per seed"], r["ran at"]) == key]
 
 
-def seeds_race(result: dict, model: str = "qwen2.5-1.5b") -> str:
-    """The key of the newest race of `model` that ran TRL's defaults and the recipe and nothing else: a race of seeds."""
-    return next(k for k, g in reversed(result["summary"][model].items())
-                if set(g["configs"]) == {"trl_defaults", speed.RECIPE})
-
-
 def seeds_over(result: dict, model: str = "qwen2.5-1.5b", key: str | None = None) -> dict:
     """A race over many seeds (`speed.sh` on one GPU; the newest race unless `key` names one): per configuration the
     tokens/s ratio, the time to the threshold as median and range over seeds, and each seed's running reward curve,
     for the lesson's chart."""
     key = key or next(reversed(result["summary"][model]))
-    ran = [r for r in result["records"] if r["model"] == model and race.race(r) == key]
-    # summarized again from the race's records: a file merged before the summary had its spreads lacks them
-    summary, per_gen = race.summarize(ran)[key], None
+    ran, summary = race.summarize_again(result, model, key)
+    per_gen = None
     out = {"race": key.split(", at ")[0], "threshold_reward": summary["threshold"]["reward"], "configs": {}}
     for name, c in summary["configs"].items():
         recs = sorted((r for r in ran if r["config"] == name), key=lambda r: r["seed"])
@@ -193,7 +186,7 @@ def build(results: Path | None = None) -> dict:
         "04.latency": _entry(results, "gen_latency_1xh200", "1×H200", rows=[{k: v for k, v in r.items() if k != "commit"}
                                                                               for r in speed.latency_table(latency)]),
         "04.seeds_h100": _entry(results, "speed_1xh100", "1×H100 80 GB", **seeds_over(h100)),
-        "04.seeds_h200": _entry(results, "speed_1xh200", "1×H200", **seeds_over(sp, key=seeds_race(sp))),
+        "04.seeds_h200": _entry(results, "speed_1xh200", "1×H200", **seeds_over(sp, key=race.seeds_race(sp))),
         "04.share_by_hand_h100": _entry(results, "share_by_hand_1xh100", "1×H100 80 GB", rows=break_it_rows(by_hand)),
         "04.h100_7b": _entry(results, "speed_1xh100", "1×H100 80 GB", **side_by_side(h100, "qwen2.5-7b")),
         "06.router": _entry(results, "router_vs_proxy_cpu", rows=router_table(router)),

@@ -67,6 +67,20 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def seeds_race(result: dict, model: str = "qwen2.5-1.5b") -> str | None:
+    """The key of the newest race of `model` that ran TRL's defaults and the recipe and nothing else (a race of
+    seeds), None when none did."""
+    return next((k for k, g in reversed(result["summary"][model].items())
+                 if set(g.get("configs", {})) == {"trl_defaults", RECIPE}), None)
+
+
+def summarize_again(result: dict, model: str, key: str) -> tuple[list[dict], dict | None]:
+    """One race's records and its summary made again from them (None when the file keeps no records of it): a file
+    merged before the summary had its spreads stores no medians."""
+    ran = [r for r in result.get("records") or [] if r.get("model") == model and race(r) == key]
+    return ran, summarize(ran)[key] if ran else None
+
+
 def first_race(result: dict, model: str, learning_rate: float) -> str:
     """The key of `model`'s first race at `learning_rate` in a merged result's summary."""
     return next(k for k, g in result["summary"][model].items() if g["race"]["learning_rate"] == learning_rate)

@@ -236,14 +236,9 @@ def race_goals(name: str, data: dict) -> list[str]:
     races = (data.get("summary") or {}).get("qwen2.5-1.5b") if name.startswith("speed_1x") else None
     if not isinstance(races, dict) or not races:
         return []
-    key = next((k for k, g in reversed(races.items()) if set(g.get("configs", {})) == {"trl_defaults", "recipe"}),
-               next(reversed(races)))
-    configs = races[key].get("configs", {})
-    # summarized again from the race's own records where the file has them: a file merged before the summary had its
-    # spreads stores no median
-    ran = [r for r in data.get("records") or [] if r.get("model") == "qwen2.5-1.5b" and race.race(r) == key]
-    if ran:
-        configs = race.summarize(ran)[key]["configs"]
+    key = race.seeds_race(data) or next(reversed(races))
+    summary = race.summarize_again(data, "qwen2.5-1.5b", key)[1] or races[key]
+    configs = summary.get("configs", {})
     where, out = f"results/{name}: the 1.5B race of seeds at {key.rsplit(' at ', 1)[-1]}" if " at " in key \
         else f"results/{name}: the 1.5B race of seeds", []
     for config in ("trl_defaults", "recipe"):

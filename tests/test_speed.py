@@ -452,7 +452,8 @@ def test_the_h200_seed_chart_reads_the_newest_race_of_only_the_defaults_and_the_
     import copy
     import statistics
 
-    from record.lessons import seeds_over, seeds_race
+    from record.lessons import seeds_over
+    from record.race import seeds_race
 
     result = json.loads(RESULT.read_text())
     races = result["summary"]["qwen2.5-1.5b"]
