@@ -66,6 +66,7 @@ scripts/router_compare.sh
 {CHECKS["cpu"]}: {_CHECK}
 {CHECKS["gpu"]}: {_CHECK}
 cpu_check_00_avx2.json: {_CHECK}
+cold_start_1xh100.json: {_CHECK} scripts/gpu/cold_start.py
 {LESSONS}: record/lessons.py record/race.py record/speed.py record/router_compare.py colo_kit/serving/pingpong.py \
 results/speed_1xh200.json results/speed_1xh100.json results/gen_latency_1xh200.json results/router_vs_proxy_cpu.json \
 results/share_by_hand_1xh100.json"""
