@@ -133,12 +133,14 @@ def machine_of(name: str, data: dict) -> str:
 
 
 def readers(root: Path) -> dict[str, set[str]]:
-    """{results file name: the notebooks ("00".."06") and "README" that name it or read a number from it}."""
+    """{results file name: the notebooks ("00".."06"), "README" and "INSTRUCTOR" (docs/INSTRUCTOR.md) that name it or
+    read a number from it}."""
     out: dict[str, set[str]] = {}
     lessons = _load(root / "results" / LESSONS)[0] or {}
     sources = sorted((root / "notebooks" / "src").glob("[0-9][0-9]_*.py")) + [root / "README.md"]
+    sources.append(root / "docs" / "INSTRUCTOR.md")
     for src in filter(Path.exists, sources):
-        text, who = src.read_text(), src.name[:2] if src.suffix == ".py" else "README"
+        text, who = src.read_text(), src.name[:2] if src.suffix == ".py" else src.stem
         if who == "README":  # README's copy of this report does not count as reading a record
             text = re.sub(r"\n## How fresh.*?(?=\n## |\Z)", "", text, flags=re.S)
         names = re.findall(r"results/(\w+)\.json", text) + re.findall(r'results_dir\(\) / "(\w+)\.json"', text)
@@ -269,8 +271,9 @@ def _since(row: dict) -> str:
 
 
 def _readers(who: list[str]) -> str:
-    nbs = [w for w in who if w != "README"]
-    return " ".join((["all notebooks"] if len(nbs) >= 7 else nbs) + (["README"] if "README" in who else [])) or "—"
+    nbs = [w for w in who if w[:2].isdigit()]
+    docs = [w for w in ("README", "INSTRUCTOR") if w in who]
+    return " ".join((["all notebooks"] if len(nbs) >= 7 else nbs) + docs) or "—"
 
 
 def text(rep: dict) -> str:

@@ -199,3 +199,13 @@ def test_the_report_judges_the_race_of_seeds_from_its_records():
     assert short == ["results/speed_1xh200.json: the 1.5B race of seeds at aaa has 4 seed(s) of recipe (goal: 5)"]
     slow = status.race_goals("speed_1xh200.json", speed_file([10, 15, 25, 35, 45]))
     assert len(slow) == 1 and "median time to the threshold is 1.6x" in slow[0] and "at aaa" in slow[0]
+
+
+def test_the_instructors_guide_counts_as_a_reader(repo):
+    """docs/INSTRUCTOR.md quotes records too (the first Run All on a fresh machine): the report names it as a reader."""
+    root, _ = repo
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "INSTRUCTOR.md").write_text("# guide\n\nMeasured (`results/x.json`): 247.6 s, then 92.8 s.\n")
+    row = next(f for f in status.report(root)["files"] if f["file"] == "x.json")
+    assert row["read_by"] == ["INSTRUCTOR"]
+    assert "INSTRUCTOR" in status.text(status.report(root)).split("x.json", 1)[1].splitlines()[0]
