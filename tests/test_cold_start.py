@@ -47,3 +47,20 @@ def test_bad_input_gets_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and names in err and "e.g." in err
     assert not out.exists()
+
+
+def test_a_cut_run_takes_its_kernel_with_it(tmp_path):
+    """A Run All cut by its time limit ends its whole tree: the kernel (in a session of its own) is gone too."""
+    import psutil
+
+    pidfile = tmp_path / "kernel.pid"
+    nb = _notebook(tmp_path / "nb.ipynb", f"import os\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))",
+                   "while True:\n    pass")
+    rec = _script().run_once(nb, tmp_path / "out", timeout_s=20)
+    assert rec["status"] == "cut at 20 s" and rec["peak_rss_gib"] > 0
+    kernel = int(pidfile.read_text())
+    try:
+        alive = psutil.Process(kernel).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    assert not alive, f"the cut run's kernel {kernel} is still running"

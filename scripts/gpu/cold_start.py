@@ -80,19 +80,29 @@ def cell_seconds(executed: Path) -> list[dict]:
     return out
 
 
+def _check_runner():
+    """scripts/check.py, whose `_run` runs a notebook as the GPU check does: in a session of its own, its peak memory
+    sampled, and on a timeout its whole tree killed (jupyter_client starts the kernel in a session of its own, so a
+    plain `subprocess.run` timeout would leave the kernel, and its engine's GPU memory, behind)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check", ROOT / "scripts" / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_once(notebook: Path, out_dir: Path, timeout_s: float) -> dict:
-    """One Run All of `notebook` in a fresh kernel (a child process, so a cut run leaves no kernel behind)."""
+    """One Run All of `notebook` in a fresh kernel, in a child process, with the peak memory of its tree."""
     cmd = [sys.executable, "-m", "colo_kit", "run-notebooks", str(notebook), "--out", str(out_dir)]
+    peaks: dict = {}
     t0 = time.time()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        status = "completed" if p.returncode == 0 else "failed"
-        tail = (p.stdout[-800:] + p.stderr[-1500:]) if p.returncode else ""
-    except subprocess.TimeoutExpired:
-        status, tail = f"cut at {timeout_s:.0f} s", ""
-    rec = {"status": status, "seconds": round(time.time() - t0, 1)}
-    if tail:
-        rec["error_tail"] = tail
+    rc, out, err = _check_runner()._run(cmd, timeout_s, peaks, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+    status = {0: "completed", "timeout": f"cut at {timeout_s:.0f} s"}.get(rc, "failed")
+    rec = {"status": status, "seconds": round(time.time() - t0, 1), **peaks}
+    if status == "failed":
+        rec["error_tail"] = (out or "")[-800:] + (err or "")[-1500:]
     executed = out_dir / notebook.name
     if executed.exists():
         rec["cells"] = cell_seconds(executed)
