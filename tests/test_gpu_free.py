@@ -62,13 +62,20 @@ def test_a_free_share_passes_and_a_cpu_has_nothing_to_check(monkeypatch):
 
 def test_a_plan_tried_in_a_child_names_where_it_stopped_and_a_gpu_run_owes_the_peak():
     """`try_plan` runs the real `colo-kit train` in a child process: a share the command refuses stops it before a
-    model loads, and the result says so in the command's own line (no GPU here, so no NVML peak). The peak of a run
-    that trains is read on a GPU: notebook 04's break-it in the GPU Run All (`scripts/gpu/check.sh notebooks 04`)."""
+    model loads, and the result says so in the command's own line. Without a GPU there is no NVML peak; with one it is
+    the GPU's whole use above where it started (a CUDA context, or another process's memory while the suite runs in
+    lanes: seen 0.51 GiB on an H100), so only its presence is checked here. The peak of a run that trains is read on a
+    GPU: notebook 04's break-it in the GPU Run All (`scripts/gpu/check.sh notebooks 04`)."""
+    from colo_kit.env import has_cuda
     from colo_kit.labs.pitfalls import try_plan
 
     tried = try_plan(model="tiny", vllm_gpu_memory_utilization=1.5, per_device_train_batch_size=8,
                      gradient_checkpointing=True, max_completion_length=16, max_steps=1, timeout_s=120)
-    assert tried["completed"] is False and tried["nvml_peak_gib"] is None
+    assert tried["completed"] is False
+    if has_cuda():
+        assert isinstance(tried["nvml_peak_gib"], float) and tried["nvml_peak_gib"] >= 0, tried
+    else:
+        assert tried["nvml_peak_gib"] is None, tried
     assert "vllm_gpu_memory_utilization" in tried["error"] and "1.5" in tried["error"]
     assert tried["out_of_memory"] is False
 

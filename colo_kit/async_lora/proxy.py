@@ -225,6 +225,11 @@ class RoutingProxy:
             resp = error(400, "the connection closed before the body arrived", "client_hangup")
             resp.force_close()
             return resp
+        except asyncio.CancelledError:
+            # the same hang-up where the read runs in the handler's own task (Python 3.12's wait_for):
+            # handler_cancellation wins the race with the ConnectionError, so it arrives as a cancellation
+            self.counters["client_hangups"] += 1
+            raise
         except asyncio.TimeoutError:  # a client that stalls mid-body holds a socket and a handler: let both go
             self.counters["refused"] += 1
             resp = error(408, f"the body did not arrive within {self.config.client_timeout_s:g} s; send it "

@@ -304,6 +304,15 @@ def stage(src: Path, repo: Path = REPO, results: Path | None = None) -> dict[str
 def build(out: Path, repo: Path = REPO, results: Path | None = None, strict: bool = True) -> dict[str, dict]:
     """Stage into `out/src` and build the HTML into `out/html`; Sphinx's warnings are errors (`strict`) and go to
     `out/warnings.txt`. Returns `stage`'s account of the lesson pages."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("sphinx.cmd.build") is not None
+    except ImportError:  # a `sphinx` that is not Sphinx (a leftover folder on the path)
+        found = False
+    if not found:  # a Python the kit's requirements were not installed in
+        raise SystemExit(f"Sphinx is not installed in {sys.executable}: `make venv` installs it "
+                         "(requirements/common.txt), or `pip install sphinx`")
     info = stage(out / "src", repo, results)
     # Sphinx builds over what is there and never removes a page: a module or HTML copy the site no longer has would
     # stay published, so every build starts from an empty html/
