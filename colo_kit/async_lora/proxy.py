@@ -225,9 +225,7 @@ class RoutingProxy:
             resp = error(400, "the connection closed before the body arrived", "client_hangup")
             resp.force_close()
             return resp
-        except asyncio.CancelledError:
-            # the same hang-up where the read runs in the handler's own task (Python 3.12's wait_for):
-            # handler_cancellation wins the race with the ConnectionError, so it arrives as a cancellation
+        except asyncio.CancelledError:  # the same hang-up, read in the handler's task (3.12's wait_for): cancelled
             self.counters["client_hangups"] += 1
             raise
         except asyncio.TimeoutError:  # a client that stalls mid-body holds a socket and a handler: let both go
