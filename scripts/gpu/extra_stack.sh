@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Builds a small add-on to the GPU stack of ../shared/gpu/stack.sh: ruff 0.17.6 and JupyterLab 4.6.6 with what
-# JupyterLab needs that neither that stack nor the device image carries, as one file under ./.gpu/, ready to carry.
-# Without it two tests skip on the GPU node: tests/test_lint.py::test_ruff_finds_nothing (no ruff) and
-# tests/test_lab.py's `make lab` test (no JupyterLab).
+# Builds a small add-on to the GPU stack of ../shared/gpu/stack.sh, as one file under ./.gpu/, ready to carry:
+# - ruff 0.17.6 and JupyterLab 4.6.6 with what JupyterLab needs that neither that stack nor the device image carries.
+#   Without them tests/test_lint.py::test_ruff_finds_nothing (no ruff) and tests/test_lab.py's `make lab` test (no
+#   JupyterLab) skip on the GPU node.
+# - Sphinx 9.0.4, myst-nb 1.4.0 and furo (what `make site` builds with). Without them tests/test_site.py errors there.
+# - aiohttp 3.14.5 with its own dependencies at the versions it was tested with here. pyproject.toml asks for
+#   aiohttp>=3.14.4 (the first to close a connection that never sends a request head); the device image's is older,
+#   and tests/test_proxy_hardening.py's stalled-socket test fails on it. These six are the one place the add-on
+#   shadows packages of the image, on purpose.
 # Usage (from the project root, on your own machine; needs PyPI; ~1 min):
 #   bash scripts/gpu/extra_stack.sh        # -> .gpu/extra.tar.xz .gpu/extra.sha256
 # then carry the two files to the device and, right after `bash .gpu/install.sh`, run scripts/gpu/install_extra.sh
 # (its header and README.md say in which staging calls).
-# Versions are .venv's (`.venv/bin/pip freeze`). The list is pip's own closure of the two, not a guess:
+# Versions are .venv's (`.venv/bin/pip freeze`). The list is pip's own closure, not a guess:
 #   pip install --dry-run --ignore-installed --target /tmp/x <the flags below> -c <.venv's freeze> \
-#     --report r.json jupyterlab==4.6.6 ruff==0.17.6
+#     --report r.json jupyterlab==4.6.6 ruff==0.17.6 sphinx==9.0.4 myst-nb==1.4.0 furo==2025.12.19 aiohttp==3.14.5
 # less the wheels stack.sh carries (its PKGS and EXTRA) and less what the device image holds (httpx, httpcore,
 # anyio, h11, idna, certifi, requests, urllib3, charset-normalizer, jinja2, markupsafe, packaging, psutil, pygments,
-# python-dateutil, pyyaml, six, attrs, typing-extensions: stack.sh's wheels need them and leave them to the image,
-# and the device tool's package list of the image names them all). The add-on shadows none of the image's packages.
+# python-dateutil, pyyaml, six, attrs, typing-extensions, tabulate, click, zipp: stack.sh's wheels need them and
+# leave them to the image, and the device tool's package list of the image names them all).
 # The wheels are installed with `pip install --target` and site/bin/ruff is kept: `python -m ruff` looks for
 # its binary in <target>/bin beside the package (ruff/_find_ruff.py). JupyterLab's data files land in
 # site/share/jupyter/lab (JUPYTERLAB_DIR=/root/site/share/jupyter/lab on the device: see README.md).
@@ -37,7 +42,14 @@ notebook-shim==0.2.4 jupyter-builder==1.3.0 jupyter-events==0.12.1 jupyter-serve
 argon2-cffi==25.1.0 argon2-cffi-bindings==26.2.0 async-lru==2.4.0 babel==2.19.0 json5==0.17.3 overrides==7.7.0
 send2trash==2.2.0 websocket-client==1.9.2 arrow==1.4.0 tzdata==2026.6 fqdn==1.6.0 isoduration==20.11.0
 jsonpointer==3.12 rfc3339-validator==0.1.4 rfc3986-validator==0.1.1 rfc3987-syntax==1.1.0 uri-template==1.3.0
-webcolors==25.10.0"
+webcolors==25.10.0
+sphinx==9.0.4 myst-nb==1.4.0 furo==2025.12.19 myst-parser==5.2.0 jupyter-cache==1.0.1 sqlalchemy==2.1.9
+docutils==0.22.4 alabaster==1.0.0 imagesize==2.0.1 snowballstemmer==3.1.1 roman-numerals==4.1.0
+sphinxcontrib-applehelp==2.0.0 sphinxcontrib-devhelp==2.0.0 sphinxcontrib-htmlhelp==2.1.0 sphinxcontrib-jsmath==2.0.0
+sphinxcontrib-qthelp==2.0.0 sphinxcontrib-serializinghtml==2.0.0 sphinx-basic-ng==1.0.0b2 accessible-pygments==0.0.5
+importlib-metadata==10.2.0 lazy-importer==0.1.0
+aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4
+yarl==1.25.1"
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps $PLAT -d wh $PKGS > download.log 2>&1 || { grep -v "is ignored" download.log; exit 1; }
 rm -rf site
