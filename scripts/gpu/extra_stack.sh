@@ -6,7 +6,7 @@
 # - Sphinx 9.0.4, myst-nb 1.4.0 and furo (what `make site` builds with). Without them tests/test_site.py errors there.
 # - aiohttp 3.14.5 with its own dependencies at the versions it was tested with here. pyproject.toml asks for
 #   aiohttp>=3.14.4 (the first to close a connection that never sends a request head); the device image's is older,
-#   and tests/test_proxy_hardening.py's stalled-socket test fails on it. These six are the one place the add-on
+#   and tests/test_proxy_hardening.py's stalled-socket test fails on it. These seven are the one place the add-on
 #   shadows packages of the image, on purpose.
 # Usage (from the project root, on your own machine; needs PyPI; ~1 min):
 #   bash scripts/gpu/extra_stack.sh        # -> .gpu/extra.tar.xz .gpu/extra.sha256
